@@ -1,1 +1,27 @@
+"""Config loading: YAML (+ `defaults:` inheritance) + dotted overrides -> validated MegaRLConfig."""
 
+from __future__ import annotations
+
+from pathlib import Path
+
+from megarl.config.knobs import knob
+from megarl.config.loader import ConfigError, apply_overrides, build, describe, load_yaml_tree, to_dict
+
+__all__ = ["ConfigError", "knob", "load_config", "describe", "to_dict"]
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None):
+    """Load, override, type-check and cross-check a job config. Raises ConfigError listing every
+    problem (each naming its key) before anything is started."""
+    from megarl.config.schema import MegaRLConfig
+    from megarl.config.validate import check
+
+    tree = load_yaml_tree(path) if path else {}
+    tree = apply_overrides(tree, overrides or [])
+    cfg, problems = build(MegaRLConfig, tree)
+    if problems:
+        raise ConfigError(problems, str(path or ""))
+    problems = check(cfg)
+    if problems:
+        raise ConfigError(problems, str(path or ""))
+    return cfg

