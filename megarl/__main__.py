@@ -1,0 +1,5 @@
+import sys
+
+from megarl.cli import main
+
+sys.exit(main())
