@@ -1,0 +1,60 @@
+"""Shared test fixtures: tiny random checkpoints, the converted SmolLM2, and GPU-test skipping."""
+
+from __future__ import annotations
+
+import os
+
+# Nothing in the tests may reach a hub: set before transformers/vLLM are imported by any test.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+CUDA_AVAILABLE = torch.cuda.is_available()
+
+# For tests that are not marked `gpu` but have a CUDA-only branch.
+skip_if_no_cuda = pytest.mark.skipif(not CUDA_AVAILABLE, reason="needs a CUDA device")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `gpu` skip (with a reason) on machines without CUDA, even under `-m gpu`."""
+    if CUDA_AVAILABLE:
+        return
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(pytest.mark.skip(reason="marked gpu: no CUDA device on this machine"))
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory):
+    """Random 2-layer Llama (hidden 128, 4 heads / 2 KV heads, head_dim 32), untied, fp32."""
+    from megarl.models.tiny import make_tiny_hf_checkpoint
+
+    return make_tiny_hf_checkpoint(tmp_path_factory.mktemp("tiny_llama"), "llama", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_tied_dir(tmp_path_factory):
+    """Like tiny_llama_dir but with tied input/output embeddings (as SmolLM2 has)."""
+    from megarl.models.tiny import make_tiny_hf_checkpoint
+
+    return make_tiny_hf_checkpoint(
+        tmp_path_factory.mktemp("tiny_llama_tied"), "llama", tie_word_embeddings=True, seed=1
+    )
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_dir(tmp_path_factory):
+    """Random 2-layer Qwen2 with non-zero q/k/v biases, untied, fp32."""
+    from megarl.models.tiny import make_tiny_hf_checkpoint
+
+    return make_tiny_hf_checkpoint(tmp_path_factory.mktemp("tiny_qwen2"), "qwen2", seed=2)
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir():
+    """SmolLM2-135M-Instruct as an HF folder (bf16), converted once and cached under data_dir()."""
+    from megarl.models.smollm2 import ensure_smollm2_hf
+
+    return ensure_smollm2_hf()
