@@ -1,0 +1,169 @@
+"""Config system: inheritance, overrides, strict keys/types, cross-section checks, fast failure."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from megarl.config import ConfigError, load_config
+from megarl.config.loader import apply_overrides, load_yaml_tree
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def write(path: Path, text: str) -> Path:
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+@pytest.fixture()
+def model_dir(tmp_path: Path) -> Path:
+    """Only config.json matters for validation: 4 heads, 2 KV heads, 4 layers."""
+    d = tmp_path / "model"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({
+        "model_type": "llama", "num_hidden_layers": 4, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "hidden_size": 128, "vocab_size": 49152}))
+    return d
+
+
+def problems_of(path, overrides=()) -> list[str]:
+    with pytest.raises(ConfigError) as info:
+        load_config(path, list(overrides))
+    return info.value.problems
+
+
+def test_defaults_inheritance_and_overrides(tmp_path, model_dir):
+    write(tmp_path / "base.yaml", f"""
+        model: {{path: {model_dir}}}
+        trainer: {{tp: 2, lr: 1.0e-5}}
+        controller: {{steps: 7}}
+    """)
+    child = write(tmp_path / "child.yaml", """
+        defaults: base.yaml
+        trainer: {lr: 3.0e-6}
+        name: child
+    """)
+    cfg = load_config(child, ["controller.steps=9", "generator.stop=[a, b]"])
+    assert cfg.trainer.tp == 2            # inherited
+    assert cfg.trainer.lr == 3.0e-6       # child wins
+    assert cfg.controller.steps == 9      # override wins
+    assert cfg.generator.stop == ["a", "b"]
+    assert cfg.name == "child"
+
+
+def test_unknown_key_names_key_and_suggests(tmp_path, model_dir):
+    cfg = write(tmp_path / "c.yaml", f"model: {{path: {model_dir}}}\ntrainer: {{tpp: 2}}\n")
+    (msg,) = problems_of(cfg)
+    assert msg.startswith("trainer.tpp: unknown key") and "did you mean 'trainer.tp'" in msg
+
+
+def test_unknown_section(tmp_path, model_dir):
+    cfg = write(tmp_path / "c.yaml", f"model: {{path: {model_dir}}}\ntrainr: {{tp: 2}}\n")
+    (msg,) = problems_of(cfg)
+    assert "trainr: unknown key" in msg and "did you mean 'trainer'" in msg
+
+
+def test_wrong_type_names_key(tmp_path, model_dir):
+    cfg = write(tmp_path / "c.yaml", f"model: {{path: {model_dir}}}\n")
+    (msg,) = problems_of(cfg, ["trainer.tp=two"])
+    assert msg.startswith("trainer.tp:") and "'two'" in msg
+    (msg,) = problems_of(cfg, ["cluster.device=tpu"])
+    assert msg.startswith("cluster.device:") and "cpu" in msg
+
+
+def test_tp_must_divide_heads(tmp_path, model_dir):
+    cfg = write(tmp_path / "c.yaml", f"model: {{path: {model_dir}}}\n")
+    (msg,) = problems_of(cfg, ["trainer.tp=3"])
+    assert msg.startswith("trainer.tp=3") and "num_attention_heads=4" in msg
+    (msg,) = problems_of(cfg, ["trainer.tp=4"])  # divides heads (4) but not query groups (2)
+    assert msg.startswith("trainer.tp=4") and "num_key_value_heads=2" in msg
+    (msg,) = problems_of(cfg, ["trainer.pp=3"])
+    assert msg.startswith("trainer.pp=3") and "num_hidden_layers=4" in msg
+    (msg,) = problems_of(cfg, ["generator.tp=3"])
+    assert msg.startswith("generator.tp=3")
+    assert load_config(cfg, ["trainer.tp=2", "trainer.pp=2", "generator.tp=4"]).trainer.pp == 2
+
+
+def test_world_size_must_match_executors(tmp_path, model_dir):
+    cfg = write(tmp_path / "c.yaml", f"model: {{path: {model_dir}}}\n")
+    (msg,) = problems_of(cfg, ["trainer.tp=2", "generator.replicas=2", "cluster.world_size=3"])
+    assert msg.startswith("cluster.world_size=3") and "= 4 ranks" in msg
+    assert load_config(cfg, ["trainer.tp=2", "generator.replicas=2", "cluster.world_size=4"])
+
+
+def test_missing_paths(tmp_path):
+    cfg = write(tmp_path / "c.yaml", f"model: {{path: {tmp_path / 'nope'}}}\ndata: {{train_path: {tmp_path / 'x.jsonl'}}}\n")
+    msgs = problems_of(cfg)
+    assert any(m.startswith("model.path=") and "no such folder" in m for m in msgs)
+    assert any(m.startswith("data.train_path=") for m in msgs)
+
+
+def test_missing_config_file_and_bad_override(tmp_path):
+    (msg,) = problems_of(tmp_path / "absent.yaml")
+    assert "does not exist" in msg
+    with pytest.raises(ConfigError, match="section.key=value"):
+        apply_overrides({}, ["trainer.tp"])
+
+
+def test_defaults_cycle_is_reported(tmp_path):
+    write(tmp_path / "a.yaml", "defaults: b.yaml\n")
+    write(tmp_path / "b.yaml", "defaults: a.yaml\n")
+    with pytest.raises(ConfigError, match="cycle"):
+        load_yaml_tree(tmp_path / "a.yaml")
+
+
+@pytest.mark.parametrize("config", sorted(p.name for p in (REPO / "configs").glob("*.yaml")))
+def test_shipped_configs_validate(config):
+    """Every config we ship must load (the built-in model needs no download to validate)."""
+    load_config(REPO / "configs" / config)
+
+
+def test_every_knob_is_documented():
+    from megarl.config import describe
+    from megarl.config.schema import MegaRLConfig
+
+    undocumented = [key for key, _, text in describe(MegaRLConfig) if len(text.strip()) < 10]
+    assert undocumented == []
+
+
+def _megarl(*args: str, timeout: float = 30) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "megarl", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=REPO)
+
+
+def test_cli_help():
+    out = _megarl("--help")
+    assert out.returncode == 0 and "train" in out.stdout and "convert" in out.stdout
+    out = _megarl("train", "--help")
+    assert out.returncode == 0 and "overrides" in out.stdout
+
+
+@pytest.mark.parametrize("override,key", [
+    ("trainer.tpp=2", "trainer.tpp"),
+    ("trainer.tp=3", "trainer.tp=3"),
+    ("model.path=/nonexistent/model", "model.path="),
+])
+def test_cli_bad_config_fails_fast_naming_key(tmp_path, model_dir, override, key):
+    cfg = write(tmp_path / "c.yaml", f"model: {{path: {model_dir}}}\n")
+    start = time.monotonic()
+    out = _megarl("train", str(cfg), override)
+    elapsed = time.monotonic() - start
+    assert out.returncode == 2, out.stderr
+    assert key in out.stderr
+    assert elapsed < 5.0, f"validation took {elapsed:.1f}s"
+
+
+def test_validation_does_not_import_engines(tmp_path, model_dir):
+    """Config validation must stay light: no megatron or vllm import before the job starts."""
+    cfg = write(tmp_path / "c.yaml", f"model: {{path: {model_dir}}}\n")
+    code = (f"import sys; from megarl.config import load_config; load_config({str(cfg)!r}); "
+            "heavy = [m for m in ('megatron', 'vllm') if m in sys.modules]; print(heavy); assert not heavy")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
