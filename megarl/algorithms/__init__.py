@@ -1,1 +1,19 @@
+"""RL algorithms: off-policy policy losses, advantage estimators and the health metrics of async RL.
 
+Pure torch functions over per-token ``[batch, seq]`` tensors; see docs/algorithms.md.
+"""
+
+from megarl.algorithms.registry import (get_advantage, get_loss, known_advantages, known_losses,
+                                        register_advantage, register_loss)
+from megarl.algorithms.losses import LossInputs, LossTerms, a3po_alpha
+from megarl.algorithms.advantages import compute_advantages, expand_to_tokens, group_stats
+from megarl.algorithms.policy_loss import aggregate, centered_score_logprobs, kl_penalty, loss_knobs, policy_loss
+from megarl.algorithms.metrics import importance_metrics, staleness_metrics, to_floats
+from megarl.algorithms.config import AlgorithmConfig, advantage_params, loss_params
+
+__all__ = [
+    "AlgorithmConfig", "LossInputs", "LossTerms", "a3po_alpha", "advantage_params", "aggregate",
+    "centered_score_logprobs", "compute_advantages", "expand_to_tokens", "get_advantage", "get_loss",
+    "group_stats", "importance_metrics", "kl_penalty", "known_advantages", "known_losses", "loss_knobs",
+    "loss_params", "policy_loss", "register_advantage", "register_loss", "staleness_metrics", "to_floats",
+]

@@ -1,0 +1,91 @@
+"""Knobs of the RL algorithm: which loss and advantage estimator, and their parameters.
+
+The lead composes :class:`AlgorithmConfig` into the top-level config; the trainer calls
+``policy_loss(cfg.loss, ..., **loss_params(cfg))`` and
+``compute_advantages(cfg.advantage, rewards, group_ids=..., **advantage_params(cfg))``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Dict, Optional
+
+from megarl.algorithms.advantages import advantage_knobs
+from megarl.algorithms.policy_loss import AGGREGATIONS, KL_ESTIMATORS, TIS_MODES, loss_knobs
+from megarl.config.knobs import knob
+
+LOSS_NAMES = ("aipo", "ppo", "grpo", "decoupled_ppo", "a3po", "vaco")
+ADVANTAGE_NAMES = ("grpo", "dr_grpo", "rloo")
+
+# Options of policy_loss that apply to every loss (the rest of loss_params is per loss).
+_COMMON_LOSS_OPTIONS = ("aggregation", "tis", "tis_cap", "score_centering", "kl_coef", "kl_estimator",
+                        "entropy_coef")
+
+
+@dataclasses.dataclass
+class AlgorithmConfig:
+    loss: str = knob("aipo", help="policy loss (see docs/algorithms.md); aipo is LlamaRL's truncated-IS "
+                     "REINFORCE, the default for async training", choices=LOSS_NAMES)
+    rho: float = knob(4.0, help="aipo: cap on the importance weight pi/mu (dimensionless, > 0; LlamaRL uses 2..10); "
+                      "default 4")
+    eps_low: float = knob(0.2, help="ppo/grpo/decoupled_ppo/a3po: lower clip, ratio floor 1 - eps_low "
+                          "(dimensionless, in [0, 1)); default 0.2")
+    eps_high: float = knob(0.2, help="ppo/grpo/decoupled_ppo/a3po: upper clip, ratio ceiling 1 + eps_high "
+                           "(dimensionless, >= 0; DAPO's clip-higher uses 0.28); default 0.2")
+    dual_clip_c: Optional[float] = knob(None, help="ppo-family dual clip: caps the loss of negative-advantage "
+                                        "tokens at -A*c (dimensionless, > 1, e.g. 3); default None = off")
+    behav_weight_cap: Optional[float] = knob(None, help="decoupled_ppo/a3po: truncate the behaviour weight "
+                                             "prox/mu at this value (dimensionless, > 0); default None = untruncated")
+    tv_delta: float = knob(0.2, help="vaco: total-variation budget delta; filtering starts when the batch TV "
+                           "estimate exceeds delta/2 (dimensionless, > 0); default 0.2")
+    tis: str = knob("none", help="truncated importance sampling for train/inference mismatch: 'token' or "
+                    "'sequence' level weight min(prox/mu, tis_cap); needs the trainer-recomputed prox "
+                    "logprobs; default 'none'", choices=TIS_MODES)
+    tis_cap: float = knob(2.0, help="TIS truncation cap (dimensionless, > 0); default 2")
+    score_centering: bool = knob(False, help="center the score grad log pi(y) by its expectation under the "
+                                 "sampler (exact with full-vocab logprobs, token approximation otherwise); "
+                                 "default False")
+    kl_coef: float = knob(0.0, help="weight of the KL(pi || ref) penalty added to the loss (dimensionless, "
+                          ">= 0; needs reference logprobs); default 0 = off")
+    kl_estimator: str = knob("k3", help="per-token KL estimator: k1 (log ratio), k2 (half squared log ratio) or "
+                             "k3 (ratio - 1 - log ratio, non-negative); default k3", choices=KL_ESTIMATORS)
+    entropy_coef: float = knob(0.0, help="weight of the entropy bonus subtracted from the loss (dimensionless, "
+                               ">= 0; needs per-token entropy); default 0 = off")
+    aggregation: str = knob("token-mean", help="how per-token losses reduce to a scalar: token-mean, "
+                            "seq-mean-token-sum (Dr.GRPO-style) or seq-mean-token-mean; default token-mean",
+                            choices=AGGREGATIONS)
+    advantage: str = knob("grpo", help="advantage estimator over the samples of one prompt: grpo (mean/std), "
+                          "dr_grpo (mean only) or rloo (leave-one-out mean); default grpo",
+                          choices=ADVANTAGE_NAMES)
+    normalize_std: bool = knob(True, help="grpo: divide the group-centered reward by the group std; "
+                               "default True (False gives Dr.GRPO)")
+    adv_eps: float = knob(1e-6, help="grpo: added to the group std before dividing (reward units); default 1e-6")
+
+    def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            choices = field.metadata.get("choices")
+            value = getattr(self, field.name)
+            if choices and value not in choices:
+                raise ValueError(f"algorithm.{field.name}={value!r} is not one of {', '.join(map(str, choices))}")
+        checks = [("rho", self.rho > 0), ("eps_low", 0 <= self.eps_low < 1), ("eps_high", self.eps_high >= 0),
+                  ("dual_clip_c", self.dual_clip_c is None or self.dual_clip_c > 1),
+                  ("behav_weight_cap", self.behav_weight_cap is None or self.behav_weight_cap > 0),
+                  ("tv_delta", self.tv_delta > 0), ("tis_cap", self.tis_cap > 0), ("kl_coef", self.kl_coef >= 0),
+                  ("entropy_coef", self.entropy_coef >= 0), ("adv_eps", self.adv_eps >= 0)]
+        for name, ok in checks:
+            if not ok:
+                help_text = next(f.metadata["help"] for f in dataclasses.fields(self) if f.name == name)
+                raise ValueError(f"algorithm.{name}={getattr(self, name)!r} is out of range: {help_text}")
+
+
+def loss_params(cfg: AlgorithmConfig) -> Dict[str, Any]:
+    """Keyword arguments for ``policy_loss(cfg.loss, ...)``: the common options plus the loss's own knobs."""
+    params = {name: getattr(cfg, name) for name in _COMMON_LOSS_OPTIONS}
+    params.update({name: getattr(cfg, name) for name in loss_knobs(cfg.loss)})
+    return params
+
+
+def advantage_params(cfg: AlgorithmConfig) -> Dict[str, Any]:
+    """Keyword arguments for ``compute_advantages(cfg.advantage, ...)`` (besides the grouping)."""
+    rename = {"eps": "adv_eps"}
+    return {name: getattr(cfg, rename.get(name, name)) for name in advantage_knobs(cfg.advantage)}

@@ -1,0 +1,191 @@
+"""Per-token policy losses, registered by name.
+
+Each loss is a small pure function ``fn(inp: LossInputs, *, <its knobs>) -> LossTerms``: it turns
+per-token tensors ``[batch, seq]`` into a per-token loss whose gradient is the estimator the loss
+names, plus a bool map of the tokens whose weight it clipped / truncated / filtered. Aggregation,
+the options shared by all losses (TIS, score centering, KL, entropy) and the health metrics live
+in :mod:`megarl.algorithms.policy_loss`; the formulas are written out in ``docs/algorithms.md``.
+
+Conventions: ``inp.logprobs`` is log pi (carries the gradient), every other tensor is detached;
+masked positions hold zeros, so no loss needs to mask again. ``inp.anchor_logprobs`` is what a
+single-ratio loss compares pi against: the sampler's log mu, or under TIS the trainer's own
+recomputation of it (the inference mismatch then lives in the TIS factor).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, Optional, Tuple
+
+import torch
+
+from megarl.algorithms.metrics import fraction, masked_mean, masked_max
+from megarl.algorithms.registry import register_loss
+
+Tensor = torch.Tensor
+
+
+@dataclasses.dataclass
+class LossInputs:
+    """Per-token inputs of a loss, all ``[batch, seq]``, float32 unless noted, zero where masked."""
+
+    logprobs: Tensor                # log pi of the sampled tokens under the policy being trained (grad)
+    behav_logprobs: Tensor          # log mu: the sampler's logprobs of the same tokens
+    advantages: Tensor              # A, broadcast to tokens
+    mask: Tensor                    # bool, True on completion tokens
+    anchor_logprobs: Tensor         # log mu, or the trainer-side prox logprobs under TIS
+    prox_logprobs: Optional[Tensor] = None   # log pi_prox (decoupled PPO), detached
+    staleness: Optional[Tensor] = None       # long: current_version - version of the token (a3po)
+
+
+@dataclasses.dataclass
+class LossTerms:
+    """What a loss returns before aggregation."""
+
+    per_token: Tensor               # [batch, seq] loss per token (zero where masked)
+    clipped: Tensor                 # [batch, seq] bool: this token's weight was clipped/truncated/filtered
+    metrics: Dict[str, Tensor] = dataclasses.field(default_factory=dict)   # loss-specific, 0-d tensors
+
+
+def _check_positive(name: str, value: float, loss: str, *, above: float = 0.0) -> None:
+    if value is None or not float(value) > above:
+        raise ValueError(f"loss {loss!r}: {name} must be > {above}, got {value!r}")
+
+
+def _ppo_clip(log_ratio: Tensor, adv: Tensor, mask: Tensor, eps_low: float, eps_high: float,
+              dual_clip_c: Optional[float], loss: str) -> Tuple[Tensor, Tensor, Dict[str, Tensor]]:
+    """PPO clipped surrogate per token: max(-A r, -A clip(r, 1-eps_low, 1+eps_high)) (+ dual clip).
+
+    Written with an explicit "clipped" map instead of max(): a token is clipped when the clipped
+    branch is strictly larger (A > 0 and r > 1+eps_high, or A < 0 and r < 1-eps_low); there the
+    value is the constant -A*clip(r) and the gradient is zero. A ratio exactly at the boundary is
+    not clipped and keeps the full gradient -A r grad(log pi). Dual clip (Ye et al. 2020): for
+    A < 0 the loss is also capped at -A*c (c > 1), which zeroes the gradient where r > c.
+    """
+    if eps_low is None or eps_high is None or not (0.0 <= eps_low < 1.0) or not eps_high >= 0.0:
+        raise ValueError(f"loss {loss!r}: need 0 <= eps_low < 1 and eps_high >= 0, got eps_low={eps_low!r}, "
+                         f"eps_high={eps_high!r}")
+    ratio = log_ratio.exp()
+    r = ratio.detach()
+    low, high = 1.0 - float(eps_low), 1.0 + float(eps_high)
+    clipped = ((adv > 0) & (r > high)) | ((adv < 0) & (r < low))
+    per_token = torch.where(clipped, -adv * r.clamp(low, high), -adv * ratio)
+    metrics: Dict[str, Tensor] = {}
+    if dual_clip_c is not None:
+        _check_positive("dual_clip_c", dual_clip_c, loss, above=1.0)
+        dual = (adv < 0) & (r > float(dual_clip_c)) & mask
+        per_token = torch.where(dual, -adv * float(dual_clip_c), per_token)
+        clipped = clipped | dual
+        metrics["dual_clip_frac"] = fraction(dual, mask)
+    return per_token, clipped & mask, metrics
+
+
+@register_loss("aipo")
+def aipo_loss(inp: LossInputs, *, rho: float = 4.0) -> LossTerms:
+    """AIPO (LlamaRL): -sg(min(pi/mu, rho)) * A * log pi.
+
+    Tokens above the cap keep the truncated weight rho (they still learn); a ratio exactly at rho
+    is not counted as clipped.
+    """
+    _check_positive("rho", rho, "aipo")
+    ratio = (inp.logprobs.detach() - inp.anchor_logprobs).exp()
+    weight = ratio.clamp(max=float(rho))
+    per_token = -weight * inp.advantages * inp.logprobs
+    clipped = (ratio > float(rho)) & inp.mask
+    return LossTerms(per_token, clipped, {"aipo/weight_mean": masked_mean(weight, inp.mask)})
+
+
+def _ppo(inp: LossInputs, eps_low: float, eps_high: float, dual_clip_c: Optional[float], name: str) -> LossTerms:
+    per_token, clipped, metrics = _ppo_clip(inp.logprobs - inp.anchor_logprobs, inp.advantages, inp.mask,
+                                            eps_low, eps_high, dual_clip_c, name)
+    return LossTerms(per_token, clipped, {f"ppo/{k}": v for k, v in metrics.items()})
+
+
+@register_loss("ppo")
+def ppo_loss(inp: LossInputs, *, eps_low: float = 0.2, eps_high: float = 0.2,
+             dual_clip_c: Optional[float] = None) -> LossTerms:
+    """PPO clipped surrogate with r = pi/mu and asymmetric clip [1-eps_low, 1+eps_high]."""
+    return _ppo(inp, eps_low, eps_high, dual_clip_c, "ppo")
+
+
+@register_loss("grpo")
+def grpo_loss(inp: LossInputs, *, eps_low: float = 0.2, eps_high: float = 0.2,
+              dual_clip_c: Optional[float] = None) -> LossTerms:
+    """GRPO's policy loss: the PPO clipped surrogate (the group-normalised advantage is upstream)."""
+    return _ppo(inp, eps_low, eps_high, dual_clip_c, "grpo")
+
+
+def _decoupled(inp: LossInputs, log_prox: Tensor, eps_low: float, eps_high: float,
+               dual_clip_c: Optional[float], behav_weight_cap: Optional[float], name: str) -> LossTerms:
+    """sg(prox/mu) * PPO-clip(pi/prox): trust region around prox, off-policy correction prox/mu."""
+    behav_weight = torch.where(inp.mask, (log_prox - inp.behav_logprobs).exp(), 0.0)
+    metrics: Dict[str, Tensor] = {}
+    if behav_weight_cap is not None:
+        _check_positive("behav_weight_cap", behav_weight_cap, name)
+        metrics[f"{name}/behav_weight_trunc_frac"] = fraction(behav_weight > float(behav_weight_cap), inp.mask)
+        behav_weight = behav_weight.clamp(max=float(behav_weight_cap))
+    per_token, clipped, ppo_metrics = _ppo_clip(inp.logprobs - log_prox, inp.advantages, inp.mask,
+                                                eps_low, eps_high, dual_clip_c, name)
+    metrics.update({f"{name}/{k}": v for k, v in ppo_metrics.items()})
+    metrics[f"{name}/behav_weight_mean"] = masked_mean(behav_weight, inp.mask)
+    metrics[f"{name}/behav_weight_max"] = masked_max(behav_weight, inp.mask)
+    return LossTerms(behav_weight * per_token, clipped, metrics)
+
+
+@register_loss("decoupled_ppo")
+def decoupled_ppo_loss(inp: LossInputs, *, eps_low: float = 0.2, eps_high: float = 0.2,
+                       dual_clip_c: Optional[float] = None,
+                       behav_weight_cap: Optional[float] = None) -> LossTerms:
+    """Decoupled PPO (Hilton et al. 2022; AReaL): sg(prox/mu) * PPO-clip(pi/prox), prox supplied."""
+    if inp.prox_logprobs is None:
+        raise ValueError("loss 'decoupled_ppo' needs prox_logprobs (the proximal policy's logprobs of the sampled "
+                         "tokens, e.g. recomputed by the trainer before this update); or use loss 'a3po', which "
+                         "approximates them from the token versions")
+    return _decoupled(inp, inp.prox_logprobs, eps_low, eps_high, dual_clip_c, behav_weight_cap, "decoupled_ppo")
+
+
+decoupled_ppo_loss.owns_behaviour_correction = True  # type: ignore[attr-defined]
+
+
+def a3po_alpha(staleness: Tensor) -> Tensor:
+    """alpha = (v_prox - v_behav) / (v_theta - v_behav) with v_prox = v_theta - 1, i.e. 1 - 1/d; 0 when fresh."""
+    d = staleness.double()
+    return torch.where(d > 0, (d - 1.0) / d.clamp(min=1.0), torch.zeros_like(d)).float()
+
+
+@register_loss("a3po")
+def a3po_loss(inp: LossInputs, *, eps_low: float = 0.2, eps_high: float = 0.2,
+              dual_clip_c: Optional[float] = None, behav_weight_cap: Optional[float] = None) -> LossTerms:
+    """A-3PO: decoupled PPO with log prox = log mu + alpha (sg(log pi) - log mu), alpha from staleness."""
+    if inp.prox_logprobs is not None:
+        raise ValueError("loss 'a3po' approximates the proximal logprobs itself; drop prox_logprobs, or use loss "
+                         "'decoupled_ppo' to train with the supplied ones")
+    if inp.staleness is None:
+        raise ValueError("loss 'a3po' needs versions (per-token policy versions) and current_version")
+    alpha = a3po_alpha(inp.staleness)
+    log_prox = inp.behav_logprobs + alpha * (inp.logprobs.detach() - inp.behav_logprobs)
+    terms = _decoupled(inp, log_prox, eps_low, eps_high, dual_clip_c, behav_weight_cap, "a3po")
+    terms.metrics["a3po/alpha_mean"] = masked_mean(alpha, inp.mask)
+    return terms
+
+
+a3po_loss.owns_behaviour_correction = True  # type: ignore[attr-defined]
+
+
+@register_loss("vaco")
+def vaco_loss(inp: LossInputs, *, tv_delta: float = 0.2) -> LossTerms:
+    """VACO total-variation filtering (Align and Filter): the IS surrogate -A * pi/mu, filtered.
+
+    TV = 0.5 * E_tokens |pi/mu - 1|. When TV > tv_delta / 2, the tokens whose gradient step would
+    increase it (A * sign(pi - mu) > 0) are dropped (zero loss, still counted in the mean);
+    otherwise every token is kept.
+    """
+    _check_positive("tv_delta", tv_delta, "vaco")
+    ratio = (inp.logprobs - inp.anchor_logprobs).exp()
+    r = ratio.detach()
+    tv = 0.5 * masked_mean((r - 1.0).abs(), inp.mask)
+    active = tv > 0.5 * float(tv_delta)
+    drop = active & (inp.advantages * (r - 1.0) > 0) & inp.mask
+    per_token = torch.where(drop, torch.zeros_like(ratio), -inp.advantages * ratio)
+    return LossTerms(per_token, drop, {"vaco/tv": tv, "vaco/filter_active": active.float(),
+                                       "vaco/filter_frac": fraction(drop, inp.mask)})
