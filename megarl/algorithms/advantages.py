@@ -53,7 +53,9 @@ def grpo_advantage(rewards: Tensor, *, group_ids: Optional[Tensor] = None, group
     count, mean, std = group_stats(rewards, group_ids, group_size)
     adv = rewards.detach().double() - mean
     if normalize_std:
-        adv = adv / (std + float(eps))
+        scale = std + float(eps)
+        # a group of equal rewards has std 0 and centered rewards 0: its advantage is 0, not 0/0
+        adv = torch.where(scale > 0, adv / scale.clamp(min=torch.finfo(scale.dtype).tiny), torch.zeros_like(adv))
     return torch.where(count > 1, adv, torch.zeros_like(adv)).to(rewards.dtype if rewards.is_floating_point()
                                                                  else torch.float32)
 

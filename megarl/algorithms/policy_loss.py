@@ -101,7 +101,9 @@ def centered_score_logprobs(logprobs: Tensor, behav_logprobs: Tensor, mask: Tens
             raise ValueError(f"full-vocab logprobs must be [batch, seq, vocab] matching logprobs {tuple(logprobs.shape)}; "
                              f"got full_logprobs {tuple(full_logprobs.shape)}, behav_full_logprobs "
                              f"{tuple(behav_full_logprobs.shape)}")
-        expected = (behav_full_logprobs.detach().float().exp() * full_logprobs.float()).sum(-1)
+        dtype = torch.promote_types(full_logprobs.dtype, logprobs.dtype)
+        sampler_probs = torch.nan_to_num(behav_full_logprobs.detach().to(dtype).exp())
+        expected = (sampler_probs * full_logprobs.to(dtype)).sum(-1)
         expected = torch.where(mask, expected, torch.zeros_like(expected))
         return logprobs - (expected - expected.detach()), {}
     factor = -torch.expm1(behav_logprobs) / (-torch.expm1(detached)).clamp(min=1e-6)
