@@ -1,0 +1,110 @@
+"""Knobs of the trainer executor: parallelism, batch, optimizer, LR schedule, checkpoints.
+
+The lead composes :class:`TrainerConfig` into the top-level config (``trainer:`` section).
+Cross-section checks (ranks vs world size, TP vs the model's heads) live in
+``megarl.config.validate``; :meth:`TrainerConfig.problems` covers what this section alone decides.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+from megarl.config.knobs import knob
+
+LR_DECAY_STYLES = ("constant", "linear", "cosine")
+PARAMS_DTYPES = ("float32", "bfloat16")
+
+
+@dataclasses.dataclass
+class TrainerConfig:
+    # --- parallelism (ranks of the trainer executor = tp * pp * dp) ---
+    tp: int = knob(1, help="Tensor-parallel size (ranks); must divide the model's attention and KV "
+                   "heads. Default 1.")
+    pp: int = knob(1, help="Pipeline-parallel size (ranks); must divide the model's layer count. "
+                   "Default 1.")
+    dp: int = knob(1, help="Data-parallel replicas of the tp x pp model (ranks = tp*pp*dp). Default 1.")
+
+    # --- batch ---
+    micro_batch_size: int = knob(4, help="Sequences per forward/backward micro-batch on one DP "
+                                 "replica (sequences). Default 4.")
+    global_batch_size: int = knob(0, help="Sequences per optimizer step over all DP replicas "
+                                  "(sequences); 0 = the whole rollout batch of the step "
+                                  "(controller.prompts_per_step * generator.n_samples). Must be a "
+                                  "multiple of micro_batch_size * dp. Default 0.")
+
+    # --- optimizer (AdamW) ---
+    lr: float = knob(1.0e-6, help="Peak learning rate (per step, AdamW). Default 1e-6.")
+    min_lr: float = knob(0.0, help="Floor of the decayed learning rate (linear/cosine). Default 0.")
+    lr_warmup_steps: int = knob(0, help="Linear warmup from 0 to lr over this many optimizer steps "
+                                "(steps). Default 0.")
+    lr_decay_steps: int = knob(0, help="Steps over which lr decays to min_lr after warmup (steps); "
+                               "0 = controller.steps. Default 0.")
+    lr_decay_style: str = knob("constant", choices=LR_DECAY_STYLES,
+                               help="LR schedule after warmup: constant, linear or cosine. Default "
+                               "constant.")
+    weight_decay: float = knob(0.0, help="Decoupled (AdamW) weight decay; not applied to norms and "
+                               "biases (dimensionless). Default 0.")
+    adam_beta1: float = knob(0.9, help="AdamW first-moment decay (dimensionless). Default 0.9.")
+    adam_beta2: float = knob(0.999, help="AdamW second-moment decay (dimensionless). Default 0.999.")
+    adam_eps: float = knob(1.0e-8, help="AdamW denominator epsilon (dimensionless). Default 1e-8.")
+    grad_clip: float = knob(1.0, help="Clip the global gradient L2 norm to this value; 0 = off. "
+                            "Default 1.0.")
+    use_distributed_optimizer: bool = knob(True, help="Shard optimizer state and fp32 master "
+                                           "weights across DP ranks (megatron "
+                                           "DistributedOptimizer, ZeRO-1). Default true.")
+    params_dtype: str = knob("float32", choices=PARAMS_DTYPES,
+                             help="Model weight dtype; bfloat16 keeps fp32 master weights in the "
+                             "optimizer. Default float32 (CPU); use bfloat16 on GPUs.")
+    seed: int = knob(1234, help="Trainer seed: weight init where random, dropout RNG trackers. "
+                     "Default 1234.")
+
+    # --- logprobs ---
+    logprob_temperature: float = knob(1.0, help="Temperature the trainer divides logits by before "
+                                      "log-softmax; must match the generator's logprob convention "
+                                      "(vLLM raw_logprobs are untempered: 1.0). Default 1.0.")
+
+    # --- checkpoints ---
+    checkpoint_dir: str = knob("", help="Folder for trainer checkpoints ('' = <run dir>/checkpoints)."
+                               " Default ''.")
+    checkpoint_interval: int = knob(0, help="Save every N optimizer steps (steps); 0 = only at the "
+                                    "end of the run. Default 0.")
+    checkpoint_keep_last: int = knob(2, help="Checkpoints kept on disk; older ones are deleted after "
+                                     "a save succeeds (count, >= 1). Default 2.")
+    resume_from: Optional[str] = knob(None, help="Checkpoint to resume from: a step folder, a "
+                                      "checkpoint_dir (its 'latest'), 'auto' (checkpoint_dir's "
+                                      "latest if any) or null = start fresh. Default null.")
+
+    def problems(self) -> list[str]:
+        """Problems this section alone can see, each naming the key and what to change."""
+        out = []
+        for key in ("tp", "pp", "dp", "micro_batch_size", "checkpoint_keep_last"):
+            if getattr(self, key) < 1:
+                out.append(f"trainer.{key}={getattr(self, key)}: must be >= 1")
+        for key in ("global_batch_size", "lr_warmup_steps", "lr_decay_steps", "checkpoint_interval"):
+            if getattr(self, key) < 0:
+                out.append(f"trainer.{key}={getattr(self, key)}: must be >= 0")
+        per_step = self.micro_batch_size * self.dp
+        if self.global_batch_size and per_step and self.global_batch_size % per_step:
+            out.append(f"trainer.global_batch_size={self.global_batch_size}: must be a multiple of "
+                       f"micro_batch_size*dp={per_step}")
+        if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
+            out.append(f"trainer.lr={self.lr}, trainer.min_lr={self.min_lr}: need 0 <= min_lr <= lr "
+                       f"and lr > 0")
+        if not (0 <= self.adam_beta1 < 1 and 0 <= self.adam_beta2 < 1):
+            out.append(f"trainer.adam_beta1/2=({self.adam_beta1}, {self.adam_beta2}): each must be "
+                       f"in [0, 1)")
+        if self.adam_eps <= 0 or self.weight_decay < 0 or self.grad_clip < 0:
+            out.append("trainer.adam_eps must be > 0, weight_decay and grad_clip >= 0")
+        if self.logprob_temperature <= 0:
+            out.append(f"trainer.logprob_temperature={self.logprob_temperature}: must be > 0")
+        return out
+
+    def num_microbatches(self, batch_size: int) -> int:
+        """Micro-batches per DP replica for a step of batch_size sequences (global)."""
+        per_step = self.micro_batch_size * self.dp
+        if batch_size % per_step:
+            raise ValueError(f"a step of {batch_size} sequences does not split into "
+                             f"trainer.micro_batch_size={self.micro_batch_size} x "
+                             f"trainer.dp={self.dp}; make the batch a multiple of {per_step}")
+        return batch_size // per_step
