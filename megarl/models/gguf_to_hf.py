@@ -84,8 +84,12 @@ def convert_gguf_to_hf(
     torch_dtype = torch_dtype_from_name(dtype)
     folder, name = _split_gguf_path(gguf_path)
     config = AutoConfig.from_pretrained(folder, gguf_file=name)
-    # The config read from GGUF names the llama.cpp build; the saved folder should not.
-    config._name_or_path = ""
+    # The GGUF's free-text model name is not a config field; drop it from the saved config.
+    if hasattr(config, "_model_name_or_path"):
+        delattr(config, "_model_name_or_path")
+    # GGUF stores float32 metadata (1e-5 reads back as 9.99999974e-06): restore the decimal value.
+    if isinstance(getattr(config, "rms_norm_eps", None), float):
+        config.rms_norm_eps = float(f"{config.rms_norm_eps:.7g}")
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
 
     tensors = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=model)["tensors"]
