@@ -1,0 +1,156 @@
+"""Per-token log-probabilities (and entropy) of given sequences under the Megatron model.
+
+Temperature convention: ``logprob = log_softmax(logits / temperature)``. vLLM returns the
+*untempered* distribution's logprobs by default (``logprobs_mode="raw_logprobs"``) even when it
+samples at T != 1, so the matching trainer setting is ``temperature=1.0`` (the default). Only when
+the generator runs with ``logprobs_mode="processed_logprobs"`` should the trainer pass the sampling
+temperature here.
+
+Logits are vocab-parallel over TP (each rank holds ``padded_vocab / tp`` columns); the padding
+columns (ids >= the real vocab size) are masked out so the distribution is over the real vocab
+only, exactly as in HF. Forward passes run through megatron's pipeline schedule, so PP works.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Callable
+
+import torch
+
+from megarl.trainer.batch import RolloutBatch
+
+_MASKED_LOGIT = -1e30  # finite, so 0 * logit stays 0 in the entropy sum
+
+
+def mask_padded_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """A float32 copy of this rank's vocab-parallel logits with padding columns masked."""
+    from megatron.core import parallel_state as ps
+
+    v_local = logits.shape[-1]
+    start = ps.get_tensor_model_parallel_rank() * v_local
+    out = logits.float()
+    if start + v_local > vocab_size:
+        pad = torch.arange(start, start + v_local, device=logits.device) >= vocab_size
+        out = out.masked_fill(pad, _MASKED_LOGIT)  # a new tensor
+    elif out is logits:
+        out = out.clone()
+    return out
+
+
+@torch.no_grad()
+def vocab_parallel_entropy(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of softmax(logits) over the TP-sharded last dim (fp32 logits, padding masked)."""
+    from megatron.core import parallel_state as ps
+
+    group = ps.get_tensor_model_parallel_group()
+    m = logits.max(dim=-1, keepdim=True).values
+    torch.distributed.all_reduce(m, op=torch.distributed.ReduceOp.MAX, group=group)
+    z = logits - m
+    e = z.exp()
+    sums = torch.stack([e.sum(-1), (e * z).sum(-1)])
+    torch.distributed.all_reduce(sums, group=group)
+    return sums[0].log() - sums[1] / sums[0]
+
+
+def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, vocab_size: int, temperature: float = 1.0,
+                   with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Token-aligned logprobs ``out[b, t] = log p(input_ids[b, t] | < t)`` (``out[:, 0] = 0``) from
+    vocab-parallel logits ``[b, s, v_local]``; differentiable. Entropy (no grad) likewise aligned."""
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    scaled = mask_padded_vocab(logits[:, :-1], vocab_size)
+    if temperature != 1.0:
+        scaled = scaled / temperature
+    entropy = None
+    if with_entropy:
+        entropy = torch.nn.functional.pad(vocab_parallel_entropy(scaled.detach()), (1, 0))
+    # vocab_parallel_cross_entropy modifies its input in place: `scaled` is our own copy
+    nll = vocab_parallel_cross_entropy(scaled, input_ids[:, 1:].contiguous())
+    return torch.nn.functional.pad(-nll, (1, 0)), entropy
+
+
+def valid_token_mask(batch: RolloutBatch) -> torch.Tensor:
+    """[B, S] bool: positions 1..len-1 of each row (the positions that have a logprob)."""
+    pos = torch.arange(batch.input_ids.shape[1]).unsqueeze(0)
+    return (pos >= 1) & (pos < batch.lengths.unsqueeze(1))
+
+
+def run_pipeline(model, micro_batches: list[RolloutBatch],
+                 on_logits: Callable[[RolloutBatch, torch.Tensor], tuple], forward_only: bool) -> list:
+    """Run megatron's forward(-backward) schedule over the micro-batches. ``on_logits(mb, logits)``
+    runs on the last PP stage and returns megatron's loss-func tuple; returns the schedule's
+    per-micro-batch outputs (non-empty on the last stage only)."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    def forward_step(data_iterator, model_chunk):
+        mb = next(data_iterator)
+        return model_chunk(**mb.model_inputs()), functools.partial(on_logits, mb)
+
+    return get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=iter(micro_batches),
+        model=[model],
+        num_microbatches=len(micro_batches),
+        seq_length=max(mb.input_ids.shape[1] for mb in micro_batches),
+        micro_batch_size=max(mb.batch_size for mb in micro_batches),
+        forward_only=forward_only,
+    )
+
+
+def broadcast_from_last_stage(tensor: torch.Tensor) -> torch.Tensor:
+    """Give every PP stage the last stage's tensor (same shape/dtype already allocated)."""
+    from megatron.core import parallel_state as ps
+
+    if ps.get_pipeline_model_parallel_world_size() > 1:
+        src = ps.get_pipeline_model_parallel_last_rank()
+        torch.distributed.broadcast(tensor, src=src, group=ps.get_pipeline_model_parallel_group())
+    return tensor
+
+
+@dataclasses.dataclass
+class LogprobOutput:
+    """Token-aligned [B, S] tensors (zero where there is no logprob: position 0 and padding)."""
+
+    logprobs: torch.Tensor
+    entropy: torch.Tensor | None = None
+
+
+@torch.no_grad()
+def compute_logprobs(model, batch: RolloutBatch, *, micro_batch_size: int = 8, temperature: float = 1.0,
+                     with_entropy: bool = False) -> LogprobOutput:
+    """Logprobs of ``batch.input_ids`` under ``model`` (every TP/PP rank of the model calls this
+    with the same batch; every rank gets the result)."""
+    from megarl.trainer.model import unwrap
+
+    vocab = unwrap(model).megarl_dims.vocab_size
+    was_training = model.training
+    model.eval()
+
+    def on_logits(mb: RolloutBatch, logits: torch.Tensor):
+        lp, ent = token_logprobs(logits, mb.input_ids, vocab, temperature, with_entropy)
+        out = {"logprobs": lp}
+        if ent is not None:
+            out["entropy"] = ent
+        return torch.zeros(()), out
+
+    try:
+        results = run_pipeline(model, batch.micro_batches(micro_batch_size), on_logits, forward_only=True)
+    finally:
+        model.train(was_training)
+    b, s = batch.input_ids.shape
+    names = ["logprobs"] + (["entropy"] if with_entropy else [])
+    full = {n: torch.zeros(b, s) for n in names}
+    row = 0
+    for res in results:  # last stage only
+        for n in names:
+            t = res[n]
+            full[n][row:row + t.shape[0], :t.shape[1]] = t
+        row += res["logprobs"].shape[0]
+    valid = valid_token_mask(batch)
+    for n in names:
+        full[n] = broadcast_from_last_stage(full[n]) * valid
+    return LogprobOutput(full["logprobs"], full.get("entropy"))

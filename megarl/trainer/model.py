@@ -1,0 +1,134 @@
+"""Build a megatron-core GPTModel from an HF Llama/Qwen2 config.
+
+The model is built for the current rank of an already initialized model-parallel group
+(``megarl.utils.dist.init_model_parallel``): TP/PP sizes and ranks come from ``parallel_state``.
+Layer spec: Transformer-Engine when it imports (GPU), else the local megatron-core spec (CPU).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megarl.trainer.layouts import ModelDims, padded_vocab_size, validate_parallel
+
+DEFAULT_VOCAB_DIVISIBLE_BY = 128
+
+
+def read_hf_config(hf_dir: str | Path) -> dict:
+    """The ``config.json`` of an HF model folder, as a dict."""
+    path = Path(hf_dir) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found: --hf must be an HF model folder with config.json")
+    return json.loads(path.read_text())
+
+
+def have_transformer_engine() -> bool:
+    try:
+        import transformer_engine  # noqa: F401
+        from megatron.core.extensions import transformer_engine as _te  # noqa: F401
+        return True
+    except Exception:  # ImportError, or a CUDA library missing at import time
+        return False
+
+
+def layer_spec(dims: ModelDims, kind: str = "auto"):
+    """(ModuleSpec, norm_style): "te" spec fuses the norms into linear_qkv/linear_fc1."""
+    from megatron.core.models.gpt import gpt_layer_specs as specs
+
+    if kind == "auto":
+        kind = "te" if have_transformer_engine() else "local"
+    if kind == "te":
+        return specs.get_gpt_layer_with_transformer_engine_spec(), "te"
+    if kind == "local":
+        return specs.get_gpt_layer_local_spec(normalization="RMSNorm"), "local"
+    raise ValueError(f"layer spec kind={kind!r}; expected 'auto', 'te' or 'local'")
+
+
+def transformer_config(dims: ModelDims, tp: int, pp: int, params_dtype: torch.dtype = torch.float32,
+                       **overrides: Any):
+    """The TransformerConfig equivalent of the HF architecture (SwiGLU, RMSNorm, GQA, RoPE)."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    validate_parallel(dims, tp, pp)
+    on_cpu = not torch.cuda.is_available()
+    kwargs = dict(
+        num_layers=dims.num_layers,
+        hidden_size=dims.hidden_size,
+        num_attention_heads=dims.num_heads,
+        num_query_groups=dims.num_kv_heads,
+        kv_channels=dims.head_dim,
+        ffn_hidden_size=dims.ffn_hidden_size,
+        normalization="RMSNorm",
+        layernorm_epsilon=dims.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        add_bias_linear=False,
+        add_qkv_bias=dims.qkv_bias,
+        rotary_interleaved=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        params_dtype=params_dtype,
+        pipeline_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        fp16=params_dtype == torch.float16,
+        attention_softmax_in_fp32=True,
+        sequence_parallel=False,
+        # variable sequence lengths between micro-batches under PP (see DESIGN.md)
+        variable_seq_lengths=True,
+        moe_token_dispatcher_type="alltoall",
+        # fused kernels are CUDA-only; keep the reference math everywhere for reproducibility
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+        use_cpu_initialization=on_cpu,
+    )
+    kwargs.update(overrides)
+    return TransformerConfig(**kwargs)
+
+
+def build_gpt_model(dims: ModelDims, *, params_dtype: torch.dtype = torch.float32, spec: str = "auto",
+                    vocab_divisible_by: int = DEFAULT_VOCAB_DIVISIBLE_BY, **config_overrides: Any):
+    """A GPTModel for this rank (pre/post-process from the PP stage). The returned module carries
+    ``megarl_dims``, ``megarl_norm_style`` and ``megarl_vocab_divisible_by`` for the layout code."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+
+    if not ps.model_parallel_is_initialized():
+        raise RuntimeError("model parallel is not initialized: call megarl.utils.dist.init_model_parallel first")
+    tp = ps.get_tensor_model_parallel_world_size()
+    pp = ps.get_pipeline_model_parallel_world_size()
+    config = transformer_config(dims, tp, pp, params_dtype, **config_overrides)
+    spec_module, norm_style = layer_spec(dims, spec)
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=spec_module,
+        vocab_size=padded_vocab_size(dims.vocab_size, tp, vocab_divisible_by),
+        max_sequence_length=dims.max_position_embeddings,
+        pre_process=ps.is_pipeline_first_stage(),
+        post_process=ps.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=dims.tie_word_embeddings,
+        position_embedding_type="rope",
+        rotary_percent=1.0,
+        rotary_base=dims.rope_theta,
+        parallel_output=True,
+    )
+    model.megarl_dims = dims
+    model.megarl_norm_style = norm_style
+    model.megarl_vocab_divisible_by = vocab_divisible_by
+    return model
+
+
+def unwrap(model):
+    """The GPTModel inside DDP / Float16Module wrappers."""
+    while hasattr(model, "module") and not hasattr(model, "megarl_dims"):
+        model = model.module
+    return model
