@@ -1,0 +1,113 @@
+"""Generator section of the config: the vLLM engines that produce rollouts.
+
+Logprob convention (the trainer must match it): with ``logprobs_mode='processed'`` (default) a
+sample's ``behav_logprobs`` are ``log_softmax(logits / temperature)`` of the sampled tokens, i.e.
+the distribution the token was actually drawn from (greedy, temperature 0, reports the untempered
+``log_softmax(logits)``). The trainer reproduces it by dividing its logits by
+:meth:`GeneratorConfig.trainer_logprob_temperature`. With ``top_p < 1`` or ``top_k > 0`` vLLM's
+processed logprobs are renormalised over the kept tokens, which no trainer-side temperature
+reproduces; ``'raw'`` reports the untempered model distribution (trainer temperature 1.0).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megarl.config.knobs import knob
+
+QUANTIZATIONS = ("none", "fp8_per_channel", "fp8_per_tensor", "fp8_per_block")
+# FP8 schemes vLLM runs on CPU; the others need a GPU.
+CPU_QUANTIZATIONS = ("none", "fp8_per_channel")
+DTYPES = ("bfloat16", "float16", "float32")
+LOGPROBS_MODES = ("processed", "raw")
+
+
+@dataclass
+class GeneratorConfig:
+    # --- parallelism and precision ---
+    tp: int = knob(1, help="Tensor-parallel size of each vLLM engine (ranks); must divide the "
+                   "model's attention heads. Default 1.")
+    replicas: int = knob(1, help="Data-parallel engine replicas, each its own process with its own TP "
+                         "(engines). Default 1.")
+    dtype: str = knob("bfloat16", choices=DTYPES, help="Activation/weight dtype of the engines; "
+                      "pushed weights are cast to it. Default bfloat16.")
+    quantization: str = knob("none", choices=QUANTIZATIONS, help="Weight quantization, re-applied "
+                             "on every weight update: 'fp8_per_channel' (CPU and GPU), "
+                             "'fp8_per_tensor'/'fp8_per_block' (GPU only). Default none.")
+    kv_cache_gib: int = knob(2, help="KV-cache memory per engine (GiB, integer; on CPU sets "
+                             "VLLM_CPU_KVCACHE_SPACE). Default 2.")
+    gpu_memory_utilization: float = knob(0.0, help="GPU only: fraction of device memory per engine; "
+                                         "0 = size the KV cache from kv_cache_gib instead. Default 0.")
+    max_model_len: int = knob(2048, help="Longest prompt + completion an engine accepts (tokens). "
+                              "Default 2048.")
+    max_num_seqs: int = knob(256, help="Most sequences an engine decodes at once (sequences). "
+                             "Default 256.")
+    enforce_eager: bool = knob(True, help="Skip torch.compile in the engines (faster start-up, "
+                               "and on small CPU models no slower). Default true.")
+
+    # --- sampling ---
+    max_new_tokens: int = knob(256, help="Longest completion per sample (tokens). Default 256.")
+    temperature: float = knob(1.0, help="Sampling temperature; 0 = greedy. Default 1.0.")
+    top_p: float = knob(1.0, help="Nucleus sampling mass in (0, 1]; 1 = off. Default 1.0.")
+    top_k: int = knob(-1, help="Sample from the k most likely tokens; -1 = off. Default -1.")
+    n_samples: int = knob(4, help="Samples per prompt (a GRPO group; samples). Default 4.")
+    stop: list[str] = knob(default_factory=list, help="Strings that end a completion (kept in the "
+                           "token ids). Default none.")
+    logprobs_mode: str = knob("processed", choices=LOGPROBS_MODES, help="Which distribution "
+                              "behav_logprobs come from: 'processed' = the tempered one tokens are "
+                              "sampled from (trainer divides logits by the temperature), 'raw' = the "
+                              "untempered model (trainer temperature 1). Default processed.")
+    seed: int = knob(0, help="Engine sampling seed (replica r uses seed + r; per-request seeds "
+                     "crash vLLM's in-process CPU engine). Default 0.")
+
+    # --- async / partial rollouts ---
+    round_token_budget: int = knob(0, help="Partial rollouts: a generation is cut after this many new "
+                                   "tokens per round, cached, and resumed (prefix kept) after the next "
+                                   "weight update (tokens); 0 = off. Default 0.")
+
+    # --- process and lifecycle ---
+    threads_bind: str = knob("auto", help="CPU only: VLLM_CPU_OMP_THREADS_BIND per replica, e.g. "
+                             "'0-1' (TP=1) or '0|1' (TP=2); several replicas separated by ';'. "
+                             "'auto' splits this process's cores evenly over replicas and TP ranks. "
+                             "Default auto.")
+    start_timeout_s: float = knob(600.0, help="Longest an engine may take to start (seconds). "
+                                  "Default 600.")
+    request_timeout_s: float = knob(600.0, help="Longest a wait for generation may go without any "
+                                    "engine finishing a sample (seconds). Default 600.")
+    update_timeout_s: float = knob(600.0, help="Longest a weight update may take on every engine "
+                                   "(seconds). Default 600.")
+    shutdown_timeout_s: float = knob(30.0, help="Grace period for an engine to exit before it is "
+                                     "killed (seconds). Default 30.")
+    log_dir: str = knob("", help="Folder for the engines' logs (one file per replica); '' = a "
+                        "temporary folder. Default ''.")
+
+    def trainer_logprob_temperature(self) -> float:
+        """The temperature the trainer must divide logits by to reproduce ``behav_logprobs``."""
+        if self.logprobs_mode == "raw" or self.temperature <= 0:
+            return 1.0
+        return float(self.temperature)
+
+    def problems(self, on_cpu: bool) -> list[str]:
+        """Section-local problems, each naming the key and what to change."""
+        out = []
+        for key in ("tp", "replicas", "kv_cache_gib", "max_model_len", "max_num_seqs",
+                    "max_new_tokens", "n_samples"):
+            if getattr(self, key) < 1:
+                out.append(f"generator.{key}={getattr(self, key)}: must be >= 1")
+        if self.quantization not in QUANTIZATIONS:
+            out.append(f"generator.quantization={self.quantization!r}: choose one of {QUANTIZATIONS}")
+        elif on_cpu and self.quantization not in CPU_QUANTIZATIONS:
+            out.append(f"generator.quantization={self.quantization!r} runs only on GPUs; on CPU use one "
+                       f"of {CPU_QUANTIZATIONS}")
+        if self.temperature < 0:
+            out.append(f"generator.temperature={self.temperature}: must be >= 0 (0 = greedy)")
+        if not 0 < self.top_p <= 1:
+            out.append(f"generator.top_p={self.top_p}: must be in (0, 1]")
+        if self.top_k == 0 or self.top_k < -1:
+            out.append(f"generator.top_k={self.top_k}: use -1 (off) or a positive count")
+        if self.round_token_budget < 0:
+            out.append(f"generator.round_token_budget={self.round_token_budget}: must be >= 0 (0 = off)")
+        if self.max_new_tokens >= self.max_model_len:
+            out.append(f"generator.max_new_tokens={self.max_new_tokens} leaves no room for a prompt in "
+                       f"generator.max_model_len={self.max_model_len}; raise max_model_len")
+        return out

@@ -1,0 +1,56 @@
+"""One generated sample, as the generator hands it to the controller, reward and trainer."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass
+class Sample:
+    """A prompt and one completion, with what importance weighting needs per token.
+
+    prompt_ids:     the prompt's token ids, exactly as fed to the generator.
+    completion_ids: generated token ids (a stop string's tokens are kept; EOS is kept).
+    behav_logprobs: per completion token, the behaviour policy's logprob of that token given
+                    everything before it (convention: see ``megarl.generator.config``).
+    versions:       per completion token, the policy version whose weights produced it. A partial
+                    rollout resumed after an update shows the switch (e.g. ``[3, 3, 3, 4, 4]``).
+    finish_reason:  'stop' (EOS or a stop string), 'length' (max_new_tokens or max_model_len),
+                    or 'abort'.
+    group_id:       samples of the same prompt share it (GRPO groups).
+    sample_index:   0..n_samples-1 within the group.
+    prompt_index:   caller's index of the prompt (e.g. position in the submitted list).
+    stop_reason:    the stop string or token id that ended it, if any.
+    num_rounds:     generation rounds it took (> 1 for a resumed partial rollout).
+    """
+
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    behav_logprobs: list[float]
+    versions: list[int]
+    finish_reason: str
+    group_id: int = 0
+    sample_index: int = 0
+    prompt_index: int = 0
+    stop_reason: str | int | None = None
+    num_rounds: int = 1
+
+    def __post_init__(self) -> None:
+        n = len(self.completion_ids)
+        if len(self.behav_logprobs) != n or len(self.versions) != n:
+            raise ValueError(f"Sample: {n} completion tokens but {len(self.behav_logprobs)} logprobs and "
+                             f"{len(self.versions)} versions; they must align one per token")
+
+    @property
+    def token_ids(self) -> list[int]:
+        """Prompt followed by completion: the sequence the trainer scores."""
+        return list(self.prompt_ids) + list(self.completion_ids)
+
+    @property
+    def min_version(self) -> int:
+        """Oldest policy that produced any token (what the staleness gate compares); -1 if empty."""
+        return min(self.versions) if self.versions else -1
+
+    @property
+    def max_version(self) -> int:
+        return max(self.versions) if self.versions else -1
