@@ -8,7 +8,7 @@ The lead composes :class:`AlgorithmConfig` into the top-level config; the traine
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 from megarl.algorithms.advantages import advantage_knobs
 from megarl.algorithms.policy_loss import AGGREGATIONS, KL_ESTIMATORS, TIS_MODES, loss_knobs
@@ -62,20 +62,27 @@ class AlgorithmConfig:
     adv_eps: float = knob(1e-6, help="grpo: added to the group std before dividing (reward units); default 1e-6")
 
     def __post_init__(self) -> None:
+        problems = self.problems()
+        if problems:
+            raise ValueError("; ".join(problems))
+
+    def problems(self) -> List[str]:
+        """Every invalid value, each naming the key and quoting its help (empty when valid)."""
+        found: List[str] = []
+        helps = {f.name: f.metadata.get("help", "") for f in dataclasses.fields(self)}
         for field in dataclasses.fields(self):
             choices = field.metadata.get("choices")
             value = getattr(self, field.name)
             if choices and value not in choices:
-                raise ValueError(f"algorithm.{field.name}={value!r} is not one of {', '.join(map(str, choices))}")
+                found.append(f"algorithm.{field.name}={value!r} is not one of {', '.join(map(str, choices))}")
         checks = [("rho", self.rho > 0), ("eps_low", 0 <= self.eps_low < 1), ("eps_high", self.eps_high >= 0),
                   ("dual_clip_c", self.dual_clip_c is None or self.dual_clip_c > 1),
                   ("behav_weight_cap", self.behav_weight_cap is None or self.behav_weight_cap > 0),
                   ("tv_delta", self.tv_delta > 0), ("tis_cap", self.tis_cap > 0), ("kl_coef", self.kl_coef >= 0),
                   ("entropy_coef", self.entropy_coef >= 0), ("adv_eps", self.adv_eps >= 0)]
-        for name, ok in checks:
-            if not ok:
-                help_text = next(f.metadata["help"] for f in dataclasses.fields(self) if f.name == name)
-                raise ValueError(f"algorithm.{name}={getattr(self, name)!r} is out of range: {help_text}")
+        found += [f"algorithm.{name}={getattr(self, name)!r} is out of range: {helps[name]}"
+                  for name, ok in checks if not ok]
+        return found
 
 
 def loss_params(cfg: AlgorithmConfig) -> Dict[str, Any]:

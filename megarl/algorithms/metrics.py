@@ -1,7 +1,8 @@
 """Health metrics of off-policy RL, computed over the completion tokens (mask = 1).
 
-Every function here returns 0-d detached tensors so nothing syncs with the device while the loss
-is built; :func:`to_floats` turns a whole metrics dict into python floats with one transfer.
+Every function here returns 0-d detached tensors, so the loss path does not wait on the device
+for each metric (only the staleness histogram needs its size on the host); :func:`to_floats`
+turns a whole metrics dict into python floats with one transfer.
 Empty selections (an all-masked batch) give 0.0, never NaN, so logs stay plottable.
 """
 

@@ -194,8 +194,9 @@ def policy_loss(name: str, *, logprobs: Tensor, behav_logprobs: Tensor, advantag
 
     compute_dtype = torch.promote_types(logprobs.dtype, torch.float32)
     lp = torch.where(m, logprobs.to(compute_dtype), torch.zeros((), dtype=compute_dtype, device=logprobs.device))
-    if behav_logprobs is None:
-        raise ValueError("behav_logprobs (the sampler's logprobs of the sampled tokens) are required")
+    if behav_logprobs is None or advantages is None:
+        raise ValueError("behav_logprobs (the sampler's logprobs of the sampled tokens) and advantages "
+                         "(per token or per sequence) are required")
     mu = _as_tokens("behav_logprobs", behav_logprobs, shape, m, dtype=compute_dtype)
     adv = _as_tokens("advantages", advantages, shape, m, dtype=compute_dtype)
     prox = _as_tokens("prox_logprobs", prox_logprobs, shape, m, dtype=compute_dtype)
