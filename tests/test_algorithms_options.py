@@ -244,3 +244,14 @@ def test_bf16_inputs_are_computed_in_float32():
     loss.backward()
     assert loss.dtype == torch.float32 and loss.item() == pytest.approx(1.5)
     assert pi.grad.dtype == torch.bfloat16 and torch.equal(pi.grad.float(), torch.tensor([[-1.0, -1.0]]))
+
+
+def test_extreme_weights_keep_metrics_finite():
+    # w = e^59.9 on token 0: w^2 overflows float32, so the metrics must be computed in float64.
+    # ESS = (w + 1)^2 / (2 (w^2 + 1)) -> 1/2; aipo loss = (-4 * -0.1 + -1 * -1) / 2 = 0.7
+    lp = torch.tensor([[-0.1, -1.0]], requires_grad=True)
+    loss, m = policy_loss("aipo", logprobs=lp, behav_logprobs=torch.tensor([[-60.0, -1.0]]),
+                          advantages=torch.ones(1), mask=torch.ones(1, 2))
+    assert loss.item() == pytest.approx(0.7)
+    assert m["ess"] == pytest.approx(0.5) and m["clip_frac"] == 0.5
+    assert m["is_weight/max"] == pytest.approx(math.exp(59.9), rel=1e-5)

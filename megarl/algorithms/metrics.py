@@ -48,7 +48,8 @@ def importance_metrics(logprobs: Tensor, behav_logprobs: Tensor, mask: Tensor) -
       estimator E_mu[(w - 1) - log w].
     - ``mismatch``: mean |log pi - log mu| (train/inference mismatch when the versions agree).
     """
-    log_w = torch.where(mask, logprobs.detach().float() - behav_logprobs.detach().float(), 0.0)
+    # float64: w^2 of a very off-policy token (log w > 44) would overflow float32 in the ESS
+    log_w = torch.where(mask, logprobs.detach().double() - behav_logprobs.detach().double(), 0.0)
     w = log_w.exp()
     count = mask.sum().clamp(min=1)
     sum_w = masked_sum(w, mask)
