@@ -123,7 +123,7 @@ def build(cls: type, data: Any, prefix: str = "") -> tuple[Any, list[str]]:
         return None, problems
     try:
         return cls(**kwargs), []
-    except TypeError as exc:  # a required field left out
+    except (TypeError, ValueError) as exc:  # a required field left out, or a section's own range check
         return None, [f"{where}: {exc}"]
 
 
