@@ -161,9 +161,10 @@ def test_cli_bad_config_fails_fast_naming_key(tmp_path, model_dir, override, key
 
 
 def test_validation_does_not_import_engines(tmp_path, model_dir):
-    """Config validation must stay light: no megatron or vllm import before the job starts."""
+    """Config validation must stay light (no torch, megatron or vllm import) so a typo fails in well
+    under a second, however loaded the machine is."""
     cfg = write(tmp_path / "c.yaml", f"model: {{path: {model_dir}}}\n")
     code = (f"import sys; from megarl.config import load_config; load_config({str(cfg)!r}); "
-            "heavy = [m for m in ('megatron', 'vllm') if m in sys.modules]; print(heavy); assert not heavy")
+            "heavy = [m for m in ('torch', 'megatron', 'vllm') if m in sys.modules]; print(heavy); assert not heavy")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=60)
     assert out.returncode == 0, out.stdout + out.stderr

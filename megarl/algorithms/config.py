@@ -10,9 +10,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Dict, List, Optional
 
-from megarl.algorithms.advantages import advantage_knobs
-from megarl.algorithms.policy_loss import AGGREGATIONS, KL_ESTIMATORS, TIS_MODES, loss_knobs
 from megarl.config.knobs import knob
+
+# Defined here, not beside the torch code, so config validation never imports torch.
+AGGREGATIONS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+TIS_MODES = ("none", "token", "sequence")
+KL_ESTIMATORS = ("k1", "k2", "k3")
 
 LOSS_NAMES = ("aipo", "ppo", "grpo", "decoupled_ppo", "a3po", "vaco")
 ADVANTAGE_NAMES = ("grpo", "dr_grpo", "rloo")
@@ -87,6 +90,8 @@ class AlgorithmConfig:
 
 def loss_params(cfg: AlgorithmConfig) -> Dict[str, Any]:
     """Keyword arguments for ``policy_loss(cfg.loss, ...)``: the common options plus the loss's own knobs."""
+    from megarl.algorithms.policy_loss import loss_knobs
+
     params = {name: getattr(cfg, name) for name in _COMMON_LOSS_OPTIONS}
     params.update({name: getattr(cfg, name) for name in loss_knobs(cfg.loss)})
     return params
@@ -94,5 +99,7 @@ def loss_params(cfg: AlgorithmConfig) -> Dict[str, Any]:
 
 def advantage_params(cfg: AlgorithmConfig) -> Dict[str, Any]:
     """Keyword arguments for ``compute_advantages(cfg.advantage, ...)`` (besides the grouping)."""
+    from megarl.algorithms.advantages import advantage_knobs
+
     rename = {"eps": "adv_eps"}
     return {name: getattr(cfg, rename.get(name, name)) for name in advantage_knobs(cfg.advantage)}

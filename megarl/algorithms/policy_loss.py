@@ -21,9 +21,7 @@ from megarl.algorithms.registry import get_loss
 
 Tensor = torch.Tensor
 
-AGGREGATIONS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
-TIS_MODES = ("none", "token", "sequence")
-KL_ESTIMATORS = ("k1", "k2", "k3")
+from megarl.algorithms.config import AGGREGATIONS, KL_ESTIMATORS, TIS_MODES  # noqa: E402
 
 
 def loss_knobs(name: str) -> Tuple[str, ...]:

@@ -45,15 +45,23 @@ def check(cfg: MegaRLConfig) -> list[str]:
     problems: list[str] = []
     t, g = cfg.trainer, cfg.generator
 
-    for key, value in (("trainer.tp", t.tp), ("trainer.pp", t.pp), ("trainer.dp", t.dp),
-                       ("generator.tp", g.tp), ("generator.replicas", g.replicas),
-                       ("generator.n_samples", g.n_samples), ("controller.steps", cfg.controller.steps),
+    # Each section's own range checks first.
+    problems += t.problems() + g.problems(on_cpu=not cuda_expected(cfg.cluster.device))
+    problems += cfg.algorithm.problems()
+    for key, value in (("controller.steps", cfg.controller.steps),
                        ("controller.prompts_per_step", cfg.controller.prompts_per_step),
                        ("reward.workers", cfg.reward.workers)):
         if value < 1:
             problems.append(f"{key}={value}: must be >= 1")
     if cfg.controller.max_policy_lag < 0:
         problems.append(f"controller.max_policy_lag={cfg.controller.max_policy_lag}: must be >= 0 (0 = synchronous)")
+    want_t = g.trainer_logprob_temperature()
+    if abs(t.logprob_temperature - want_t) > 1e-9:
+        problems.append(
+            f"trainer.logprob_temperature={t.logprob_temperature}: the generator reports logprobs of "
+            f"{'the untempered' if want_t == 1.0 else f'the temperature-{want_t}'} distribution "
+            f"(generator.logprobs_mode={g.logprobs_mode}, generator.temperature={g.temperature}); "
+            f"set trainer.logprob_temperature={want_t} so importance ratios compare like with like")
 
     # Paths.
     if cfg.model.path != BUILTIN_SMOLLM2:
@@ -97,6 +105,13 @@ def check(cfg: MegaRLConfig) -> list[str]:
             f"generator tp*replicas={counts['generator']} = {counts['total']} ranks; change trainer.dp / "
             f"generator.replicas or the job's size")
     return problems
+
+
+def cuda_expected(device: str) -> bool:
+    """Whether executors will run on CUDA, decided without importing torch (validation stays fast)."""
+    if device != "auto":
+        return device == "cuda"
+    return os.path.exists("/dev/nvidiactl") or bool(os.environ.get("CUDA_VISIBLE_DEVICES", "").strip("-1 "))
 
 
 def _env_world_size() -> int:
