@@ -126,7 +126,7 @@ def run_multiprocess(fn: Callable, world_size: int, *args: Any, timeout_s: float
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_tcp_port()
-    procs = [ctx.Process(target=_child_main, name=f"megarl-rank{r}", daemon=True,
+    procs = [ctx.Process(target=_child_main, name=f"megarl-rank{r}", daemon=False,
                          args=(r, world_size, port, timeout_s, fn, args, kwargs, results))
              for r in range(world_size)]
     for p in procs:

@@ -1,0 +1,389 @@
+"""Trainer checkpoints: model + optimizer + LR scheduler + RNG states + progress, saved atomically.
+
+Layout of ``checkpoint_dir``::
+
+    step_00000012/
+        meta.json           progress, model signature, parallel layout, scheduler state, manifest
+        dist/               megatron dist_checkpointing: model (reshardable across TP/PP) + optimizer
+        rng/rank_00000.pt   per-rank python / numpy / torch / cuda / megatron tracker RNG states
+    latest                  name of the newest complete step folder (written last)
+
+A save writes everything into ``.tmp_step_...``, fsyncs it, renames it into place and only then
+updates ``latest``; a crash at any point leaves the previous checkpoint complete and ``latest``
+pointing at it. The manifest in meta.json (every file and its size) turns a missing or truncated
+shard into an error naming the file. Model weights reshard on load (different TP/PP); optimizer
+and RNG state need the same TP/PP/DP layout they were saved with.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import random
+import shutil
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+FORMAT = "megarl-trainer-checkpoint-v1"
+LATEST = "latest"
+STEP_PREFIX = "step_"
+# DP-reshardable optimizer layout: fully parallel save/load, no gather on one rank.
+OPTIM_SHARDING = "dp_reshardable"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, incomplete, or does not fit the model it is loaded into."""
+
+
+@dataclasses.dataclass
+class TrainProgress:
+    """Where training stands; saved with every checkpoint and returned by load_checkpoint."""
+    step: int = 0
+    consumed_samples: int = 0
+    extra: dict = dataclasses.field(default_factory=dict)
+
+
+# ----------------------------------------------------------------------------- model identity
+
+def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The GPTModel inside megatron DDP / Float16Module wrappers."""
+    while isinstance(getattr(model, "module", None), torch.nn.Module):
+        model = model.module
+    return model
+
+
+def model_signature(model: torch.nn.Module) -> dict:
+    """What must match between a checkpoint and the model it loads into (parallel-size free)."""
+    m = _unwrap(model)
+    c = m.config
+    sig = {k: getattr(c, k) for k in (
+        "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+        "kv_channels", "normalization", "gated_linear_unit", "add_bias_linear", "add_qkv_bias")}
+    sig["params_dtype"] = str(c.params_dtype).replace("torch.", "")
+    sig["tied_embeddings"] = bool(getattr(m, "share_embeddings_and_output_weights", False))
+    dims = getattr(m, "megarl_dims", None)
+    if dims is not None:  # the HF-derived facts, including the unpadded vocab
+        sig.update({f"hf.{k}": v for k, v in dataclasses.asdict(dims).items()})
+    else:
+        sig["vocab_size"] = int(m.vocab_size)
+    return sig
+
+
+def _parallel_layout() -> dict:
+    from megatron.core import parallel_state as ps
+    return {"tp": ps.get_tensor_model_parallel_world_size(),
+            "pp": ps.get_pipeline_model_parallel_world_size(),
+            "dp": ps.get_data_parallel_world_size(), "world": dist.get_world_size()}
+
+
+# ----------------------------------------------------------------------------- RNG
+
+def _rng_state() -> dict:
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+    state = {"python": random.getstate(), "numpy": np.random.get_state(),
+             "torch": torch.get_rng_state(),
+             "tracker": get_cuda_rng_tracker().get_states()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    if state.get("tracker"):
+        get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+# ----------------------------------------------------------------------------- optimizer helpers
+
+def _inner_torch_optimizers(optimizer: Any) -> list:
+    subs = getattr(optimizer, "chained_optimizers", [optimizer])
+    return [getattr(o, "optimizer", o) for o in subs]
+
+
+def _adam_steps(optimizer: Any) -> Optional[int]:
+    """The per-parameter Adam step count (torch Adam keeps one per param); None before a step."""
+    steps = {int(s["step"]) for o in _inner_torch_optimizers(optimizer)
+             for s in o.state.values() if "step" in s}
+    if len(steps) > 1:
+        raise CheckpointError(f"optimizer params disagree on the Adam step count: {sorted(steps)}")
+    return steps.pop() if steps else None
+
+
+def _restore_adam_steps(optimizer: Any, step: Optional[int]) -> None:
+    """Torch Adam's bias correction reads each param's own `step`: set every one, or a resumed run
+    silently diverges from an uninterrupted one."""
+    if step is None:
+        return
+    for o in _inner_torch_optimizers(optimizer):
+        for s in o.state.values():
+            if s:  # megatron's load path creates exp_avg/exp_avg_sq without a `step`
+                s["step"] = torch.tensor(float(step), dtype=torch.float32)
+    got = _adam_steps(optimizer)
+    if got != step or any(s and "step" not in s for o in _inner_torch_optimizers(optimizer)
+                          for s in o.state.values()):
+        raise CheckpointError(f"restoring the Adam step count failed: wanted {step}, have {got}")
+
+
+def _sharded_state(model_chunks: list, optimizer: Any, is_loading: bool) -> dict:
+    meta = {"distrib_optim_sharding_type": OPTIM_SHARDING, "singleton_local_shards": False,
+            "chained_optim_avoid_prefix": True}
+    if len(model_chunks) != 1:
+        raise CheckpointError("checkpointing supports one model chunk per rank (no virtual PP)")
+    model_sd = _unwrap(model_chunks[0]).sharded_state_dict(metadata=meta)
+    out = {"model": model_sd}
+    if optimizer is not None:
+        out["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=is_loading,
+                                                        metadata=meta)
+    return out
+
+
+# ----------------------------------------------------------------------------- files
+
+def _fsync_tree(root: Path) -> None:
+    for dirpath, _, filenames in os.walk(root):
+        for name in filenames:
+            with open(os.path.join(dirpath, name), "rb") as f:
+                os.fsync(f.fileno())
+        _fsync_dir(Path(dirpath))
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _manifest(root: Path) -> dict:
+    return {str(p.relative_to(root)): p.stat().st_size
+            for p in sorted(root.rglob("*")) if p.is_file() and p.name != "meta.json"}
+
+
+def _write_text_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def _barrier(what: str) -> None:
+    log.debug("checkpoint: barrier (%s)", what)
+    dist.barrier()
+
+
+def step_dir_name(step: int) -> str:
+    return f"{STEP_PREFIX}{step:08d}"
+
+
+def list_checkpoints(checkpoint_dir: str | Path) -> list[Path]:
+    """Complete step folders (they have meta.json), oldest first."""
+    root = Path(checkpoint_dir)
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.glob(f"{STEP_PREFIX}*") if (p / "meta.json").is_file())
+
+
+def latest_checkpoint(checkpoint_dir: str | Path) -> Optional[Path]:
+    """The folder `latest` names, or None when the directory has no checkpoint yet."""
+    root = Path(checkpoint_dir)
+    pointer = root / LATEST
+    if not pointer.is_file():
+        return None
+    target = root / pointer.read_text().strip()
+    if not (target / "meta.json").is_file():
+        raise CheckpointError(f"{pointer} names {target.name}, which is not a complete checkpoint "
+                              f"(no meta.json); point `latest` at one of "
+                              f"{[p.name for p in list_checkpoints(root)]} or remove it")
+    return target
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A step folder, or a checkpoint dir (its `latest`), as the step folder to load."""
+    p = Path(path)
+    if (p / "meta.json").is_file():
+        return p
+    if (p / LATEST).is_file():
+        return latest_checkpoint(p)  # type: ignore[return-value]
+    if not p.exists():
+        raise CheckpointError(f"checkpoint {p} does not exist")
+    raise CheckpointError(f"{p} is not a megarl checkpoint: no meta.json (a step folder) and no "
+                          f"`{LATEST}` file (a checkpoint dir)")
+
+
+# ----------------------------------------------------------------------------- save
+
+def save_checkpoint(checkpoint_dir: str | Path, *, model: list, optimizer: Any = None,
+                    scheduler: Any = None, progress: TrainProgress, keep_last: int = 2,
+                    _before_commit: Optional[Callable[[Path], None]] = None) -> Path:
+    """Save a checkpoint of this step; collective over every trainer rank.
+
+    Returns the step folder. `_before_commit` (tests only) runs after all files are written and
+    before the rename, to simulate a crash mid-save.
+    """
+    if keep_last < 1:
+        raise ValueError(f"keep_last={keep_last}: must be >= 1 (trainer.checkpoint_keep_last)")
+    from megatron.core import dist_checkpointing
+
+    root = Path(checkpoint_dir)
+    name = step_dir_name(progress.step)
+    final, tmp = root / name, root / f".tmp_{name}"
+    rank = dist.get_rank()
+    t0 = time.monotonic()
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():  # left by a crashed save
+            shutil.rmtree(tmp)
+        (tmp / "dist").mkdir(parents=True)
+        (tmp / "rng").mkdir()
+    _barrier("temp dir created")
+
+    dist_checkpointing.save(_sharded_state(model, optimizer, is_loading=False), str(tmp / "dist"))
+    torch.save(_rng_state(), tmp / "rng" / f"rank_{rank:05d}.pt")
+    _barrier("shards written")
+
+    if rank == 0:
+        meta = {
+            "format": FORMAT, "step": progress.step, "consumed_samples": progress.consumed_samples,
+            "extra": progress.extra, "model": model_signature(model[0]),
+            "parallel": _parallel_layout(), "has_optimizer": optimizer is not None,
+            "adam_step": _adam_steps(optimizer) if optimizer is not None else None,
+            "scheduler": scheduler.state_dict() if scheduler is not None else None,
+            "saved_at": time.time(), "files": _manifest(tmp),
+        }
+        _write_text_atomic(tmp / "meta.json", json.dumps(meta, indent=1, default=str))
+        _fsync_tree(tmp)
+    _barrier("metadata written")
+    if _before_commit is not None:
+        _before_commit(tmp)
+    if rank == 0:
+        if final.exists():  # re-saving a step: replace it
+            trash = root / f".trash_{name}"
+            os.replace(final, trash)
+            shutil.rmtree(trash)
+        os.replace(tmp, final)
+        _fsync_dir(root)
+        _write_text_atomic(root / LATEST, name)  # last: `latest` only ever names a complete one
+        for old in list_checkpoints(root)[:-keep_last]:
+            if old != final:
+                shutil.rmtree(old, ignore_errors=True)
+        log.info("checkpoint: saved step %d to %s in %.1fs", progress.step, final,
+                 time.monotonic() - t0)
+    _barrier("checkpoint committed")
+    return final
+
+
+# ----------------------------------------------------------------------------- load
+
+def check_checkpoint(path: str | Path, *, model_signature_now: Optional[dict] = None,
+                     tp: Optional[int] = None, pp: Optional[int] = None) -> dict:
+    """Validate a checkpoint without loading tensors; return its metadata.
+
+    Raises CheckpointError naming the problem: not a checkpoint, a missing or truncated file,
+    a model that differs from model_signature_now, or a tp/pp the saved model cannot split into.
+    """
+    step_dir = resolve_checkpoint(path)
+    try:
+        meta = json.loads((step_dir / "meta.json").read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{step_dir / 'meta.json'} is corrupt ({e})") from None
+    if meta.get("format") != FORMAT:
+        raise CheckpointError(f"{step_dir} has format {meta.get('format')!r}; expected {FORMAT!r}")
+    for rel, size in meta["files"].items():
+        f = step_dir / rel
+        if not f.is_file():
+            raise CheckpointError(f"checkpoint {step_dir} is incomplete: missing file {rel}")
+        if f.stat().st_size != size:
+            raise CheckpointError(f"checkpoint {step_dir} is damaged: {rel} has "
+                                  f"{f.stat().st_size} bytes, expected {size}")
+    saved = meta["model"]
+    heads, groups = saved["num_attention_heads"], saved["num_query_groups"] or saved[
+        "num_attention_heads"]
+    if tp is not None and (heads % tp or groups % tp):
+        raise CheckpointError(f"tp={tp} cannot split the checkpoint's model: it has "
+                              f"num_attention_heads={heads} and num_query_groups={groups}; use a "
+                              f"tp that divides both")
+    if pp is not None and saved["num_layers"] % pp:
+        raise CheckpointError(f"pp={pp} does not divide the checkpoint's num_layers="
+                              f"{saved['num_layers']}")
+    if model_signature_now is not None:
+        diff = {k: (saved.get(k), model_signature_now.get(k))
+                for k in sorted(set(saved) | set(model_signature_now))
+                if saved.get(k) != model_signature_now.get(k)}
+        if diff:
+            lines = ", ".join(f"{k}: checkpoint {a!r} vs model {b!r}" for k, (a, b) in diff.items())
+            raise CheckpointError(f"checkpoint {step_dir} was saved from a different model "
+                                  f"({lines}); load it into a model built from the same config")
+    return meta
+
+
+def load_checkpoint(path: str | Path, *, model: list, optimizer: Any = None, scheduler: Any = None,
+                    load_rng: bool = True) -> TrainProgress:
+    """Load a checkpoint into already-built model chunks (and optimizer / scheduler); collective.
+
+    Model weights load at any TP/PP that splits the model. Optimizer and RNG state require the
+    layout they were saved with (pass optimizer=None, load_rng=False to load weights only).
+    """
+    from megatron.core import dist_checkpointing
+
+    layout = _parallel_layout()
+    meta = check_checkpoint(path, model_signature_now=model_signature(model[0]),
+                            tp=layout["tp"], pp=layout["pp"])
+    step_dir = resolve_checkpoint(path)
+    saved_layout = meta["parallel"]
+    same_layout = all(saved_layout[k] == layout[k] for k in ("tp", "pp", "dp"))
+    if optimizer is not None:
+        if not meta["has_optimizer"]:
+            raise CheckpointError(f"{step_dir} has no optimizer state; pass optimizer=None to "
+                                  f"load the weights only")
+        if not same_layout:
+            raise CheckpointError(
+                f"{step_dir} holds optimizer state for tp={saved_layout['tp']} pp="
+                f"{saved_layout['pp']} dp={saved_layout['dp']}, this job is tp={layout['tp']} "
+                f"pp={layout['pp']} dp={layout['dp']}; resume with the saved layout, or load "
+                f"the weights only (optimizer=None)")
+        if meta["adam_step"] is not None and _adam_steps(optimizer) is None:
+            # empty torch-Adam state: create it so the sharded load has tensors to fill
+            for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
+                if hasattr(sub, "_init_optimizer_states_with_dummy_values"):  # DistributedOptimizer
+                    sub._init_optimizer_states_with_dummy_values()
+    t0 = time.monotonic()
+    sharded = _sharded_state(model, optimizer, is_loading=True)
+    loaded = dist_checkpointing.load(sharded, str(step_dir / "dist"))
+    with torch.no_grad():  # fp32 DistributedOptimizer shards are views of the model params
+        _unwrap(model[0]).load_state_dict(loaded["model"], strict=True)
+        if optimizer is not None:
+            optimizer.load_state_dict(loaded["optimizer"])
+            _restore_adam_steps(optimizer, meta["adam_step"])
+    if scheduler is not None and meta["scheduler"] is not None:
+        scheduler.load_state_dict(meta["scheduler"])
+    if load_rng:
+        rng_file = step_dir / "rng" / f"rank_{dist.get_rank():05d}.pt"
+        if not same_layout or saved_layout["world"] != layout["world"]:
+            log.warning("checkpoint: layout changed (%s -> %s): RNG states not restored",
+                        saved_layout, layout)
+        else:
+            _set_rng_state(torch.load(rng_file, weights_only=False))
+    _barrier("checkpoint loaded")
+    log.info("checkpoint: loaded step %d from %s in %.1fs", meta["step"], step_dir,
+             time.monotonic() - t0)
+    return TrainProgress(step=meta["step"], consumed_samples=meta["consumed_samples"],
+                         extra=meta.get("extra") or {})

@@ -1,0 +1,126 @@
+"""Megatron DDP + optimizer (+ DistributedOptimizer, grad clipping) + LR schedule from TrainerConfig.
+
+Order matters: wrap the model in megatron DDP first (the DistributedOptimizer shards the DDP grad
+buffers), then build the optimizer over the DDP chunks, then the scheduler. The scheduler is not
+optional: megatron applies per-group weight-decay multipliers (no decay on norms and biases) and
+the learning rate through it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from megarl.trainer.config import TrainerConfig
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def params_dtype(cfg: TrainerConfig) -> torch.dtype:
+    """The torch dtype of cfg.params_dtype."""
+    try:
+        return _DTYPES[cfg.params_dtype]
+    except KeyError:
+        raise ValueError(f"trainer.params_dtype={cfg.params_dtype!r}: use one of "
+                         f"{sorted(_DTYPES)}") from None
+
+
+def ddp_config(cfg: TrainerConfig):
+    """Megatron DDP settings: fp32 grad reduction, reduction at the end of the backward pass."""
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    return DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, overlap_grad_reduce=False, overlap_param_gather=False,
+        use_distributed_optimizer=cfg.use_distributed_optimizer, check_for_nan_in_grad=False)
+
+
+def wrap_ddp(cfg: TrainerConfig, model: torch.nn.Module):
+    """Wrap a GPTModel chunk in megatron DDP and install the grad-finalization hook.
+
+    Without ``config.finalize_model_grads_func`` the pipeline schedules never reduce gradients
+    across DP (nor tied embeddings across PP stages): every rank would step on its local grads.
+    """
+    from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
+
+    model.config.finalize_model_grads_func = finalize_model_grads
+    return DistributedDataParallel(config=model.config, ddp_config=ddp_config(cfg), module=model)
+
+
+def optimizer_config(cfg: TrainerConfig):
+    """megatron OptimizerConfig (AdamW) for the trainer section."""
+    from megatron.core.optimizer import OptimizerConfig
+
+    dtype = params_dtype(cfg)
+    return OptimizerConfig(
+        optimizer="adam", lr=cfg.lr, min_lr=cfg.min_lr, weight_decay=cfg.weight_decay,
+        adam_beta1=cfg.adam_beta1, adam_beta2=cfg.adam_beta2, adam_eps=cfg.adam_eps,
+        clip_grad=cfg.grad_clip, bf16=dtype == torch.bfloat16, params_dtype=dtype,
+        use_distributed_optimizer=cfg.use_distributed_optimizer, decoupled_weight_decay=True,
+        log_num_zeros_in_grad=False)
+
+
+def build_optimizer(cfg: TrainerConfig, ddp_chunks: list):
+    """The megatron optimizer over DDP-wrapped model chunks (a ChainedOptimizer of
+    DistributedOptimizer when use_distributed_optimizer)."""
+    from megatron.core.distributed import DistributedDataParallel
+    from megatron.core.optimizer import get_megatron_optimizer
+
+    if cfg.use_distributed_optimizer and not all(
+            isinstance(c, DistributedDataParallel) for c in ddp_chunks):
+        raise TypeError("build_optimizer: the DistributedOptimizer needs model chunks wrapped with "
+                        "megarl.trainer.optimizer.wrap_ddp")
+    return get_megatron_optimizer(optimizer_config(cfg), ddp_chunks)
+
+
+def build_scheduler(cfg: TrainerConfig, optimizer: Any, total_steps: int):
+    """OptimizerParamScheduler stepping once per optimizer step (increment=1).
+
+    lr warms up linearly over lr_warmup_steps, then follows lr_decay_style down to min_lr by
+    lr_decay_steps (0 = total_steps). Weight decay is constant."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    decay_steps = cfg.lr_decay_steps or total_steps
+    if cfg.lr_decay_style != "constant" and decay_steps <= cfg.lr_warmup_steps:
+        raise ValueError(f"trainer.lr_decay_steps={decay_steps} must exceed trainer."
+                         f"lr_warmup_steps={cfg.lr_warmup_steps} for lr_decay_style="
+                         f"{cfg.lr_decay_style!r}")
+    return OptimizerParamScheduler(
+        optimizer, init_lr=0.0 if cfg.lr_warmup_steps else cfg.lr, max_lr=cfg.lr,
+        min_lr=cfg.min_lr, lr_warmup_steps=cfg.lr_warmup_steps,
+        lr_decay_steps=max(decay_steps, cfg.lr_warmup_steps + 1), lr_decay_style=cfg.lr_decay_style,
+        start_wd=cfg.weight_decay, end_wd=cfg.weight_decay, wd_incr_steps=0,
+        wd_incr_style="constant", use_checkpoint_opt_param_scheduler=True,
+        override_opt_param_scheduler=False)
+
+
+@dataclass
+class TrainingObjects:
+    """What a training step needs besides data: the DDP-wrapped model chunks, optimizer, scheduler."""
+    model: list
+    optimizer: Any
+    scheduler: Any
+
+
+def build_training(cfg: TrainerConfig, model: torch.nn.Module | list,
+                   total_steps: int) -> TrainingObjects:
+    """DDP wrap + optimizer + scheduler for one GPTModel chunk (or a list of chunks)."""
+    chunks = model if isinstance(model, list) else [model]
+    ddp = [wrap_ddp(cfg, c) for c in chunks]
+    opt = build_optimizer(cfg, ddp)
+    return TrainingObjects(model=ddp, optimizer=opt, scheduler=build_scheduler(cfg, opt, total_steps))
+
+
+def optimizer_step(objs: TrainingObjects) -> dict:
+    """One optimizer + scheduler step after forward/backward; zeroes grads for the next step.
+
+    Returns {"update_successful", "grad_norm", "lr"}."""
+    ok, grad_norm, _ = objs.optimizer.step()
+    if ok:
+        objs.scheduler.step(increment=1)
+    for chunk in objs.model:
+        chunk.zero_grad_buffer()
+    objs.optimizer.zero_grad()
+    lr = objs.optimizer.param_groups[0]["lr"] if objs.optimizer.param_groups else float("nan")
+    return {"update_successful": bool(ok), "grad_norm": float(grad_norm or 0.0), "lr": float(lr)}

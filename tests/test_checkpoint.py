@@ -1,0 +1,250 @@
+"""Trainer checkpoints: bit-exact resume (TP=2; DP=2 + DistributedOptimizer), resharded weights,
+atomic saves under a crash, and clear errors for bad input.
+
+Two 2-process jobs share the work so megatron is imported only twice:
+  job 1: for each layout, N steps straight; then a fresh run of K steps + save; finally it starts
+         another save and hard-crashes mid-save (os._exit) after writing its results to disk.
+  job 2: new processes resume each layout from `latest` and run N-K steps; load the TP=2 weights
+         at TP=1 x PP=2; and feed the loader bad checkpoints.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from megarl.utils.dist import MultiprocessError, run_multiprocess
+
+SEQ, MICRO_BATCH, NUM_MICRO = 16, 2, 2
+N_STEPS, K_STEPS = 4, 2
+LAYOUTS = {"tp2": dict(tp=2, pp=1, distopt=False), "dp2": dict(tp=1, pp=1, distopt=True)}
+CRASH_EXIT_CODE = 17
+
+
+def _dims(ffn: int = 128):
+    from megarl.trainer.layouts import ModelDims
+    return ModelDims(family="llama", num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2,
+                     head_dim=16, ffn_hidden_size=ffn, vocab_size=512, rms_norm_eps=1e-5,
+                     rope_theta=10000.0, max_position_embeddings=64, tie_word_embeddings=False,
+                     qkv_bias=False)
+
+
+def _trainer_cfg(layout: dict):
+    from megarl.trainer.config import TrainerConfig
+    return TrainerConfig(tp=layout["tp"], pp=layout["pp"], dp=2 // (layout["tp"] * layout["pp"]),
+                         micro_batch_size=MICRO_BATCH, lr=1e-3, min_lr=1e-4, lr_warmup_steps=1,
+                         lr_decay_style="cosine", weight_decay=0.01, grad_clip=1.0,
+                         use_distributed_optimizer=layout["distopt"], seed=7)
+
+
+def _setup(layout: dict, with_optimizer: bool = True, ffn: int = 128):
+    from megarl.trainer.model import build_gpt_model
+    from megarl.trainer.optimizer import build_training
+    from megarl.utils.dist import init_model_parallel
+
+    cfg = _trainer_cfg(layout)
+    init_model_parallel(cfg.tp, cfg.pp, seed=cfg.seed)
+    model = build_gpt_model(_dims(ffn), spec="local")
+    if not with_optimizer:
+        return cfg, None, [model]
+    objs = build_training(cfg, model, total_steps=N_STEPS)
+    return cfg, objs, objs.model
+
+
+def _batch_from(tokens: torch.Tensor) -> dict:
+    b = tokens.shape[0]
+    return {"tokens": tokens[:, :-1], "labels": tokens[:, 1:],
+            "position_ids": torch.arange(SEQ).expand(b, SEQ),
+            "attention_mask": torch.triu(torch.ones(SEQ, SEQ, dtype=torch.bool), 1).expand(
+                b, 1, SEQ, SEQ)}
+
+
+def _forward_step(data_iterator, model):
+    b = next(data_iterator)
+    out = model(b["tokens"], b["position_ids"], b["attention_mask"], labels=b["labels"])
+
+    def loss_func(output_tensor):
+        loss = output_tensor.float().mean()
+        return loss, {"loss": loss.detach()}
+    return out, loss_func
+
+
+def _run_schedule(chunks, batches, forward_only=False) -> float:
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    losses = get_forward_backward_func()(
+        forward_step_func=_forward_step, data_iterator=iter(batches), model=chunks,
+        num_microbatches=len(batches), seq_length=SEQ, micro_batch_size=MICRO_BATCH,
+        forward_only=forward_only)
+    return float(sum(d["loss"] for d in losses)) if losses else float("nan")
+
+
+def _train_step(objs, cfg) -> float:
+    """One step on data drawn from the global torch RNG (so resume must restore it too)."""
+    from megatron.core import parallel_state as ps
+
+    from megarl.trainer.optimizer import optimizer_step
+
+    rows = MICRO_BATCH * NUM_MICRO
+    tokens = torch.randint(0, 512, (cfg.dp * rows, SEQ + 1))
+    mine = tokens[ps.get_data_parallel_rank() * rows:][:rows]
+    loss = _run_schedule(objs.model, [_batch_from(mine[i * MICRO_BATCH:][:MICRO_BATCH])
+                                      for i in range(NUM_MICRO)])
+    metrics = optimizer_step(objs)
+    assert metrics["update_successful"]
+    return loss
+
+
+def _weights(chunks) -> dict:
+    from megarl.trainer.checkpoint import _unwrap
+    return {n: p.detach().clone() for n, p in _unwrap(chunks[0]).named_parameters()}
+
+
+def _eval_loss(chunks) -> float:
+    g = torch.Generator().manual_seed(99)
+    batch = _batch_from(torch.randint(0, 512, (MICRO_BATCH, SEQ + 1), generator=g))
+    with torch.no_grad():
+        return _run_schedule(chunks, [batch], forward_only=True)
+
+
+def _job1(rank: int, world_size: int, root: str) -> None:
+    from megarl.trainer.checkpoint import TrainProgress, save_checkpoint
+
+    out = {}
+    for name, layout in LAYOUTS.items():
+        cfg, objs, _ = _setup(layout)
+        straight = [_train_step(objs, cfg) for _ in range(N_STEPS)]
+        res = {"straight": straight, "straight_weights": _weights(objs.model)}
+        cfg, objs, _ = _setup(layout)
+        res["first"] = [_train_step(objs, cfg) for _ in range(K_STEPS)]
+        save_checkpoint(Path(root) / name, model=objs.model, optimizer=objs.optimizer,
+                        scheduler=objs.scheduler, keep_last=1,
+                        progress=TrainProgress(step=K_STEPS, consumed_samples=K_STEPS * 8,
+                                               extra={"layout": name}))
+        res["saved_eval_loss"] = _eval_loss(objs.model)
+        out[name] = res
+    torch.save(out, Path(root) / f"job1_rank{rank}.pt")
+
+    # One more step, then a save that dies after writing its files but before the commit.
+    _train_step(objs, cfg)
+    save_checkpoint(Path(root) / "dp2", model=objs.model, optimizer=objs.optimizer,
+                    scheduler=objs.scheduler, keep_last=1,
+                    progress=TrainProgress(step=K_STEPS + 1, consumed_samples=0),
+                    _before_commit=lambda tmp: os._exit(CRASH_EXIT_CODE))
+
+
+def _error_of(fn) -> str:
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - the test asserts on the message
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def _job2(rank: int, world_size: int, root: str) -> dict:
+    from megarl.trainer.checkpoint import load_checkpoint
+
+    out = {}
+    for name, layout in LAYOUTS.items():
+        cfg, objs, _ = _setup(layout)
+        progress = load_checkpoint(Path(root) / name, model=objs.model, optimizer=objs.optimizer,
+                                   scheduler=objs.scheduler)
+        resumed = [_train_step(objs, cfg) for _ in range(N_STEPS - K_STEPS)]
+        out[name] = {"progress": (progress.step, progress.consumed_samples, progress.extra),
+                     "resumed": resumed, "weights": _weights(objs.model)}
+
+    # weights saved at TP=2 load at TP=1 x PP=2
+    _, _, chunks = _setup(dict(tp=1, pp=2, distopt=False), with_optimizer=False)
+    load_checkpoint(Path(root) / "tp2", model=chunks, load_rng=False)
+    out["reshard_eval_loss"] = _eval_loss(chunks)
+
+    # bad input: a different model, a missing shard, optimizer state at another layout
+    _, _, chunks = _setup(LAYOUTS["dp2"], with_optimizer=False, ffn=256)
+    out["err_model"] = _error_of(lambda: load_checkpoint(Path(root) / "dp2", model=chunks))
+    broken = Path(root) / "broken"
+    if rank == 0:
+        shutil.copytree(Path(root) / "dp2", broken)
+        step_dir = broken / (broken / "latest").read_text().strip()
+        victim = sorted((step_dir / "dist").glob("*.distcp"))[0]
+        victim.unlink()
+        out["victim"] = victim.name
+    torch.distributed.barrier()
+    cfg, objs, _ = _setup(LAYOUTS["dp2"])
+    out["err_missing"] = _error_of(lambda: load_checkpoint(broken, model=objs.model))
+    cfg, objs, _ = _setup(dict(tp=2, pp=1, distopt=True))
+    out["err_layout"] = _error_of(lambda: load_checkpoint(
+        Path(root) / "dp2", model=objs.model, optimizer=objs.optimizer))
+    return out
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    """(root, job1 per-rank results, job2 per-rank results)."""
+    root = tmp_path_factory.mktemp("ckpt")
+    with pytest.raises(MultiprocessError, match=f"exit code {CRASH_EXIT_CODE}"):
+        run_multiprocess(_job1, 2, str(root), timeout_s=240)
+    job1 = [torch.load(root / f"job1_rank{r}.pt", weights_only=False) for r in range(2)]
+    job2 = run_multiprocess(_job2, 2, str(root), timeout_s=240)
+    return root, job1, job2
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_resume_is_bit_exact(results, layout):
+    _, job1, job2 = results
+    for rank in range(2):
+        a, b = job1[rank][layout], job2[rank][layout]
+        assert b["progress"] == (K_STEPS, K_STEPS * 8, {"layout": layout})
+        assert a["first"] == a["straight"][:K_STEPS]  # same seed, same start
+        assert b["resumed"] == a["straight"][K_STEPS:], (rank, a["straight"], b["resumed"])
+        for n, w in a["straight_weights"].items():
+            assert torch.equal(w, b["weights"][n]), f"rank {rank} {layout}: {n} differs"
+    # the run actually trained and the DP ranks saw different data
+    assert job1[0][layout]["straight"][-1] < job1[0][layout]["straight"][0]
+    if layout == "dp2":
+        assert job1[0]["dp2"]["straight"] != job1[1]["dp2"]["straight"]
+
+
+def test_weights_reshard_tp2_to_pp2(results):
+    _, job1, job2 = results
+    saved = job1[0]["tp2"]["saved_eval_loss"]
+    resharded = [r["reshard_eval_loss"] for r in job2 if r["reshard_eval_loss"] == r[
+        "reshard_eval_loss"]]  # the last PP stage has the loss, the other NaN
+    assert len(resharded) == 1
+    assert abs(resharded[0] - saved) < 1e-5, (resharded, saved)
+
+
+def test_crash_mid_save_keeps_previous_checkpoint(results):
+    from megarl.trainer.checkpoint import latest_checkpoint, list_checkpoints
+
+    root, _, _ = results  # job 2 resumed from it: the previous checkpoint was loadable
+    assert latest_checkpoint(root / "dp2").name == f"step_{K_STEPS:08d}"
+    assert [p.name for p in list_checkpoints(root / "dp2")] == [f"step_{K_STEPS:08d}"]
+    assert (root / "dp2" / f".tmp_step_{K_STEPS + 1:08d}").is_dir()  # the crashed save's debris
+
+
+def test_bad_input_errors_name_the_problem(results):
+    r = results[2][0]
+    assert "different model" in r["err_model"] and "ffn_hidden_size: checkpoint 128 vs model 256" \
+        in r["err_model"], r["err_model"]
+    assert "incomplete: missing file" in r["err_missing"] and r["victim"] in r["err_missing"], \
+        r["err_missing"]
+    assert "optimizer state for tp=1 pp=1 dp=2" in r["err_layout"] and "tp=2" in r["err_layout"]
+
+
+def test_wrong_tp_for_heads_and_not_a_checkpoint(results, tmp_path):
+    from megarl.trainer.checkpoint import CheckpointError, check_checkpoint
+
+    root = results[0]
+    with pytest.raises(CheckpointError, match=r"tp=3 cannot split .*num_attention_heads=4"):
+        check_checkpoint(root / "tp2", tp=3)
+    with pytest.raises(CheckpointError, match="does not exist"):
+        check_checkpoint(tmp_path / "nope")
+    with pytest.raises(CheckpointError, match="not a megarl checkpoint"):
+        check_checkpoint(tmp_path)
+    meta = check_checkpoint(root / "tp2")
+    assert meta["parallel"] == {"tp": 2, "pp": 1, "dp": 1, "world": 2} and meta["step"] == K_STEPS
+    json.dumps(meta)  # plain JSON
