@@ -21,6 +21,7 @@ import dataclasses
 import json
 import logging
 import os
+import queue
 import random
 import shutil
 import time
@@ -152,6 +153,15 @@ def _sharded_state(model_chunks: list, optimizer: Any, is_loading: bool) -> dict
     return out
 
 
+def _in_process_write_queue() -> None:
+    """Our saves are synchronous: megatron's writer then runs in this process and only needs an
+    in-process queue for its results. Its default is a multiprocessing Manager server per rank,
+    which outlives a rank that is killed and leaks one process per crash."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+    if getattr(filesystem_async, "_results_queue", "absent") is None:
+        filesystem_async._results_queue = queue.Queue()
+
+
 # ----------------------------------------------------------------------------- files
 
 def _fsync_tree(root: Path) -> None:
@@ -256,6 +266,7 @@ def save_checkpoint(checkpoint_dir: str | Path, *, model: list, optimizer: Any =
         (tmp / "rng").mkdir()
     _barrier("temp dir created")
 
+    _in_process_write_queue()
     dist_checkpointing.save(_sharded_state(model, optimizer, is_loading=False), str(tmp / "dist"))
     torch.save(_rng_state(), tmp / "rng" / f"rank_{rank:05d}.pt")
     _barrier("shards written")
