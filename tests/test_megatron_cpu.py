@@ -256,5 +256,6 @@ def _crash_or_hang(rank: int, world_size: int, mode: str) -> int:
 def test_run_multiprocess_reports_crash_and_timeout():
     with pytest.raises(MultiprocessError, match="rank 1 of 2 .* exit code 3"):
         run_multiprocess(_crash_or_hang, 2, "crash", timeout_s=60)
-    with pytest.raises(MultiprocessError, match=r"ranks \[1\] of 2 .* within 15s"):
-        run_multiprocess(_crash_or_hang, 2, "hang", timeout_s=15)
+    # rank 0 may not even have started on a loaded machine: [1] or [0, 1] are both right
+    with pytest.raises(MultiprocessError, match=r"ranks \[(0, )?1\] of 2 .* within 10s"):
+        run_multiprocess(_crash_or_hang, 2, "hang", timeout_s=10)
