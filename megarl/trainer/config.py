@@ -36,8 +36,9 @@ class TrainerConfig:
     # --- optimizer (AdamW) ---
     lr: float = knob(1.0e-6, help="Peak learning rate (per step, AdamW). Default 1e-6.")
     min_lr: float = knob(0.0, help="Floor of the decayed learning rate (linear/cosine). Default 0.")
-    lr_warmup_steps: int = knob(0, help="Linear warmup from 0 to lr over this many optimizer steps "
-                                "(steps). Default 0.")
+    lr_warmup_steps: int = knob(0, help="Linear warmup over this many optimizer steps (steps): "
+                                "megatron's schedule gives step s the lr*s/lr_warmup_steps, so "
+                                "step 0 runs at lr 0. Default 0.")
     lr_decay_steps: int = knob(0, help="Steps over which lr decays to min_lr after warmup (steps); "
                                "0 = controller.steps. Default 0.")
     lr_decay_style: str = knob("constant", choices=LR_DECAY_STYLES,
