@@ -147,3 +147,51 @@ def test_smollm2_converted_loads_and_answers(smollm2_dir):
         out = model.generate(ids, max_new_tokens=12, do_sample=False)
     answer = tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
     assert "5" in answer, answer
+
+
+
+_VLLM_GREEDY_SCRIPT = """
+import json, os, sys
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+def main():
+    from vllm import LLM, SamplingParams
+    prompt, paths = sys.argv[1], sys.argv[2:]
+    result = {}
+    for path in paths:
+        llm = LLM(model=path, dtype="float32", enforce_eager=True, max_model_len=128, seed=0)
+        out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8))
+        result[path] = list(out[0].outputs[0].token_ids)
+        del llm
+    print("RESULT " + json.dumps(result))
+
+if __name__ == "__main__":
+    main()
+"""
+
+
+@pytest.mark.slow
+def test_tiny_checkpoints_load_in_vllm_and_match_hf_greedy(tiny_llama_tied_dir, tiny_qwen2_dir, tmp_path):
+    """vLLM (CPU) loads the tiny folders offline and its greedy tokens equal transformers'."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "vllm_greedy.py"
+    script.write_text(_VLLM_GREEDY_SCRIPT)
+    paths = [str(tiny_llama_tied_dir), str(tiny_qwen2_dir)]
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))
+    run = subprocess.run(
+        [sys.executable, str(script), PROMPT, *paths], capture_output=True, text=True, timeout=600, env=env
+    )
+    assert run.returncode == 0, run.stderr[-4000:]
+    (line,) = [line for line in run.stdout.splitlines() if line.startswith("RESULT ")]
+    vllm_tokens = json.loads(line[len("RESULT ") :])
+    for path in paths:
+        model, tokenizer = _load(path)
+        ids = tokenizer(PROMPT, return_tensors="pt").input_ids
+        with torch.no_grad():
+            hf_tokens = model.generate(ids, max_new_tokens=8, do_sample=False)[0, ids.shape[1] :].tolist()
+        assert vllm_tokens[path] == hf_tokens, path
