@@ -250,3 +250,27 @@ def test_wrong_tp_for_heads_and_not_a_checkpoint(results, tmp_path):
     meta = check_checkpoint(root / "tp2")
     assert meta["parallel"] == {"tp": 2, "pp": 1, "dp": 1, "world": 2} and meta["step"] == K_STEPS
     json.dumps(meta)  # plain JSON
+
+
+def test_resume_path_and_save_schedule(tmp_path):
+    from megarl.trainer.checkpoint import (CheckpointError, checkpoint_root, resume_path,
+                                           should_save)
+    from megarl.trainer.config import TrainerConfig
+
+    cfg = TrainerConfig()
+    assert checkpoint_root(cfg, tmp_path) == tmp_path / "checkpoints"
+    assert resume_path(cfg, tmp_path) is None                          # default: start fresh
+    auto = TrainerConfig(resume_from="auto")
+    assert resume_path(auto, tmp_path) is None                         # nothing saved yet
+    step = tmp_path / "checkpoints" / "step_00000003"
+    step.mkdir(parents=True)
+    (step / "meta.json").write_text("{}")
+    (tmp_path / "checkpoints" / "latest").write_text("step_00000003")
+    assert resume_path(auto, tmp_path) == step
+    assert resume_path(TrainerConfig(resume_from=str(tmp_path / "checkpoints")), tmp_path) == step
+    (tmp_path / "checkpoints" / "latest").write_text("step_00000009")  # dangling pointer
+    with pytest.raises(CheckpointError, match="not a complete checkpoint"):
+        resume_path(auto, tmp_path)
+    every2 = TrainerConfig(checkpoint_interval=2)
+    assert [s for s in range(1, 8) if should_save(every2, s, last_step=7)] == [2, 4, 6, 7]
+    assert [s for s in range(1, 8) if should_save(cfg, s, last_step=7)] == [7]

@@ -26,11 +26,14 @@ import random
 import shutil
 import time
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import numpy as np
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from megarl.trainer.config import TrainerConfig
 
 log = logging.getLogger(__name__)
 
@@ -237,6 +240,29 @@ def resolve_checkpoint(path: str | Path) -> Path:
         raise CheckpointError(f"checkpoint {p} does not exist")
     raise CheckpointError(f"{p} is not a megarl checkpoint: no meta.json (a step folder) and no "
                           f"`{LATEST}` file (a checkpoint dir)")
+
+
+def checkpoint_root(cfg: "TrainerConfig", run_dir: str | Path) -> Path:
+    """trainer.checkpoint_dir, or <run dir>/checkpoints when it is ''."""
+    return Path(cfg.checkpoint_dir) if cfg.checkpoint_dir else Path(run_dir) / "checkpoints"
+
+
+def resume_path(cfg: "TrainerConfig", run_dir: str | Path) -> Optional[Path]:
+    """The step folder trainer.resume_from asks for; None = start fresh.
+
+    'auto' resumes from the latest checkpoint under checkpoint_root if there is one."""
+    if cfg.resume_from in (None, ""):
+        return None
+    if cfg.resume_from == "auto":
+        return latest_checkpoint(checkpoint_root(cfg, run_dir))
+    return resolve_checkpoint(cfg.resume_from)
+
+
+def should_save(cfg: "TrainerConfig", step: int, last_step: int) -> bool:
+    """Save after `step` (1-based count of finished steps)? Every checkpoint_interval steps (0 = off)
+    and always after the last step."""
+    every = cfg.checkpoint_interval
+    return step == last_step or (every > 0 and step % every == 0)
 
 
 # ----------------------------------------------------------------------------- save
