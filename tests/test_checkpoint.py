@@ -24,7 +24,10 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="written for t
 
 SEQ, MICRO_BATCH, NUM_MICRO = 16, 2, 2
 N_STEPS, K_STEPS = 4, 2
-LAYOUTS = {"tp2": dict(tp=2, pp=1, distopt=False), "dp2": dict(tp=1, pp=1, distopt=True)}
+# TP=2 (plain fp32 optimizer), DP=2 + DistributedOptimizer, and bf16 weights with fp32 master
+# copies at DP=2 (megatron's Float16Optimizer path)
+LAYOUTS = {"tp2": dict(tp=2, pp=1, distopt=False), "dp2": dict(tp=1, pp=1, distopt=True),
+           "dp2_bf16": dict(tp=1, pp=1, distopt=False, dtype="bfloat16")}
 CRASH_EXIT_CODE = 17
 
 
@@ -41,17 +44,18 @@ def _trainer_cfg(layout: dict):
     return TrainerConfig(tp=layout["tp"], pp=layout["pp"], dp=2 // (layout["tp"] * layout["pp"]),
                          micro_batch_size=MICRO_BATCH, lr=1e-3, min_lr=1e-4, lr_warmup_steps=1,
                          lr_decay_style="cosine", weight_decay=0.01, grad_clip=1.0,
-                         use_distributed_optimizer=layout["distopt"], seed=7)
+                         use_distributed_optimizer=layout["distopt"], seed=7,
+                         params_dtype=layout.get("dtype", "float32"))
 
 
 def _setup(layout: dict, with_optimizer: bool = True, ffn: int = 128):
     from megarl.trainer.model import build_gpt_model
-    from megarl.trainer.optimizer import build_training
+    from megarl.trainer.optimizer import build_training, params_dtype
     from megarl.utils.dist import init_model_parallel
 
     cfg = _trainer_cfg(layout)
     init_model_parallel(cfg.tp, cfg.pp, seed=cfg.seed)
-    model = build_gpt_model(_dims(ffn), spec="local")
+    model = build_gpt_model(_dims(ffn), spec="local", params_dtype=params_dtype(cfg))
     if not with_optimizer:
         return cfg, None, [model]
     objs = build_training(cfg, model, total_steps=N_STEPS)
@@ -206,8 +210,8 @@ def test_resume_is_bit_exact(results, layout):
             assert torch.equal(w, b["weights"][n]), f"rank {rank} {layout}: {n} differs"
     # the run actually trained and the DP ranks saw different data
     assert job1[0][layout]["straight"][-1] < job1[0][layout]["straight"][0]
-    if layout == "dp2":
-        assert job1[0]["dp2"]["straight"] != job1[1]["dp2"]["straight"]
+    if layout.startswith("dp2"):
+        assert job1[0][layout]["straight"] != job1[1][layout]["straight"]
 
 
 def test_weights_reshard_tp2_to_pp2(results):

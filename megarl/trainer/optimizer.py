@@ -41,11 +41,21 @@ def wrap_ddp(cfg: TrainerConfig, model: torch.nn.Module):
 
     Without ``config.finalize_model_grads_func`` the pipeline schedules never reduce gradients
     across DP (nor tied embeddings across PP stages): every rank would step on its local grads.
+    With bfloat16 params the chunk is first wrapped in megatron's Float16Module, as megatron's
+    own training does: it casts every parameter (the local spec's norms are created in fp32) so
+    the optimizer keeps one fp32 master copy per param, and hands fp32 outputs to the loss.
     """
     from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
+    from megatron.core.transformer.module import Float16Module
 
-    model.config.finalize_model_grads_func = finalize_model_grads
-    return DistributedDataParallel(config=model.config, ddp_config=ddp_config(cfg), module=model)
+    config = model.config
+    if params_dtype(cfg) == torch.bfloat16:
+        if not config.bf16:
+            raise ValueError("trainer.params_dtype=bfloat16 but the model was built without "
+                             "bf16=True; build it with the same params_dtype")
+        model = Float16Module(config, model)
+    config.finalize_model_grads_func = finalize_model_grads
+    return DistributedDataParallel(config=config, ddp_config=ddp_config(cfg), module=model)
 
 
 def optimizer_config(cfg: TrainerConfig):
