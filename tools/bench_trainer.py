@@ -1,0 +1,176 @@
+"""Benchmark: megarl's training step against a bare megatron step on the same model and batch.
+
+"ours" is ``megarl.trainer.train_step.train_step`` (vocab-parallel logprobs, the policy loss from
+the registry, metric reduction, DDP + optimizer + scheduler step). "bare" is what a megatron user
+would write for the same work: megatron's pipeline schedule with the model's built-in
+cross-entropy on the same tokens, then the same optimizer/scheduler step. Both run on the same
+model objects, interleaved (ours, bare, ours, bare, ...) so machine noise hits both alike; the
+ratio of median tokens/s (target >= 0.9) is printed and written to a JSON (and a PNG when
+matplotlib is installed).
+
+    .venv/bin/python tools/bench_trainer.py [--world 1] [--tp 1] [--pp 1] [--threads 2] \\
+        [--layers 4 --hidden 256 --heads 4 --kv-heads 2 --vocab 8192] [--batch 8 --seq 256] \\
+        [--micro-batch 4] [--repeats 5] [--out runs/bench]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from megarl.utils.dist import run_multiprocess
+
+
+def _dims(a: argparse.Namespace):
+    from megarl.trainer.layouts import ModelDims
+    return ModelDims(family="llama", num_layers=a.layers, hidden_size=a.hidden, num_heads=a.heads,
+                     num_kv_heads=a.kv_heads, head_dim=a.hidden // a.heads,
+                     ffn_hidden_size=a.ffn or 4 * a.hidden, vocab_size=a.vocab, rms_norm_eps=1e-5,
+                     rope_theta=10000.0, max_position_embeddings=max(a.seq, 64),
+                     tie_word_embeddings=False, qkv_bias=False)
+
+
+def _rollout_batch(a: argparse.Namespace):
+    """Full-length rows (prompt = first quarter, response = the rest) so both steps see the same
+    B x S tokens."""
+    from megarl.trainer.batch import RolloutBatch
+
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, a.vocab, (a.batch, a.seq), generator=g)
+    prompt = max(1, a.seq // 4)
+    mask = [[0.0] * prompt + [1.0] * (a.seq - prompt)] * a.batch
+    behav = (-torch.rand(a.batch, a.seq, generator=g) * 3).tolist()
+    adv = (torch.randn(a.batch, generator=g)).tolist()
+    return RolloutBatch.from_sequences(tokens.tolist(), mask, behav_logprobs=behav, advantages=adv,
+                                       versions=[[0] * a.seq] * a.batch)
+
+
+def _bare_step(objs, batch, micro_batch_size: int) -> None:
+    """Megatron as-is: schedule + GPTModel's own cross-entropy (labels) + optimizer step."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from megarl.trainer.optimizer import optimizer_step
+    from megarl.trainer.train_step import dp_share
+
+    micro = dp_share(batch).micro_batches(micro_batch_size)
+
+    def forward_step(data_iterator, model):
+        mb = next(data_iterator)
+        labels = torch.roll(mb.input_ids, -1, dims=1)  # next token (the last wraps: timing only)
+        out = model(**mb.model_inputs(), labels=labels)
+
+        def loss_func(per_token):
+            return (per_token.float() * mb.loss_mask).sum() / mb.loss_mask.sum().clamp(min=1), {}
+        return out, loss_func
+
+    get_forward_backward_func()(
+        forward_step_func=forward_step, data_iterator=iter(micro), model=objs.model,
+        num_microbatches=len(micro), seq_length=batch.input_ids.shape[1],
+        micro_batch_size=micro_batch_size, forward_only=False)
+    optimizer_step(objs)
+
+
+def _worker(rank: int, world: int, a: argparse.Namespace) -> dict:
+    from megarl.trainer.config import TrainerConfig
+    from megarl.trainer.model import build_gpt_model
+    from megarl.trainer.optimizer import build_training, params_dtype
+    from megarl.trainer.train_step import train_step
+    from megarl.utils.dist import init_model_parallel
+
+    torch.set_num_threads(a.threads)
+    cfg = TrainerConfig(tp=a.tp, pp=a.pp, dp=world // (a.tp * a.pp), lr=1e-5,
+                        micro_batch_size=a.micro_batch, params_dtype=a.dtype,
+                        use_distributed_optimizer=world // (a.tp * a.pp) > 1)
+    init_model_parallel(cfg.tp, cfg.pp, seed=0)
+    model = build_gpt_model(_dims(a), params_dtype=params_dtype(cfg))
+    objs = build_training(cfg, model, total_steps=10 * a.repeats)
+    batch = _rollout_batch(a)
+
+    def ours():
+        train_step(objs, batch, loss_name=a.loss, loss_params={}, micro_batch_size=a.micro_batch,
+                   current_version=0)
+
+    def bare():
+        _bare_step(objs, batch, a.micro_batch)
+
+    times: dict[str, list[float]] = {"ours": [], "bare": []}
+    for i in range(a.repeats + 1):  # the first round is warm-up
+        for name, fn in (("ours", ours), ("bare", bare)) if i % 2 == 0 else (("bare", bare),
+                                                                              ("ours", ours)):
+            torch.distributed.barrier()
+            t0 = time.perf_counter()
+            fn()
+            torch.distributed.barrier()
+            if i:
+                times[name].append(time.perf_counter() - t0)
+    return times
+
+
+def _plot(result: dict, path: Path) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: skipping the PNG")
+        return
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9, 3.5))
+    ax1.bar(["megarl train_step", "bare megatron"],
+            [result["ours_tokens_per_s"], result["bare_tokens_per_s"]], color=["C0", "C7"])
+    ax1.set_ylabel("tokens / s (median)")
+    ax1.set_title(f"ratio {result['ratio']:.3f} (target >= 0.9)")
+    for name, color in (("ours", "C0"), ("bare", "C7")):
+        ax2.plot(result["times_s"][name], "o-", color=color, label=name)
+    ax2.set_xlabel("repeat")
+    ax2.set_ylabel("step time (s)")
+    ax2.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--world", type=int, default=1, help="trainer ranks (processes)")
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--threads", type=int, default=2, help="torch threads per rank")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--ffn", type=int, default=0, help="0 = 4 * hidden")
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--vocab", type=int, default=8192)
+    p.add_argument("--batch", type=int, default=8, help="sequences per step (global)")
+    p.add_argument("--seq", type=int, default=256, help="tokens per sequence")
+    p.add_argument("--micro-batch", type=int, default=4, help="sequences per micro-batch")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    p.add_argument("--loss", default="aipo")
+    p.add_argument("--repeats", type=int, default=5, help="timed steps of each kind")
+    p.add_argument("--timeout", type=float, default=1200.0, help="seconds for the whole run")
+    p.add_argument("--out", default="runs/bench")
+    a = p.parse_args()
+
+    results = run_multiprocess(_worker, a.world, a, timeout_s=a.timeout)
+    times = results[0]
+    tokens = a.batch * a.seq
+    ours_tps = tokens / statistics.median(times["ours"])
+    bare_tps = tokens / statistics.median(times["bare"])
+    result = {"bench": "trainer_step", "config": vars(a), "tokens_per_step": tokens,
+              "ours_tokens_per_s": ours_tps, "bare_tokens_per_s": bare_tps,
+              "ratio": ours_tps / bare_tps, "times_s": times}
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench_trainer.json").write_text(json.dumps(result, indent=1))
+    print(f"train_step: megarl {ours_tps:.0f} tok/s vs bare megatron {bare_tps:.0f} tok/s -> "
+          f"ratio {result['ratio']:.3f} (target >= 0.9); wrote {out / 'bench_trainer.json'}")
+    _plot(result, out / "bench_trainer.png")
+
+
+if __name__ == "__main__":
+    main()
