@@ -1,0 +1,129 @@
+"""One optimizer step of the policy on a batch of rollouts (TP x PP x DP, megatron schedules).
+
+Every trainer rank calls :func:`train_step` with the same global batch; DP rank ``r`` trains on
+its contiguous share of the rows, split into micro-batches (gradient accumulation), through
+megatron's forward-backward pipeline schedule, then megatron DDP reduces the gradients and the
+(distributed) optimizer clips and steps, and the LR scheduler advances.
+
+Loss normalisation: each micro-batch loss is ``policy_loss(..., agg_denominator=D)`` with ``D``
+the *global* count (loss tokens for ``token-mean``, sequences for the ``seq-mean-*``
+aggregations), so the micro-batch losses of all DP ranks sum to the loss of the whole batch. The
+result is independent of micro-batch size, DP and TP (up to float rounding). Megatron divides each
+micro-batch loss by the number of micro-batches and DDP averages over DP; we pre-multiply by both.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from megarl.trainer.batch import RolloutBatch
+from megarl.trainer.logprobs import run_pipeline, token_logprobs
+
+
+def _global_denominator(batch: RolloutBatch, aggregation: str) -> float:
+    if aggregation == "token-mean":
+        return max(float(batch.loss_mask.sum()), 1.0)
+    return max(float((batch.loss_mask.sum(-1) > 0).sum()), 1.0)  # sequences with a loss token
+
+
+def dp_share(batch: RolloutBatch) -> RolloutBatch:
+    """This DP rank's contiguous rows of the global batch."""
+    from megatron.core import parallel_state as ps
+
+    dp, rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    if batch.batch_size % dp:
+        raise ValueError(f"batch of {batch.batch_size} sequences does not split over data parallel size "
+                         f"dp={dp}: make the global batch a multiple of dp")
+    per = batch.batch_size // dp
+    return batch.select(slice(rank * per, (rank + 1) * per))
+
+
+def _reduce_metrics(sums: dict[str, float], weight: float) -> dict[str, float]:
+    """Token-weighted mean of per-micro-batch metrics over micro-batches and DP ranks; the
+    counts ("tokens") are summed. Result lives on the last PP stage, then goes to every stage."""
+    from megatron.core import parallel_state as ps
+
+    group = ps.get_data_parallel_group()
+    all_keys: list = [None] * ps.get_data_parallel_world_size()
+    torch.distributed.all_gather_object(all_keys, sorted(sums), group=group)
+    keys = sorted(set().union(*all_keys))  # data-dependent keys (e.g. staleness buckets) may differ
+    vec = torch.tensor([sums.get(k, 0.0) for k in keys] + [weight], dtype=torch.float64)
+    torch.distributed.all_reduce(vec, group=group)
+    total_w = max(float(vec[-1]), 1.0)
+    return {k: (float(v) if k in ("tokens", "loss") else float(v) / total_w) for k, v in zip(keys, vec[:-1])}
+
+
+def _broadcast_metrics(metrics: dict | None) -> dict:
+    from megatron.core import parallel_state as ps
+
+    if ps.get_pipeline_model_parallel_world_size() == 1:
+        return metrics or {}
+    box = [metrics]
+    torch.distributed.broadcast_object_list(box, src=ps.get_pipeline_model_parallel_last_rank(),
+                                            group=ps.get_pipeline_model_parallel_group())
+    return box[0]
+
+
+def train_step(objs, batch: RolloutBatch, *, loss_name: str, loss_params: dict[str, Any] | None = None,
+               micro_batch_size: int, temperature: float = 1.0, current_version: int | None = None) -> dict:
+    """One optimizer step on ``batch`` (the same global batch on every trainer rank).
+
+    Args:
+        objs: ``megarl.trainer.optimizer.TrainingObjects`` (DDP model chunk, optimizer, scheduler).
+        loss_name, loss_params: a loss of ``megarl.algorithms`` and its keyword params
+            (``megarl.algorithms.loss_params(cfg)``).
+        micro_batch_size: sequences per forward/backward on one DP rank.
+        temperature: logits are divided by it before log-softmax (see ``logprobs.py`` convention).
+        current_version: the policy version being trained (staleness metrics, a3po).
+    Returns (on every rank): ``loss`` (the whole batch's loss), ``grad_norm``, ``lr``,
+    ``update_successful``, ``tokens`` (loss tokens), ``micro_batches`` and the loss's metrics
+    averaged over loss tokens (prefixed ``loss/``).
+    """
+    from megatron.core import parallel_state as ps
+
+    from megarl.algorithms import policy_loss
+    from megarl.trainer.model import unwrap
+    from megarl.trainer.optimizer import optimizer_step
+
+    params = dict(loss_params or {})
+    if params.get("entropy_coef", 0.0):
+        raise ValueError("entropy_coef != 0 needs a differentiable vocab-parallel entropy, which the trainer "
+                         "does not compute; set algorithm.entropy_coef: 0")
+    params.pop("agg_denominator", None)
+    aggregation = params.get("aggregation", "token-mean")
+    denominator = _global_denominator(batch, aggregation)
+    (model,) = objs.model
+    vocab = unwrap(model).megarl_dims.vocab_size
+    micro = dp_share(batch).micro_batches(micro_batch_size)
+    scale = len(micro) * ps.get_data_parallel_world_size()  # undo megatron's 1/num_mb and DDP's 1/dp
+    sums: dict[str, float] = {}
+    weight = 0.0
+
+    def on_logits(mb: RolloutBatch, logits: torch.Tensor):
+        nonlocal weight
+        logprobs, _ = token_logprobs(logits, mb.input_ids, vocab, temperature)
+        loss, metrics = policy_loss(
+            loss_name, logprobs=logprobs, behav_logprobs=mb.behav_logprobs, advantages=mb.advantages,
+            mask=mb.loss_mask, prox_logprobs=mb.prox_logprobs, versions=mb.versions,
+            current_version=current_version, agg_denominator=denominator, **params)
+        w = float(mb.loss_mask.sum())
+        for k, v in metrics.items():
+            if k in ("tokens", "loss"):
+                continue
+            sums[k] = sums.get(k, 0.0) + float(v) * w
+        sums["tokens"] = sums.get("tokens", 0.0) + w
+        sums["loss"] = sums.get("loss", 0.0) + float(loss.detach())
+        weight += w
+        return loss * scale, {}
+
+    model.train()
+    run_pipeline(model, micro, on_logits, forward_only=False)
+    metrics = _reduce_metrics(sums, weight) if ps.is_pipeline_last_stage() else None
+    metrics = _broadcast_metrics(metrics)
+    step = optimizer_step(objs)
+    out = {"loss": metrics.get("loss", float("nan")), "tokens": metrics.get("tokens", 0.0),
+           "micro_batches": len(micro), **step}
+    out.update({f"loss/{k}": v for k, v in metrics.items() if k not in ("loss", "tokens")})
+    return out
