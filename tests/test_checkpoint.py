@@ -126,11 +126,14 @@ def _job1(rank: int, world_size: int, root: str) -> None:
         straight = [_train_step(objs, cfg) for _ in range(N_STEPS)]
         res = {"straight": straight, "straight_weights": _weights(objs.model)}
         cfg, objs, _ = _setup(layout)
-        res["first"] = [_train_step(objs, cfg) for _ in range(K_STEPS)]
-        save_checkpoint(Path(root) / name, model=objs.model, optimizer=objs.optimizer,
-                        scheduler=objs.scheduler, keep_last=1,
-                        progress=TrainProgress(step=K_STEPS, consumed_samples=K_STEPS * 8,
-                                               extra={"layout": name}))
+        res["first"] = []
+        for step in range(1, K_STEPS + 1):
+            res["first"].append(_train_step(objs, cfg))
+            if step == K_STEPS or name == "tp2":  # tp2 also saves step 1, which keep_last prunes
+                save_checkpoint(Path(root) / name, model=objs.model, optimizer=objs.optimizer,
+                                scheduler=objs.scheduler, keep_last=1,
+                                progress=TrainProgress(step=step, consumed_samples=step * 8,
+                                                       extra={"layout": name}))
         res["saved_eval_loss"] = _eval_loss(objs.model)
         out[name] = res
     torch.save(out, Path(root) / f"job1_rank{rank}.pt")
@@ -227,6 +230,7 @@ def test_crash_mid_save_keeps_previous_checkpoint(results):
     from megarl.trainer.checkpoint import latest_checkpoint, list_checkpoints
 
     root, _, _ = results  # job 2 resumed from it: the previous checkpoint was loadable
+    assert [p.name for p in list_checkpoints(root / "tp2")] == [f"step_{K_STEPS:08d}"]  # pruned
     assert latest_checkpoint(root / "dp2").name == f"step_{K_STEPS:08d}"
     assert [p.name for p in list_checkpoints(root / "dp2")] == [f"step_{K_STEPS:08d}"]
     assert (root / "dp2" / f".tmp_step_{K_STEPS + 1:08d}").is_dir()  # the crashed save's debris
