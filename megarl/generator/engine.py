@@ -1,0 +1,241 @@
+"""One generator replica: a process hosting a vLLM engine, driven over a pipe.
+
+The replica owns its engine's step loop (an in-process ``LLMEngine``; for TP > 1 vLLM's own
+multiprocessing executor runs the TP workers as its children). Between two engine steps it
+handles commands: new requests, aborts, health probes and weight updates. An update arriving while
+requests are decoding is the in-flight update of ``pause_generation(mode="keep")``: no step runs
+while it is applied, in-flight requests stay queued, and they continue under the new weights. Their
+KV cache, computed under the old weights, is dropped (the running requests are preempted by
+``reset_prefix_cache(reset_running_requests=True)``) so every token after the switch is exactly the
+new policy's continuation of the prefix, and no later request can hit a stale prefix-cache block.
+
+Every generated token is tagged with the policy version the engine held when the step producing
+it ran, so per-token versions are exact.
+
+Wire protocol (tuples; the first item names the message):
+  executor -> replica: ("submit", [spec, ...]), ("abort", [rid, ...]), ("update", source, version),
+                       ("health", token), ("inspect", token, param_name), ("shutdown",)
+  replica -> executor: ("ready", info), ("done", [result, ...]), ("updated", version, seconds),
+                       ("health", token, info), ("inspect", token, tensor_or_error),
+                       ("error", traceback_text)
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+from megarl.generator.config import GeneratorConfig
+
+IDLE_POLL_S = 0.2  # how long the idle loop blocks on the pipe before re-checking its parent
+
+
+def replica_env(cfg: GeneratorConfig, threads_bind: str | None, on_cpu: bool) -> dict[str, str]:
+    """Environment a replica process sets before importing vLLM."""
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}  # the engine core lives in this process
+    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+        from megarl.utils.paths import data_dir
+        env["TORCHINDUCTOR_CACHE_DIR"] = str(data_dir() / "torchinductor")
+    if on_cpu:
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(int(cfg.kv_cache_gib))
+        if threads_bind:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = threads_bind
+    # TP workers are vLLM's children: make sure they can import megarl (the worker extension).
+    repo_root = str(Path(__file__).resolve().parents[2])
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if repo_root not in paths:
+        env["PYTHONPATH"] = os.pathsep.join([repo_root, *paths])
+    return env
+
+
+def engine_args(cfg: GeneratorConfig, model_dir: str, replica: int, on_cpu: bool):
+    from vllm import EngineArgs
+
+    from megarl.generator.weights import WORKER_EXTENSION
+
+    kwargs: dict[str, Any] = dict(
+        model=str(model_dir),
+        tensor_parallel_size=cfg.tp,
+        dtype=cfg.dtype,
+        quantization=None if cfg.quantization == "none" else cfg.quantization,
+        max_model_len=cfg.max_model_len,
+        max_num_seqs=cfg.max_num_seqs,
+        seed=cfg.seed + replica,
+        enforce_eager=cfg.enforce_eager,
+        logprobs_mode="processed_logprobs" if cfg.logprobs_mode == "processed" else "raw_logprobs",
+        worker_extension_cls=WORKER_EXTENSION,
+        enable_prefix_caching=True,
+        disable_log_stats=True,
+    )
+    if cfg.tp > 1:
+        kwargs["distributed_executor_backend"] = "mp"
+    if not on_cpu:
+        if cfg.gpu_memory_utilization > 0:
+            kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
+        else:
+            kwargs["kv_cache_memory_bytes"] = int(cfg.kv_cache_gib) * 2**30
+    return EngineArgs(**kwargs)
+
+
+class _Replica:
+    """The loop inside the replica process."""
+
+    def __init__(self, conn, cfg: GeneratorConfig, model_dir: str, replica: int, on_cpu: bool):
+        from vllm import LLMEngine
+
+        self.conn = conn
+        self.cfg = cfg
+        self.replica = replica
+        self.parent_pid = os.getppid()
+        self.version = 0
+        self.engine = LLMEngine.from_engine_args(engine_args(cfg, model_dir, replica, on_cpu))
+        self.pending: dict[str, dict] = {}  # rid -> {"ids": [...], "lps": [...], "vers": [...]}
+        self.running = True
+        self.steps = 0
+        self.tokens = 0
+
+    def sampling_params(self, max_tokens: int, overrides: dict):
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        c = self.cfg
+        stop = list(overrides.get("stop", c.stop)) or None
+        return SamplingParams(
+            n=1, temperature=overrides.get("temperature", c.temperature),
+            top_p=overrides.get("top_p", c.top_p), top_k=overrides.get("top_k", c.top_k),
+            max_tokens=max_tokens, stop=stop, logprobs=0, output_kind=RequestOutputKind.DELTA,
+            detokenize=bool(stop),  # text is only needed to match stop strings
+        )
+
+    # --- commands ------------------------------------------------------------------------------
+    def handle(self, msg: tuple) -> None:
+        kind = msg[0]
+        if kind == "submit":
+            for spec in msg[1]:
+                rid = spec["rid"]
+                self.pending[rid] = {"ids": [], "lps": [], "vers": []}
+                self.engine.add_request(rid, {"prompt_token_ids": list(spec["prompt_ids"])},
+                                        self.sampling_params(int(spec["max_tokens"]),
+                                                             spec.get("sampling") or {}))
+        elif kind == "abort":
+            rids = [r for r in msg[1] if r in self.pending]
+            if rids:
+                self.engine.abort_request(rids)
+                self.conn.send(("done", [self._result(r, "abort", None) for r in rids]))
+        elif kind == "update":
+            self.update(msg[1], int(msg[2]))
+        elif kind == "health":
+            self.conn.send(("health", msg[1], self.info()))
+        elif kind == "inspect":
+            try:
+                out: Any = self.engine.collective_rpc("megarl_dequantized_weight", args=(msg[2],))
+            except Exception as e:  # reported to the caller, the engine itself is fine
+                out = f"{type(e).__name__}: {e}"
+            self.conn.send(("inspect", msg[1], out))
+        elif kind == "shutdown":
+            self.running = False
+        else:
+            raise ValueError(f"unknown command {kind!r}")
+
+    def update(self, source: dict, version: int) -> None:
+        """Apply new weights between two steps (in-flight requests are kept and continue)."""
+        t0 = time.monotonic()
+        self.engine.collective_rpc("megarl_reload_weights", args=(source,))
+        # Drop every KV block computed with the old weights: running requests are preempted and
+        # recompute their prefix under the new weights; the prefix cache starts empty.
+        if not self.engine.reset_prefix_cache(reset_running_requests=True):
+            raise RuntimeError("vLLM refused to reset its prefix cache after a weight update")
+        self.version = version
+        self.conn.send(("updated", version, time.monotonic() - t0))
+
+    def info(self) -> dict:
+        return {"replica": self.replica, "pid": os.getpid(), "version": self.version,
+                "pending": len(self.pending), "steps": self.steps, "tokens": self.tokens}
+
+    # --- generation ----------------------------------------------------------------------------
+    def _result(self, rid: str, finish_reason: str | None, stop_reason: Any) -> dict:
+        st = self.pending.pop(rid)
+        return {"rid": rid, "ids": st["ids"], "lps": st["lps"], "vers": st["vers"],
+                "finish_reason": finish_reason or "abort", "stop_reason": stop_reason}
+
+    def step(self) -> None:
+        finished = []
+        for out in self.engine.step():
+            st = self.pending.get(out.request_id)
+            if st is None:
+                continue
+            comp = out.outputs[0]
+            new_ids = list(comp.token_ids)
+            if new_ids:
+                if comp.logprobs is None or len(comp.logprobs) != len(new_ids):
+                    raise RuntimeError(f"request {out.request_id}: {len(new_ids)} tokens but "
+                                       f"{0 if comp.logprobs is None else len(comp.logprobs)} logprobs")
+                st["ids"].extend(new_ids)
+                st["lps"].extend(float(d[t].logprob) for t, d in zip(new_ids, comp.logprobs))
+                st["vers"].extend([self.version] * len(new_ids))
+                self.tokens += len(new_ids)
+            if out.finished:
+                finished.append(self._result(out.request_id, comp.finish_reason, comp.stop_reason))
+        self.steps += 1
+        if finished:
+            self.conn.send(("done", finished))
+
+    def parent_alive(self) -> bool:
+        return os.getppid() == self.parent_pid
+
+    def loop(self) -> None:
+        self.conn.send(("ready", self.info()))
+        while self.running:
+            busy = self.engine.has_unfinished_requests()
+            timeout = 0.0 if busy else IDLE_POLL_S
+            while self.running and self.conn.poll(timeout):
+                self.handle(self.conn.recv())  # EOFError here = the executor is gone
+                timeout = 0.0
+            if not self.parent_alive():
+                return
+            if self.running and self.engine.has_unfinished_requests():
+                self.step()
+
+
+def replica_main(conn, cfg: GeneratorConfig, model_dir: str, replica: int, threads_bind: str | None,
+                 on_cpu: bool, log_path: str, cuda_devices: str | None) -> None:
+    """Entry point of a replica process (spawned by the executor)."""
+    log = open(log_path, "ab", buffering=0)
+    os.dup2(log.fileno(), 1)  # vLLM, its C++ kernels and its TP workers all log here
+    os.dup2(log.fileno(), 2)
+    sys.stdout = open(1, "w", buffering=1, closefd=False)
+    sys.stderr = open(2, "w", buffering=1, closefd=False)
+    os.environ.update(replica_env(cfg, threads_bind, on_cpu))
+    if cuda_devices is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = cuda_devices
+    os.setpgrp()  # its own process group: the executor can kill it with its TP workers
+    replica_obj = None
+    code = 0
+    try:
+        replica_obj = _Replica(conn, cfg, model_dir, replica, on_cpu)
+        replica_obj.loop()
+    except EOFError:
+        pass  # executor closed the pipe: exit quietly
+    except BaseException:
+        code = 1
+        text = traceback.format_exc()
+        print(text, flush=True)
+        try:
+            conn.send(("error", text))
+        except Exception:
+            pass
+    finally:
+        if replica_obj is not None:
+            try:
+                replica_obj.engine.engine_core.shutdown()
+            except Exception:
+                pass
+    try:
+        conn.close()
+    except Exception:
+        pass
+    os._exit(code)  # skip interpreter teardown of vLLM's threads (can hang)

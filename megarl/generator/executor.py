@@ -1,0 +1,550 @@
+"""Generator executor: vLLM engine replicas, routing, policy versions, partial rollouts.
+
+The executor runs in the controller's process and never generates itself: every replica is its
+own process (:mod:`megarl.generator.engine`), so a crashed engine is observed (its exit code or
+traceback) and reported as :class:`GeneratorEngineDied` instead of a hang. Every wait has a
+timeout from the config and logs what it waits for.
+
+Lifecycle: ``start()`` -> ``submit()`` / ``collect()`` (or ``generate()``) with
+``update_weights()`` at any time -> ``shutdown()`` (also on ``with`` exit and interpreter exit).
+
+Partial rollouts (``round_token_budget > 0``): each round a sample generates at most that many new
+tokens; a sample cut by the budget (not finished by EOS, a stop string or its own length limit) is
+cached with its tokens, logprobs and versions, and resumed -- prompt + tokens so far as the new
+prompt, the remaining budget as the limit -- after the next weight update, so its later tokens come
+from the newer policy. If nothing else is left to generate while a caller waits for samples,
+cached partials resume under the current policy rather than stall the loop.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import itertools
+import logging
+import multiprocessing as mp
+import os
+import queue
+import signal
+import tempfile
+import threading
+import time
+import weakref
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megarl.generator.config import GeneratorConfig
+from megarl.generator.engine import replica_main
+from megarl.generator.weights import pack_to_shm
+from megarl.rollout import Sample
+
+log = logging.getLogger(__name__)
+
+_POLL_S = 0.25  # granularity of waits: liveness is re-checked this often
+SAMPLING_OVERRIDES = {"temperature", "top_p", "top_k", "stop"}
+
+
+class GeneratorError(RuntimeError):
+    """The generator cannot continue (see the message for which engine and why)."""
+
+
+class GeneratorEngineDied(GeneratorError):
+    """A replica process exited or raised; the message carries the cause and its log's tail."""
+
+
+class GeneratorTimeout(GeneratorError, TimeoutError):
+    """A wait on the engines exceeded its configured timeout."""
+
+
+def threads_binds(cfg: GeneratorConfig, cpus: Sequence[int] | None = None) -> list[str]:
+    """``VLLM_CPU_OMP_THREADS_BIND`` for each replica ('|' separates its TP ranks)."""
+    if cfg.threads_bind != "auto":
+        parts = cfg.threads_bind.split(";")
+        if len(parts) == 1:
+            parts = parts * cfg.replicas
+        if len(parts) != cfg.replicas:
+            raise ValueError(f"generator.threads_bind={cfg.threads_bind!r} names {len(parts)} replicas; "
+                             f"give one binding or generator.replicas={cfg.replicas} separated by ';'")
+        for p in parts:
+            if len(p.split("|")) != cfg.tp:
+                raise ValueError(f"generator.threads_bind entry {p!r} must have generator.tp={cfg.tp} "
+                                 f"core lists separated by '|'")
+        return parts
+    cpus = sorted(cpus if cpus is not None else os.sched_getaffinity(0))
+    ranks = cfg.replicas * cfg.tp
+    out, r = [], 0
+    for _ in range(cfg.replicas):
+        lists = []
+        for _ in range(cfg.tp):
+            if len(cpus) >= ranks:  # an even share per rank
+                share = len(cpus) // ranks
+                mine = cpus[r * share:(r + 1) * share]
+            else:  # more ranks than cores: ranks share cores round-robin
+                mine = [cpus[r % len(cpus)]]
+            lists.append(_cpu_list(mine))
+            r += 1
+        out.append("|".join(lists))
+    return out
+
+
+def _cpu_list(cpus: Sequence[int]) -> str:
+    if len(cpus) > 1 and list(cpus) == list(range(cpus[0], cpus[-1] + 1)):
+        return f"{cpus[0]}-{cpus[-1]}"
+    return ",".join(str(c) for c in cpus)
+
+
+@dataclasses.dataclass
+class _Track:
+    """One sample being generated, possibly over several rounds."""
+
+    key: str
+    group_id: int
+    sample_index: int
+    prompt_index: int
+    prompt_ids: list[int]
+    max_new_tokens: int
+    round_budget: int = 0
+    sampling: dict = dataclasses.field(default_factory=dict)
+    replica: int = -1
+    rounds: int = 0
+    ids: list[int] = dataclasses.field(default_factory=list)
+    lps: list[float] = dataclasses.field(default_factory=list)
+    vers: list[int] = dataclasses.field(default_factory=list)
+
+    def sample(self, finish_reason: str, stop_reason: Any) -> Sample:
+        return Sample(prompt_ids=list(self.prompt_ids), completion_ids=list(self.ids),
+                      behav_logprobs=list(self.lps), versions=list(self.vers),
+                      finish_reason=finish_reason, group_id=self.group_id,
+                      sample_index=self.sample_index, prompt_index=self.prompt_index,
+                      stop_reason=stop_reason, num_rounds=self.rounds)
+
+
+class _ReplicaHandle:
+    def __init__(self, index: int, process, conn, log_path: Path):
+        self.index = index
+        self.process = process
+        self.conn = conn
+        self.log_path = log_path
+        self.active: set[str] = set()  # rids in flight on this replica
+        self.info: dict = {}
+
+    def log_tail(self, lines: int = 25) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return "(no log)"
+        return "\n".join(text[-lines:])
+
+
+class GeneratorExecutor:
+    """vLLM engine replicas behind one submit/collect/update interface."""
+
+    def __init__(self, cfg: GeneratorConfig, model_dir: str | os.PathLike,
+                 cuda_devices: Sequence[int] | None = None):
+        on_cpu = not torch.cuda.is_available()
+        problems = cfg.problems(on_cpu=on_cpu)
+        if problems:
+            raise ValueError("invalid generator config:\n  " + "\n  ".join(problems))
+        if not (Path(model_dir) / "config.json").is_file():
+            raise FileNotFoundError(f"generator model folder {model_dir} has no config.json")
+        self.cfg = cfg
+        self.model_dir = str(model_dir)
+        self.on_cpu = on_cpu
+        self.cuda_devices = list(cuda_devices) if cuda_devices is not None else None
+        self.version = 0
+        self._replicas: list[_ReplicaHandle] = []
+        self._inbox: queue.Queue = queue.Queue()
+        self._tracks: dict[str, _Track] = {}  # rid -> track in flight
+        self._partials: list[_Track] = []
+        self._done: list[Sample] = []
+        self._group_ids = itertools.count()
+        self._round_ids = itertools.count()
+        self._replies: dict[Any, Any] = {}
+        self._failure: GeneratorError | None = None
+        self._log_dir = Path(cfg.log_dir) if cfg.log_dir else Path(tempfile.mkdtemp(prefix="megarl-gen-"))
+        self._finalizer = None
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> "GeneratorExecutor":
+        cfg = self.cfg
+        self._log_dir.mkdir(parents=True, exist_ok=True)
+        binds = threads_binds(cfg) if self.on_cpu else [None] * cfg.replicas
+        ctx = mp.get_context("spawn")
+        for r in range(cfg.replicas):
+            parent_conn, child_conn = ctx.Pipe(duplex=True)
+            cuda = None
+            if self.cuda_devices is not None:
+                cuda = ",".join(str(d) for d in self.cuda_devices[r * cfg.tp:(r + 1) * cfg.tp])
+            log_path = self._log_dir / f"generator_replica{r}.log"
+            proc = ctx.Process(target=replica_main, name=f"megarl-gen-{r}",
+                               args=(child_conn, cfg, self.model_dir, r, binds[r], self.on_cpu,
+                                     str(log_path), cuda), daemon=False)
+            proc.start()
+            child_conn.close()
+            handle = _ReplicaHandle(r, proc, parent_conn, log_path)
+            self._replicas.append(handle)
+            threading.Thread(target=self._reader, args=(handle,), daemon=True,
+                             name=f"megarl-gen-reader-{r}").start()
+        self._finalizer = weakref.finalize(self, _kill_all, [h.process for h in self._replicas])
+        atexit.register(self._finalizer)
+        log.info("generator: waiting up to %.0fs for %d replica(s) to start (logs in %s)",
+                 cfg.start_timeout_s, cfg.replicas, self._log_dir)
+        self._wait(lambda: all(h.info for h in self._replicas), cfg.start_timeout_s,
+                   f"{cfg.replicas} generator replica(s) to start", progress_resets=False)
+        return self
+
+    def shutdown(self) -> None:
+        """Ask every replica to exit; kill those that do not within shutdown_timeout_s."""
+        for h in self._replicas:
+            try:
+                h.conn.send(("shutdown",))
+            except (OSError, BrokenPipeError):
+                pass
+        deadline = time.monotonic() + self.cfg.shutdown_timeout_s
+        for h in self._replicas:
+            h.process.join(max(0.0, deadline - time.monotonic()))
+        if self._finalizer is not None:
+            self._finalizer()  # kills stragglers (and their TP workers), idempotent
+        for h in self._replicas:
+            h.conn.close()
+        self._replicas = []
+
+    def __enter__(self) -> "GeneratorExecutor":
+        return self.start() if not self._replicas else self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    # ------------------------------------------------------------------ generation
+    def submit(self, prompts: Sequence[Sequence[int]], n_samples: int | None = None,
+               max_new_tokens: int | None = None, prompt_indices: Sequence[int] | None = None,
+               sampling: dict | None = None, round_token_budget: int | None = None) -> list[int]:
+        """Queue ``n_samples`` generations of every prompt (token ids); returns their group ids.
+        The samples of a group go to one replica, where they share the prompt's prefix cache.
+
+        ``sampling`` overrides the config's temperature / top_p / top_k / stop for these prompts
+        (e.g. greedy evaluation on the training engines); ``round_token_budget`` overrides the
+        partial-rollout budget (0 = off)."""
+        self._check_failed()
+        n = n_samples or self.cfg.n_samples
+        limit = max_new_tokens or self.cfg.max_new_tokens
+        sampling = dict(sampling or {})
+        unknown = set(sampling) - SAMPLING_OVERRIDES
+        if unknown:
+            raise ValueError(f"sampling overrides {sorted(unknown)} not supported; use {sorted(SAMPLING_OVERRIDES)}")
+        budget = self.cfg.round_token_budget if round_token_budget is None else int(round_token_budget)
+        if limit + 1 > self.cfg.max_model_len:
+            raise ValueError(f"max_new_tokens={limit} does not fit generator.max_model_len={self.cfg.max_model_len}")
+        groups = []
+        by_replica: dict[int, list[_Track]] = {}
+        for i, prompt in enumerate(prompts):
+            prompt = [int(t) for t in prompt]
+            if not prompt:
+                raise ValueError(f"prompt {i} is empty")
+            if len(prompt) >= self.cfg.max_model_len:
+                raise ValueError(f"prompt {i} has {len(prompt)} tokens, at least generator.max_model_len="
+                                 f"{self.cfg.max_model_len}; shorten it or raise max_model_len")
+            g = next(self._group_ids)
+            groups.append(g)
+            replica = self._least_loaded()
+            for s in range(n):
+                track = _Track(key=f"g{g}s{s}", group_id=g, sample_index=s,
+                               prompt_index=prompt_indices[i] if prompt_indices is not None else i,
+                               prompt_ids=prompt, max_new_tokens=limit, round_budget=budget,
+                               sampling=sampling)
+                track.replica = replica
+                by_replica.setdefault(replica, []).append(track)
+                self._replicas[replica].active.add(track.key)  # reserve for load balancing
+        for r, tracks in by_replica.items():
+            self._send_round(r, tracks)
+        return groups
+
+    def collect(self, min_samples: int | None = None, timeout_s: float | None = None) -> list[Sample]:
+        """Finished samples. Waits until ``min_samples`` are ready (default: everything submitted,
+        partial rollouts included), at most ``timeout_s`` without any engine progress (default
+        request_timeout_s); returns what is ready, oldest first."""
+        timeout = self.cfg.request_timeout_s if timeout_s is None else timeout_s
+        want = min_samples if min_samples is not None else len(self._done) + self.num_outstanding
+
+        def ready() -> bool:
+            if len(self._done) >= want:
+                return True
+            if not self._tracks and self._partials:  # nothing else runs: resume rather than stall
+                log.info("generator: idle with %d partial rollout(s); resuming them at version %d",
+                         len(self._partials), self.version)
+                self.resume_partials()
+            return False
+
+        self._wait(ready, timeout, f"{want - len(self._done)} more sample(s) from the generator")
+        out, self._done = self._done, []
+        return out
+
+    def poll(self) -> list[Sample]:
+        """Finished samples so far, without waiting."""
+        self._pump(0.0)
+        out, self._done = self._done, []
+        return out
+
+    def generate(self, prompts: Sequence[Sequence[int]], n_samples: int | None = None,
+                 max_new_tokens: int | None = None, sampling: dict | None = None,
+                 round_token_budget: int | None = None) -> list[Sample]:
+        """Submit and wait for all samples of ``prompts``; ordered by prompt, then sample index."""
+        groups = set(self.submit(prompts, n_samples, max_new_tokens, sampling=sampling,
+                                 round_token_budget=round_token_budget))
+        got: list[Sample] = []
+        others: list[Sample] = []
+        total = len(prompts) * (n_samples or self.cfg.n_samples)
+        while len(got) < total:
+            batch = self.collect(min_samples=1)
+            for s in batch:
+                (got if s.group_id in groups else others).append(s)
+        self._done = others + self._done  # samples of earlier submits stay collectable
+        return sorted(got, key=lambda s: (s.group_id, s.sample_index))
+
+    def drain(self, timeout_s: float | None = None) -> None:
+        """Wait until no request is in flight (finished samples and cut partials stay cached)."""
+        timeout = self.cfg.request_timeout_s if timeout_s is None else timeout_s
+        self._wait(lambda: not self._tracks, timeout, "in-flight generations to finish or be cut")
+
+    def resume_partials(self) -> int:
+        """Resubmit every cached partial rollout under the current policy; returns how many."""
+        tracks, self._partials = self._partials, []
+        by_replica: dict[int, list[_Track]] = {}
+        for t in tracks:
+            r = self._least_loaded()
+            t.replica = r
+            self._replicas[r].active.add(t.key)
+            by_replica.setdefault(r, []).append(t)
+        for r, ts in by_replica.items():
+            self._send_round(r, ts)
+        return len(tracks)
+
+    def abort_all(self) -> None:
+        """Abort everything in flight (their samples come back with finish_reason 'abort')."""
+        for h in self._replicas:
+            rids = [rid for rid in self._tracks if self._tracks[rid].replica == h.index]
+            if rids:
+                h.conn.send(("abort", rids))
+
+    @property
+    def num_outstanding(self) -> int:
+        """Samples submitted but not yet collectable (in flight or cached partials)."""
+        return len(self._tracks) + len(self._partials)
+
+    @property
+    def num_partial(self) -> int:
+        return len(self._partials)
+
+    # ------------------------------------------------------------------ weights
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
+                       version: int | None = None) -> float:
+        """Load new weights (HF names, full HF-format tensors) into every engine, between decode
+        steps; in-flight requests continue under them. Bumps the policy version (to ``version``
+        when given), then resumes cached partial rollouts. Returns the seconds it took.
+
+        Today the tensors travel through one host shared-memory file every worker maps; DDMA
+        will instead hand each worker a source that streams only its shard (see weights.py)."""
+        self._check_failed()
+        new_version = self.version + 1 if version is None else int(version)
+        t0 = time.monotonic()
+        shm = pack_to_shm(named_tensors, dtype=getattr(torch, self.cfg.dtype))
+        try:
+            return self.update_weights_from_source(shm.source(), new_version, _t0=t0)
+        finally:
+            shm.unlink()
+
+    def update_weights_from_source(self, source: dict, version: int, _t0: float | None = None) -> float:
+        """Like :meth:`update_weights` for a prepared weight source (see weights.py); the source
+        must stay readable until this returns."""
+        t0 = time.monotonic() if _t0 is None else _t0
+        acked: set[int] = set()
+        self._replies[("updated", version)] = acked
+        for h in self._replicas:
+            h.conn.send(("update", source, version))
+        self._wait(lambda: len(acked) == len(self._replicas), self.cfg.update_timeout_s,
+                   f"{len(self._replicas)} replica(s) to load weights version {version}",
+                   progress_resets=False)
+        del self._replies[("updated", version)]
+        self.version = version
+        if self._partials:
+            self.resume_partials()
+        seconds = time.monotonic() - t0
+        log.info("generator: weights version %d loaded in %.2fs", version, seconds)
+        return seconds
+
+    def inspect_weight(self, vllm_param_name: str, replica: int = 0) -> list[torch.Tensor]:
+        """A parameter as every TP rank of ``replica`` holds it, float32 ``[out, in]`` with FP8
+        dequantized (verification after an update; see MegarlWorkerExtension)."""
+        token = ("inspect", next(self._round_ids))
+        self._replies[token] = None
+        self._replicas[replica].conn.send(("inspect", token, vllm_param_name))
+        self._wait(lambda: self._replies[token] is not None, self.cfg.request_timeout_s,
+                   f"replica {replica} to read back {vllm_param_name}", progress_resets=False)
+        out = self._replies.pop(token)
+        if isinstance(out, str):
+            raise GeneratorError(f"reading {vllm_param_name} from replica {replica} failed: {out}")
+        return out
+
+    def health(self, timeout_s: float = 30.0) -> list[dict]:
+        """Ask every replica for its state (pid, version, pending, steps, tokens); raises if one
+        is dead or does not answer within ``timeout_s`` (it answers between decode steps)."""
+        self._check_failed()
+        tokens = []
+        for h in self._replicas:
+            token = ("health", next(self._round_ids))
+            self._replies[token] = None
+            tokens.append(token)
+            h.conn.send(("health", token))
+        self._wait(lambda: all(self._replies[t] is not None for t in tokens), timeout_s,
+                   "health replies from the generator replicas", progress_resets=False)
+        return [self._replies.pop(t) for t in tokens]
+
+    @property
+    def pids(self) -> list[int]:
+        return [h.process.pid for h in self._replicas]
+
+    # ------------------------------------------------------------------ internals
+    def _least_loaded(self) -> int:
+        return min(range(len(self._replicas)), key=lambda r: len(self._replicas[r].active))
+
+    def _send_round(self, replica: int, tracks: list[_Track]) -> None:
+        specs = []
+        for t in tracks:
+            remaining = t.max_new_tokens - len(t.ids)
+            room = self.cfg.max_model_len - len(t.prompt_ids) - len(t.ids)
+            limit = min(remaining, room)
+            if t.round_budget > 0:
+                limit = min(limit, t.round_budget)
+            rid = f"{t.key}r{t.rounds}"
+            t.rounds += 1
+            self._tracks[rid] = t
+            self._replicas[replica].active.add(rid)
+            specs.append({"rid": rid, "prompt_ids": t.prompt_ids + t.ids, "max_tokens": limit,
+                          "sampling": t.sampling})
+            self._replicas[replica].active.discard(t.key)
+        self._replicas[replica].conn.send(("submit", specs))
+
+    def _reader(self, h: _ReplicaHandle) -> None:
+        """Drain one replica's pipe into the inbox (so a replica never blocks on a full pipe)."""
+        while True:
+            try:
+                msg = h.conn.recv()
+            except (EOFError, OSError):
+                self._inbox.put((h.index, ("eof",)))
+                return
+            self._inbox.put((h.index, msg))
+
+    def _pump(self, timeout: float) -> bool:
+        """Handle inbox messages (waiting up to ``timeout`` for the first); True if any arrived."""
+        got = False
+        while True:
+            try:
+                r, msg = self._inbox.get(timeout=timeout if not got else 0.0)
+            except queue.Empty:
+                return got
+            got = True
+            self._handle(self._replicas[r] if r < len(self._replicas) else None, msg)
+
+    def _handle(self, h: _ReplicaHandle | None, msg: tuple) -> None:
+        if h is None:
+            return
+        kind = msg[0]
+        if kind == "ready":
+            h.info = msg[1]
+        elif kind == "done":
+            for res in msg[1]:
+                self._finish(h, res)
+        elif kind == "updated":
+            acked = self._replies.get(("updated", msg[1]))
+            if acked is not None:
+                acked.add(h.index)
+        elif kind in ("health", "inspect"):
+            if msg[1] in self._replies:
+                self._replies[msg[1]] = msg[2]
+        elif kind == "error":
+            last = msg[1].strip().splitlines()[-1] if msg[1].strip() else "unknown error"
+            self._fail(h, f"raised {last}\n{msg[1]}")
+        elif kind == "eof":
+            self._fail(h, self._exit_cause(h))
+
+    def _finish(self, h: _ReplicaHandle, res: dict) -> None:
+        rid = res["rid"]
+        h.active.discard(rid)
+        t = self._tracks.pop(rid, None)
+        if t is None:
+            return
+        t.ids.extend(res["ids"])
+        t.lps.extend(res["lps"])
+        t.vers.extend(res["vers"])
+        reason = res["finish_reason"]
+        cut = (reason == "length" and t.round_budget > 0
+               and len(t.ids) < t.max_new_tokens
+               and len(t.prompt_ids) + len(t.ids) < self.cfg.max_model_len)
+        if cut:
+            self._partials.append(t)
+        else:
+            self._done.append(t.sample(reason, res["stop_reason"]))
+
+    def _exit_cause(self, h: _ReplicaHandle) -> str:
+        h.process.join(2.0)
+        code = h.process.exitcode
+        if code is None:
+            return "closed its pipe but is still running"
+        if code < 0:
+            try:
+                return f"was killed by signal {signal.Signals(-code).name}"
+            except ValueError:
+                return f"was killed by signal {-code}"
+        return f"exited with code {code}"
+
+    def _fail(self, h: _ReplicaHandle, cause: str) -> None:
+        if self._failure is None:
+            self._failure = GeneratorEngineDied(
+                f"generator replica {h.index} (pid {h.process.pid}) {cause}\n"
+                f"--- last lines of {h.log_path} ---\n{h.log_tail()}")
+
+    def _check_failed(self) -> None:
+        if self._failure is None:
+            for h in self._replicas:
+                if h.process.exitcode is not None:
+                    self._fail(h, self._exit_cause(h))
+                    break
+        if self._failure is not None:
+            raise self._failure
+
+    def _wait(self, done, timeout: float, what: str, progress_resets: bool = True) -> None:
+        """Pump messages until ``done()``; raise on a dead replica or after ``timeout`` seconds
+        (without any message arriving, when ``progress_resets``)."""
+        deadline = time.monotonic() + timeout
+        last_log = time.monotonic()
+        while True:
+            self._check_failed()
+            if done():
+                return
+            now = time.monotonic()
+            if now >= deadline:
+                raise GeneratorTimeout(f"generator: timed out after {timeout:.0f}s waiting for {what}; "
+                                       f"replica logs in {self._log_dir}")
+            if now - last_log > 30:
+                log.info("generator: still waiting for %s (%.0fs left)", what, deadline - now)
+                last_log = now
+            if self._pump(min(_POLL_S, deadline - now)) and progress_resets:
+                deadline = time.monotonic() + timeout
+
+
+def _kill_all(processes: list) -> None:
+    """Kill replica processes still running, and their process groups (vLLM TP workers)."""
+    for p in processes:
+        if p.exitcode is None and p.pid is not None:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            try:
+                os.kill(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            p.join(5.0)

@@ -1,0 +1,314 @@
+"""Generator executor against transformers on tiny models: greedy tokens, behaviour logprobs,
+weight updates (bf16 and FP8), partial rollouts, in-flight updates, DP replicas, TP=2, crashes.
+
+Engines are expensive to start on 2 cores, so each module-scoped fixture starts one executor and
+several tests share it (they run in file order; the crash test kills its engine last).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from megarl.generator.config import GeneratorConfig
+from megarl.generator.executor import GeneratorEngineDied, GeneratorExecutor
+from megarl.generator.weights import pack_to_shm, open_weight_source
+
+PROMPTS = [[1, 504, 3012, 281], [1, 9038, 17, 6124, 88], [1, 42, 4711]]
+# bf16 engine vs transformers in bf16. Both round the logits to bf16 (step 2^-8 relative), which
+# alone moves a logprob by ~0.01-0.03 on these random models; a wrong layout or temperature moves
+# it by > 0.5.
+LOGPROB_TOL = 0.05
+
+
+# ------------------------------------------------------------------ transformers references
+def hf_model(model_dir, state_dict=None, dtype=torch.float32):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    if state_dict is not None:
+        model.load_state_dict({k: v.to(dtype) for k, v in state_dict.items()}, strict=False)
+    return model.eval()
+
+
+@torch.no_grad()
+def hf_logprobs(model, prompt, completion, temperature=1.0) -> torch.Tensor:
+    """Teacher-forced log_softmax(logits / T) of each completion token (float32)."""
+    ids = torch.tensor([list(prompt) + list(completion)])
+    logits = model(ids).logits[0, len(prompt) - 1:-1].float() / temperature
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(completion)[:, None])[:, 0]
+
+
+@torch.no_grad()
+def hf_greedy(model, prompt, n) -> list[int]:
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, top_k=None,
+                         top_p=None, temperature=None, eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+@torch.no_grad()
+def separated_prompts(model, count, n_tokens, margin=2 * LOGPROB_TOL, seed=0) -> list[list[int]]:
+    """Prompts whose greedy path (in `model`, fp32) keeps a top-1/top-2 logprob gap above `margin`
+    for `n_tokens` steps: there greedy decoding is decided beyond bf16 noise, so an engine that
+    matches logprobs within LOGPROB_TOL must produce exactly these tokens."""
+    g = torch.Generator().manual_seed(seed)
+    cands = torch.cat([torch.ones(256, 1, dtype=torch.long),
+                       torch.randint(3, model.config.vocab_size, (256, 4), generator=g)], 1)
+    out = model.generate(cands, max_new_tokens=n_tokens, do_sample=False, top_k=None, top_p=None,
+                         temperature=None, eos_token_id=None, pad_token_id=0, output_logits=True,
+                         return_dict_in_generate=True)
+    top2 = torch.stack([torch.log_softmax(l.float(), -1).topk(2).values for l in out.logits], 1)
+    ok = ((top2[..., 0] - top2[..., 1]).min(1).values > margin).nonzero()[:, 0]
+    assert len(ok) >= count, f"only {len(ok)} prompts with a greedy margin > {margin}: model too flat"
+    return [cands[i].tolist() for i in ok[:count]]
+
+
+def check_greedy(model, sample, start=0, stop=None):
+    """Greedy tokens [start, stop): each is transformers' argmax given the prefix, up to ties
+    within bf16 noise; returns the number of exact argmax matches."""
+    ids = torch.tensor([sample.prompt_ids + sample.completion_ids])
+    with torch.no_grad():
+        lp = torch.log_softmax(model(ids).logits[0].float(), -1)
+    p = len(sample.prompt_ids)
+    exact = 0
+    for i in range(start, len(sample.completion_ids) if stop is None else stop):
+        row = lp[p + i - 1]
+        tok = sample.completion_ids[i]
+        assert row[tok] >= row.max() - 2 * LOGPROB_TOL, (i, tok, int(row.argmax()))  # both sides err
+        exact += int(tok == int(row.argmax()))
+    return exact
+
+
+def perturbed(model_dir, seed, scale=0.5):
+    from safetensors.torch import load_file
+
+    sd = load_file(os.path.join(model_dir, "model.safetensors"))
+    g = torch.Generator().manual_seed(seed)
+    return {k: v + scale * v.float().std() * torch.randn(v.shape, generator=g) for k, v in sd.items()}
+
+
+def base_cfg(**kw) -> GeneratorConfig:
+    c = dict(temperature=0.0, n_samples=1, max_new_tokens=16, max_model_len=256, kv_cache_gib=1,
+             start_timeout_s=300, request_timeout_s=120, update_timeout_s=120, shutdown_timeout_s=20)
+    c.update(kw)
+    return GeneratorConfig(**c)
+
+
+# ------------------------------------------------------------------ plain pieces
+def test_shm_weights_round_trip():
+    tensors = {"a.weight": torch.randn(3, 5), "b.bias": torch.arange(7, dtype=torch.int64)}
+    shm = pack_to_shm(tensors.items(), dtype=torch.bfloat16)
+    try:
+        got = dict(open_weight_source(shm.source()))
+        assert got["a.weight"].dtype == torch.bfloat16 and got["b.bias"].dtype == torch.int64
+        torch.testing.assert_close(got["a.weight"], tensors["a.weight"].bfloat16())
+        assert torch.equal(got["b.bias"], tensors["b.bias"])
+    finally:
+        shm.unlink()
+    with pytest.raises(FileNotFoundError, match="unlinked"):
+        list(open_weight_source(shm.source()))
+    with pytest.raises(ValueError, match="unknown weight source"):
+        list(open_weight_source({"kind": "nope"}))
+
+
+def test_config_problems_name_the_key():
+    assert GeneratorConfig().problems(on_cpu=True) == []
+    probs = GeneratorConfig(quantization="fp8_per_block", top_p=0.0).problems(on_cpu=True)
+    assert any("generator.quantization" in p and "GPU" in p for p in probs)
+    assert any("generator.top_p" in p for p in probs)
+    assert GeneratorConfig(temperature=0.7).trainer_logprob_temperature() == 0.7
+    assert GeneratorConfig(temperature=0.7, logprobs_mode="raw").trainer_logprob_temperature() == 1.0
+
+
+# ------------------------------------------------------------------ bf16, TP=1
+@pytest.fixture(scope="module")
+def bf16_gen(tiny_llama_dir, tmp_path_factory):
+    cfg = base_cfg(log_dir=str(tmp_path_factory.mktemp("gen_bf16_logs")))
+    ex = GeneratorExecutor(cfg, tiny_llama_dir).start()
+    pids = ex.pids
+    yield ex
+    ex.shutdown()
+    assert not any(_alive(p) for p in pids)  # no engine process left behind
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie not yet reaped counts as gone
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+def lp_err(model, sample, start=0, temperature=1.0) -> float:
+    """Largest |behav_logprob - transformers logprob| over the completion tokens from `start`."""
+    prefix = sample.prompt_ids + sample.completion_ids[:start]
+    ref = hf_logprobs(model, prefix, sample.completion_ids[start:], temperature)
+    return float((torch.tensor(sample.behav_logprobs[start:]) - ref).abs().max())
+
+
+def test_greedy_matches_transformers(bf16_gen, tiny_llama_dir):
+    ref, ref_bf16 = hf_model(tiny_llama_dir), hf_model(tiny_llama_dir, dtype=torch.bfloat16)
+    prompts = separated_prompts(ref, 3, 10)
+    samples = bf16_gen.generate(prompts, max_new_tokens=10)
+    assert [s.prompt_ids for s in samples] == prompts
+    for s in samples:
+        assert len(s.completion_ids) == 10 and s.finish_reason == "length"
+        assert s.versions == [0] * 10
+        assert s.completion_ids == hf_greedy(ref, s.prompt_ids, 10)
+        assert lp_err(ref_bf16, s) < LOGPROB_TOL
+
+
+def test_sampled_logprobs_are_tempered(bf16_gen, tiny_llama_dir):
+    """Processed logprobs = log_softmax(logits / T) of the sampled tokens: the trainer's convention
+    with trainer_logprob_temperature(); the untempered distribution is measurably different."""
+    t = 0.8
+    samples = bf16_gen.generate(PROMPTS[:2], n_samples=3, max_new_tokens=10, sampling={"temperature": t})
+    ref_bf16 = hf_model(tiny_llama_dir, dtype=torch.bfloat16)
+    assert len(samples) == 6 and [s.sample_index for s in samples[:3]] == [0, 1, 2]
+    assert [s.prompt_ids for s in samples] == [PROMPTS[0]] * 3 + [PROMPTS[1]] * 3
+    assert len({tuple(s.completion_ids) for s in samples}) > 2  # really sampled
+    assert max(lp_err(ref_bf16, s, temperature=t) for s in samples) < LOGPROB_TOL
+    assert min(lp_err(ref_bf16, s) for s in samples) > 5 * LOGPROB_TOL
+
+
+def test_stop_string_ends_generation(bf16_gen):
+    from transformers import AutoTokenizer
+
+    base = bf16_gen.generate(PROMPTS[:1], max_new_tokens=12)[0]
+    tok = AutoTokenizer.from_pretrained(bf16_gen.model_dir)
+    piece = tok.decode(base.completion_ids[5:7])
+    s = bf16_gen.generate(PROMPTS[:1], max_new_tokens=12, sampling={"stop": [piece]})[0]
+    assert s.finish_reason == "stop" and s.stop_reason == piece
+    assert piece in tok.decode(s.completion_ids) and len(s.completion_ids) <= 7
+    assert s.completion_ids == base.completion_ids[:len(s.completion_ids)]
+
+
+def test_update_follows_new_weights(bf16_gen, tiny_llama_dir):
+    new = perturbed(tiny_llama_dir, seed=1)
+    ref, ref_bf16 = hf_model(tiny_llama_dir, new), hf_model(tiny_llama_dir, new, dtype=torch.bfloat16)
+    prompts = separated_prompts(ref, 3, 10, seed=1)
+    before = bf16_gen.generate(prompts, max_new_tokens=10)
+    bf16_gen.update_weights(new.items())
+    assert bf16_gen.version == 1 and bf16_gen.health()[0]["version"] == 1
+    after = bf16_gen.generate(prompts, max_new_tokens=10)
+    assert [s.completion_ids for s in after] != [s.completion_ids for s in before]
+    for s in after:
+        assert s.versions == [1] * 10
+        assert s.completion_ids == hf_greedy(ref, s.prompt_ids, 10)
+        assert lp_err(ref_bf16, s) < LOGPROB_TOL
+
+
+def test_partial_rollout_resumes_under_new_policy(bf16_gen, tiny_llama_dir):
+    v = bf16_gen.version
+    old_sd = perturbed(tiny_llama_dir, seed=1)  # what the engine holds now (previous test)
+    new_sd = perturbed(tiny_llama_dir, seed=2)
+    bf16_gen.submit(PROMPTS[:2], max_new_tokens=12, round_token_budget=5)
+    bf16_gen.drain()
+    assert bf16_gen.num_partial == 2 and bf16_gen.poll() == []  # cut after 5 tokens, cached
+    bf16_gen.update_weights(new_sd.items())  # resumes the partials at v + 1
+    samples = sorted(bf16_gen.collect(), key=lambda s: s.group_id)
+    old = hf_model(tiny_llama_dir, old_sd, dtype=torch.bfloat16)
+    new = hf_model(tiny_llama_dir, new_sd, dtype=torch.bfloat16)
+    for s, prompt in zip(samples, PROMPTS[:2]):
+        assert s.prompt_ids == prompt and s.num_rounds == 3  # 5 + 5 + 2 tokens
+        assert len(s.completion_ids) == len(s.behav_logprobs) == 12  # nothing lost or duplicated
+        assert s.versions == [v] * 5 + [v + 1] * 7
+        # The first 5 tokens are the old policy's, the rest the new policy's given that prefix.
+        assert check_greedy(old, s, stop=5) >= 4 and check_greedy(new, s, start=5) >= 6
+        assert lp_err(new, s, start=5) < LOGPROB_TOL
+        assert float((torch.tensor(s.behav_logprobs[:5]) - hf_logprobs(old, s.prompt_ids, s.completion_ids[:5])).abs().max()) < LOGPROB_TOL
+
+
+def test_inflight_update_switches_mid_generation(bf16_gen, tiny_llama_dir):
+    v = bf16_gen.version
+    new_sd = perturbed(tiny_llama_dir, seed=3)
+    tokens0 = bf16_gen.health()[0]["tokens"]
+    bf16_gen.submit(PROMPTS[:1], max_new_tokens=100)
+    deadline = time.monotonic() + 60
+    while bf16_gen.health()[0]["tokens"] == tokens0:  # decoding has started
+        assert time.monotonic() < deadline
+    bf16_gen.update_weights(new_sd.items())  # applied between two decode steps
+    s = bf16_gen.collect()[0]
+    n = len(s.completion_ids)
+    assert v + 1 in s.versions, "update landed after the generation finished"
+    k = s.versions.index(v + 1)
+    assert 0 < k < n and s.versions == [v] * k + [v + 1] * (n - k) and s.num_rounds == 1
+    assert n == 100 or s.finish_reason == "stop"
+    new = hf_model(tiny_llama_dir, new_sd, dtype=torch.bfloat16)
+    # after the switch: the new policy's continuation of the (kept) prefix
+    assert check_greedy(new, s, start=k) >= 0.8 * (n - k)
+    # Over ~100 tokens bf16 rounding occasionally reaches ~0.06 on one token: bound the mean too.
+    ref = hf_logprobs(new, s.prompt_ids + s.completion_ids[:k], s.completion_ids[k:])
+    diff = (torch.tensor(s.behav_logprobs[k:]) - ref).abs()
+    assert diff.max() < 2 * LOGPROB_TOL and diff.mean() < LOGPROB_TOL / 2, (diff.max(), diff.mean())
+
+
+# ------------------------------------------------------------------ FP8, two DP replicas
+@pytest.fixture(scope="module")
+def fp8_gen(tiny_llama_dir, tmp_path_factory):
+    cfg = base_cfg(quantization="fp8_per_channel", replicas=2,
+                   log_dir=str(tmp_path_factory.mktemp("gen_fp8_logs")))
+    ex = GeneratorExecutor(cfg, tiny_llama_dir).start()
+    pids = ex.pids
+    yield ex
+    ex.shutdown()
+    assert not any(_alive(p) for p in pids)
+
+
+FP8_WEIGHTS = {"model.layers.0.self_attn.o_proj.weight": "model.layers.0.self_attn.o_proj.weight",
+               "model.layers.1.mlp.down_proj.weight": "model.layers.1.mlp.down_proj.weight"}
+
+
+def _fp8_error_ok(deq: torch.Tensor, ref: torch.Tensor) -> None:
+    """e4m3 keeps 3 mantissa bits: per element |err| <= 2^-4 |w| (normal range) + the per-row
+    subnormal step scale * 2^-9, with scale = rowmax / 448."""
+    ref = ref.float()
+    scale = ref.abs().amax(dim=1, keepdim=True) / 448.0
+    bound = ref.abs() * 2.0**-4 + scale * 2.0**-9 + 1e-6
+    assert bool(((deq - ref).abs() <= bound).all()), float(((deq - ref).abs() / bound).max())
+    assert not torch.equal(deq, ref)  # it really is quantized
+
+
+def test_fp8_update_requantizes_on_every_replica(fp8_gen, tiny_llama_dir):
+    before = fp8_gen.generate(PROMPTS, max_new_tokens=10)
+    new = perturbed(tiny_llama_dir, seed=4)
+    pushed = {k: v.to(torch.bfloat16) for k, v in new.items()}
+    fp8_gen.update_weights(new.items())
+    for replica in (0, 1):
+        for hf_name, vllm_name in FP8_WEIGHTS.items():
+            (deq,) = fp8_gen.inspect_weight(vllm_name, replica=replica)
+            _fp8_error_ok(deq, pushed[hf_name])
+    after = fp8_gen.generate(PROMPTS, max_new_tokens=10)
+    assert all(s.versions == [1] * 10 for s in after)
+    assert [s.completion_ids for s in after] != [s.completion_ids for s in before]
+    # Logprobs follow the new weights: close to transformers on them, far from the old ones.
+    ref_new, ref_old = hf_model(tiny_llama_dir, new), hf_model(tiny_llama_dir)
+    for s in after:
+        lp = torch.tensor(s.behav_logprobs)
+        err_new = float((lp - hf_logprobs(ref_new, s.prompt_ids, s.completion_ids)).abs().max())
+        err_old = float((lp - hf_logprobs(ref_old, s.prompt_ids, s.completion_ids)).abs().max())
+        assert err_new < FP8_LOGPROB_TOL and err_old > 2 * err_new, (err_new, err_old)
+
+
+FP8_LOGPROB_TOL = 0.25  # per-channel FP8 weights and per-token FP8 activations vs bf16 reference
+
+
+def test_killed_engine_is_reported(fp8_gen):
+    fp8_gen.submit(PROMPTS, n_samples=4, max_new_tokens=200)
+    victim = fp8_gen.pids[1]
+    time.sleep(0.5)
+    os.kill(victim, signal.SIGKILL)
+    t0 = time.monotonic()
+    with pytest.raises(GeneratorEngineDied, match="replica 1 .*killed by signal SIGKILL"):
+        fp8_gen.collect(timeout_s=60)
+    assert time.monotonic() - t0 < 30
+    with pytest.raises(GeneratorEngineDied):  # and it stays failed, loudly
+        fp8_gen.submit(PROMPTS)
