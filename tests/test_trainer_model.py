@@ -59,20 +59,24 @@ def _model_worker(rank, world, tp, pp, source, kind, batch, temperature, want_lo
     return out
 
 
-@pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_qwen2_dir", "tiny_llama_tied_dir"])
-def test_logits_match_transformers(fixture, request):
+@pytest.mark.parametrize("fixture,temperature", [("tiny_llama_dir", 1.0), ("tiny_qwen2_dir", 0.7),
+                                                 ("tiny_llama_tied_dir", 1.0)])
+def test_logits_match_transformers(fixture, temperature, request):
+    from megarl.trainer.logprobs import valid_token_mask
+
     hf_dir = request.getfixturevalue(fixture)
     batch = _sample_batch(49152)
     ref = _hf_logits(hf_dir, batch)
-    (res,) = run_multiprocess(_model_worker, 1, 1, 1, str(hf_dir), "hf", batch, 1.0, True, timeout_s=300)
+    (res,) = run_multiprocess(_model_worker, 1, 1, 1, str(hf_dir), "hf", batch, temperature, True, timeout_s=300)
     valid = torch.arange(batch.input_ids.shape[1])[None] < batch.lengths[:, None]
     ours = res["logits"][..., :ref.shape[-1]]
     assert (ours - ref)[valid].abs().max() < 1e-4
-    assert torch.allclose(res["logprobs"].logprobs, _hf_logprobs(ref, batch), atol=1e-4)
-    # entropy of the real vocab only: the padded columns must not leak in
-    p = torch.softmax(ref.double(), -1)
+    assert res["logits"].shape[-1] == 49152  # 49152 is already a multiple of 128: no padding at TP=1
+    assert torch.allclose(res["logprobs"].logprobs, _hf_logprobs(ref, batch, temperature), atol=1e-4)
+    assert not torch.allclose(res["logprobs"].logprobs, _hf_logprobs(ref, batch, 1.3), atol=1e-2)
+    # entropy of the tempered real-vocab distribution
+    p = torch.softmax(ref.double() / temperature, -1)
     ent = -(p * torch.log(p)).sum(-1)[:, :-1].float()
-    from megarl.trainer.logprobs import valid_token_mask
     assert torch.allclose(res["logprobs"].entropy, torch.nn.functional.pad(ent, (1, 0)) * valid_token_mask(batch),
                           atol=1e-4)
 
@@ -122,12 +126,15 @@ def _layouts_worker(rank, world, ckpt, wrong_ckpt, batch):
     out = {"logprobs": {}}
     for tp, pp in LAYOUTS:
         init_model_parallel(tp, pp, seed=7)
-        model = build_gpt_model(dims)
+        # vocab 49152 padded to a multiple of 5*tp (49155 / 49160): the checkpoint (saved with 128*tp
+        # padding) reshards into other padding, and the padded logit columns must be masked
+        model = build_gpt_model(dims, vocab_divisible_by=5)
         load_model_checkpoint(model, ckpt)
         out["logprobs"][(tp, pp)] = compute_logprobs(model, batch, micro_batch_size=2, with_entropy=True)
         if (tp, pp) == (2, 2):
             params = dict(model.named_parameters())
             specs = local_shard_specs(model)
+            out["padded_rows"] = model.embedding.word_embeddings.weight.shape[0] if pp == 2 and rank < 2 else None
             out["specs"] = [(s.describe(), s.local_view.clone(), s.local_view.is_contiguous(),
                              s.local_view.untyped_storage().data_ptr()
                              == params[s.mcore_name].untyped_storage().data_ptr()) for s in specs]
@@ -159,6 +166,7 @@ def test_logprobs_equal_across_layouts_and_shard_specs(mcore_ckpts):
             assert contiguous and same_storage, desc
             specs.append(ShardSpec(desc["hf_name"], tuple(desc["global_shape"]), desc["dim"], desc["start"],
                                    desc["length"], view, desc["mcore_name"], desc["is_tied_copy"]))
+    assert results[0]["padded_rows"] == 49160 // 2
     assert any(s.is_tied_copy for s in specs)  # PP=2 tied: last stage holds an embedding copy
     full = reassemble(specs)
     hf = HFReader(hf_dir)
@@ -188,3 +196,18 @@ def test_bad_tp_when_building_the_model(tiny_llama_dir):
     dims = ModelDims.from_hf_config(read_hf_config(tiny_llama_dir))
     with pytest.raises(ValueError, match=r"tp=4 does not divide the HF config num_key_value_heads=2"):
         transformer_config(dims, tp=4, pp=1)
+
+
+def test_smollm2_logits_match_transformers(smollm2_dir):
+    """SmolLM2-135M (30 layers, 9 heads / 3 KV heads, tied, bf16 weights) in fp32 on both sides."""
+    import time
+
+    batch = _sample_batch(49152, seed=5)
+    t0 = time.monotonic()
+    ref = _hf_logits(smollm2_dir, batch)
+    (res,) = run_multiprocess(_model_worker, 1, 1, 1, str(smollm2_dir), "hf", batch, 1.0, True, timeout_s=600)
+    valid = torch.arange(batch.input_ids.shape[1])[None] < batch.lengths[:, None]
+    diff = (res["logits"][..., :ref.shape[-1]] - ref)[valid].abs().max()
+    print(f"SmolLM2 max |logit diff| = {diff:.2e} ({time.monotonic() - t0:.1f} s)")
+    assert diff < 1e-4
+    assert torch.allclose(res["logprobs"].logprobs, _hf_logprobs(ref, batch), atol=1e-4)
