@@ -12,11 +12,9 @@ On-disk format of a converted checkpoint (``hf_to_mcore``), loadable at any TP/P
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import logging
-import multiprocessing
 import shutil
 from pathlib import Path
 from typing import Any
@@ -121,20 +119,6 @@ def check_config_matches(model_dims: ModelDims, hf_config: dict, source: str) ->
 
 # ---------------------------------------------------------------- Megatron checkpoints
 
-@contextlib.contextmanager
-def allow_child_processes():
-    """Megatron's checkpoint writer forks helper processes, which Python forbids in a daemonic
-    process (run_multiprocess ranks are daemonic so they die with the parent). Lift the flag for
-    the duration of a save; the helpers are joined by megatron before save returns."""
-    proc = multiprocessing.current_process()
-    was_daemon = proc._config.get("daemon", False)  # noqa: SLF001 - no public API for this
-    proc._config["daemon"] = False  # noqa: SLF001
-    try:
-        yield
-    finally:
-        proc._config["daemon"] = was_daemon  # noqa: SLF001
-
-
 def read_meta(mcore_dir: str | Path) -> dict:
     path = Path(mcore_dir) / META_FILE
     if not path.is_file():
@@ -154,8 +138,10 @@ def save_model_checkpoint(model, out_dir: str | Path, hf_config: dict, hf_dtype:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     m = unwrap(model)
-    with allow_child_processes():
-        dist_checkpointing.save({MODEL_KEY: m.sharded_state_dict()}, str(out))
+    from megarl.trainer.checkpoint import _in_process_write_queue
+
+    _in_process_write_queue()  # same writer setup as training checkpoints (no Manager process)
+    dist_checkpointing.save({MODEL_KEY: m.sharded_state_dict()}, str(out))
     if torch.distributed.get_rank() == 0:
         meta = {"format": "megarl-mcore-v1", "hf_config": hf_config,
                 "saved_tp": ps.get_tensor_model_parallel_world_size(),
