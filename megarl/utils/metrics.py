@@ -1,0 +1,113 @@
+"""Run outputs people read: the per-step phase line, metrics.jsonl, TensorBoard, and a PNG plot."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+log = logging.getLogger(__name__)
+
+PHASES = ("generate", "reward", "train", "sync", "idle")
+
+
+class PhaseTimer:
+    """Wall-clock seconds per phase of one step; the remainder of the step counts as idle."""
+
+    def __init__(self) -> None:
+        self.start = time.monotonic()
+        self.seconds = {p: 0.0 for p in PHASES}
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        t0 = time.monotonic()
+        try:
+            yield
+        finally:
+            self.seconds[name] += time.monotonic() - t0
+
+    def finish(self) -> dict[str, float]:
+        total = time.monotonic() - self.start
+        busy = sum(v for k, v in self.seconds.items() if k != "idle")
+        self.seconds["idle"] += max(0.0, total - busy)
+        return {**{f"time/{k}": v for k, v in self.seconds.items()}, "time/step": total}
+
+
+def phase_line(step: int, total_steps: int, metrics: dict) -> str:
+    """`step 3/20 | 9.1s = generate 5.2 + reward 0.3 + train 3.1 + sync 0.4 + idle 0.1 | reward 0.41 ...`"""
+    t = {p: metrics.get(f"time/{p}", 0.0) for p in PHASES}
+    parts = " + ".join(f"{p} {t[p]:.1f}" for p in PHASES)
+    tail = []
+    for key, label, fmt in (("reward/mean", "reward", ".3f"), ("train/loss", "loss", ".4f"),
+                            ("train/grad_norm", "gnorm", ".3f"), ("eval/accuracy", "eval acc", ".3f"),
+                            ("train/loss/mismatch", "mismatch", ".4f"), ("gen/tokens_per_s", "gen tok/s", ".0f")):
+        if key in metrics and isinstance(metrics[key], (int, float)) and math.isfinite(metrics[key]):
+            tail.append(f"{label} {metrics[key]:{fmt}}")
+    return f"step {step}/{total_steps} | {metrics.get('time/step', 0.0):.1f}s = {parts} | " + " | ".join(tail)
+
+
+class MetricsLogger:
+    """Appends one JSON object per step to metrics.jsonl and mirrors scalars to TensorBoard."""
+
+    def __init__(self, run_dir: str | Path, *, jsonl: bool = True, tensorboard: bool = True):
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.jsonl_path = self.run_dir / "metrics.jsonl"
+        self._fh = self.jsonl_path.open("a") if jsonl else None
+        self._tb = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self._tb = SummaryWriter(str(self.run_dir / "tensorboard"))
+            except Exception as exc:  # noqa: BLE001 - metrics must never stop training
+                log.warning("TensorBoard disabled (%s); metrics still go to %s", exc, self.jsonl_path)
+
+    def log(self, step: int, metrics: dict) -> None:
+        scalars = {k: float(v) for k, v in metrics.items()
+                   if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        if self._fh:
+            self._fh.write(json.dumps({"step": step, **scalars}) + "\n")
+            self._fh.flush()
+        if self._tb:
+            for k, v in scalars.items():
+                self._tb.add_scalar(k, v, step)
+            self._tb.flush()
+
+    def close(self) -> None:
+        if self._fh:
+            self._fh.close()
+        if self._tb:
+            self._tb.close()
+
+
+def plot_metrics(jsonl_path: str | Path, png_path: str | Path,
+                 keys: tuple[str, ...] = ("reward/mean", "eval/accuracy", "train/loss", "time/step")) -> Path | None:
+    """One panel per key over steps; returns the PNG path, or None without matplotlib / data."""
+    rows = [json.loads(line) for line in Path(jsonl_path).read_text().splitlines() if line.strip()]
+    keys = tuple(k for k in keys if any(k in r for r in rows))
+    if not rows or not keys:
+        return None
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log.warning("matplotlib is not installed: no plot (metrics are in %s)", jsonl_path)
+        return None
+    fig, axes = plt.subplots(1, len(keys), figsize=(4 * len(keys), 3), squeeze=False)
+    for ax, key in zip(axes[0], keys):
+        pts = [(r["step"], r[key]) for r in rows if key in r]
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", markersize=3)
+        ax.set_title(key)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=100)
+    plt.close(fig)
+    return Path(png_path)
