@@ -50,11 +50,13 @@ def test_defaults_inheritance_and_overrides(tmp_path, model_dir):
         trainer: {lr: 3.0e-6}
         name: child
     """)
-    cfg = load_config(child, ["controller.steps=9", "generator.stop=[a, b]"])
+    cfg = load_config(child, ["controller.steps=9", "generator.stop=[a, b]", "algorithm.rho=2"])
     assert cfg.trainer.tp == 2            # inherited
     assert cfg.trainer.lr == 3.0e-6       # child wins
     assert cfg.controller.steps == 9      # override wins
     assert cfg.generator.stop == ["a", "b"]
+    assert cfg.algorithm.rho == 2.0 and isinstance(cfg.algorithm.rho, float)
+    assert load_config(child, ["trainer.lr=1e-5"]).trainer.lr == 1e-5  # YAML 1.1 reads 1e-5 as a string
     assert cfg.name == "child"
 
 

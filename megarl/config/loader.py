@@ -162,6 +162,11 @@ def _coerce(tp: Any, value: Any, dotted: str) -> tuple[Any, list[str]]:
         return value, []
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value), []
+    if tp is float and isinstance(value, str):  # YAML 1.1 reads `1e-5` (no dot) as a string
+        try:
+            return float(value), []
+        except ValueError:
+            pass
     if tp is bool and not isinstance(value, bool):
         return value, [f"{dotted}: expected true or false, got {value!r}"]
     if tp is int and isinstance(value, bool):
