@@ -12,7 +12,7 @@ from megarl.utils.dist import MultiprocessError, run_multiprocess
 
 def _sample_batch(vocab: int, seed: int = 0) -> RolloutBatch:
     g = torch.Generator().manual_seed(seed)
-    lengths = [12, 7, 10]
+    lengths = [12, 7, 10, 5]  # 4 rows: split over DP=2 and DP=4
     tokens = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
     masks = [[0.0] * 3 + [1.0] * (n - 3) for n in lengths]
     return RolloutBatch.from_sequences(tokens, masks)
@@ -38,7 +38,7 @@ def _hf_logprobs(logits: torch.Tensor, batch: RolloutBatch, temperature: float =
 
 def _model_worker(rank, world, tp, pp, source, kind, batch, temperature, want_logits):
     """Build at (tp, pp), load weights from an HF dir (kind='hf') or a Megatron checkpoint ('mcore')."""
-    from megarl.trainer.convert import load_hf_into_model, load_model_checkpoint, read_meta
+    from megarl.trainer.convert import load_pretrained, read_meta
     from megarl.trainer.layouts import ModelDims
     from megarl.trainer.logprobs import compute_logprobs
     from megarl.trainer.model import build_gpt_model, read_hf_config
@@ -47,10 +47,7 @@ def _model_worker(rank, world, tp, pp, source, kind, batch, temperature, want_lo
     init_model_parallel(tp, pp, seed=123)
     cfg = read_hf_config(source) if kind == "hf" else read_meta(source)["hf_config"]
     model = build_gpt_model(ModelDims.from_hf_config(cfg))
-    if kind == "hf":
-        load_hf_into_model(model, source)
-    else:
-        load_model_checkpoint(model, source)
+    assert load_pretrained(model, source) == kind
     out = {"logprobs": compute_logprobs(model, batch, micro_batch_size=2, temperature=temperature,
                                         with_entropy=True)}
     if want_logits:  # TP=1 PP=1 only: the full (padded) vocab is local

@@ -171,9 +171,23 @@ def load_model_checkpoint(model, mcore_dir: str | Path) -> dict:
     check_config_matches(m.megarl_dims, meta["hf_config"], str(mcore_dir))
     sharded = {MODEL_KEY: m.sharded_state_dict()}
     loaded = dist_checkpointing.load(sharded, str(mcore_dir))
-    m.load_state_dict(loaded[MODEL_KEY], strict=False)
+    m.load_state_dict(loaded[MODEL_KEY], strict=True)
     model_local_params(m)  # re-check shapes after loading
     return meta
+
+
+def load_pretrained(model, path: str | Path) -> str:
+    """Load weights into a built model from either a megarl Megatron checkpoint (collective) or an
+    HF folder (each rank reads its own slices). Returns "mcore" or "hf"."""
+    p = Path(path)
+    if (p / META_FILE).is_file():
+        load_model_checkpoint(model, p)
+        return "mcore"
+    if (p / "config.json").is_file():
+        load_hf_into_model(model, p)
+        return "hf"
+    raise FileNotFoundError(f"{p} is neither a megarl Megatron checkpoint ({META_FILE}) nor an HF folder "
+                            f"(config.json)")
 
 
 def _hf_dtype_name(hf_config: dict, reader: HFReader) -> str:

@@ -111,6 +111,18 @@ def broadcast_from_last_stage(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+def dp_share(batch: RolloutBatch) -> RolloutBatch:
+    """This DP rank's contiguous rows of the global batch (rows must divide by dp)."""
+    from megatron.core import parallel_state as ps
+
+    dp, rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    if batch.batch_size % dp:
+        raise ValueError(f"batch of {batch.batch_size} sequences does not split over data parallel size "
+                         f"dp={dp}: make the global batch a multiple of dp")
+    per = batch.batch_size // dp
+    return batch.select(slice(rank * per, (rank + 1) * per))
+
+
 @dataclasses.dataclass
 class LogprobOutput:
     """Token-aligned [B, S] tensors (zero where there is no logprob: position 0 and padding)."""
@@ -122,9 +134,16 @@ class LogprobOutput:
 @torch.no_grad()
 def compute_logprobs(model, batch: RolloutBatch, *, micro_batch_size: int = 8, temperature: float = 1.0,
                      with_entropy: bool = False) -> LogprobOutput:
-    """Logprobs of ``batch.input_ids`` under ``model`` (every TP/PP rank of the model calls this
-    with the same batch; every rank gets the result)."""
+    """Logprobs of ``batch.input_ids`` under ``model``. Every trainer rank calls this with the same
+    batch and gets the whole result; DP replicas each compute their share of the rows (when the
+    rows divide by dp) and exchange results."""
+    from megatron.core import parallel_state as ps
+
     from megarl.trainer.model import unwrap
+
+    dp = ps.get_data_parallel_world_size()
+    split = dp > 1 and batch.batch_size % dp == 0
+    local = dp_share(batch) if split else batch
 
     vocab = unwrap(model).megarl_dims.vocab_size
     was_training = model.training
@@ -138,10 +157,10 @@ def compute_logprobs(model, batch: RolloutBatch, *, micro_batch_size: int = 8, t
         return torch.zeros(()), out
 
     try:
-        results = run_pipeline(model, batch.micro_batches(micro_batch_size), on_logits, forward_only=True)
+        results = run_pipeline(model, local.micro_batches(micro_batch_size), on_logits, forward_only=True)
     finally:
         model.train(was_training)
-    b, s = batch.input_ids.shape
+    b, s = local.batch_size, batch.input_ids.shape[1]
     names = ["logprobs"] + (["entropy"] if with_entropy else [])
     full = {n: torch.zeros(b, s) for n in names}
     row = 0
@@ -152,5 +171,10 @@ def compute_logprobs(model, batch: RolloutBatch, *, micro_batch_size: int = 8, t
         row += res["logprobs"].shape[0]
     valid = valid_token_mask(batch)
     for n in names:
-        full[n] = broadcast_from_last_stage(full[n]) * valid
+        t = broadcast_from_last_stage(full[n])
+        if split:
+            parts = [torch.empty_like(t) for _ in range(dp)]
+            torch.distributed.all_gather(parts, t, group=ps.get_data_parallel_group())
+            t = torch.cat(parts)
+        full[n] = t * valid
     return LogprobOutput(full["logprobs"], full.get("entropy"))

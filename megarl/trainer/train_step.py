@@ -19,25 +19,13 @@ from typing import Any
 import torch
 
 from megarl.trainer.batch import RolloutBatch
-from megarl.trainer.logprobs import run_pipeline, token_logprobs
+from megarl.trainer.logprobs import dp_share, run_pipeline, token_logprobs
 
 
 def _global_denominator(batch: RolloutBatch, aggregation: str) -> float:
     if aggregation == "token-mean":
         return max(float(batch.loss_mask.sum()), 1.0)
     return max(float((batch.loss_mask.sum(-1) > 0).sum()), 1.0)  # sequences with a loss token
-
-
-def dp_share(batch: RolloutBatch) -> RolloutBatch:
-    """This DP rank's contiguous rows of the global batch."""
-    from megatron.core import parallel_state as ps
-
-    dp, rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-    if batch.batch_size % dp:
-        raise ValueError(f"batch of {batch.batch_size} sequences does not split over data parallel size "
-                         f"dp={dp}: make the global batch a multiple of dp")
-    per = batch.batch_size // dp
-    return batch.select(slice(rank * per, (rank + 1) * per))
 
 
 def _reduce_metrics(sums: dict[str, float], weight: float) -> dict[str, float]:
