@@ -201,9 +201,9 @@ def results(tmp_path_factory):
     """(root, job1 per-rank results, job2 per-rank results)."""
     root = tmp_path_factory.mktemp("ckpt")
     with pytest.raises(MultiprocessError, match=f"exit code {CRASH_EXIT_CODE}"):
-        run_multiprocess(_job1, 2, str(root), timeout_s=240)
+        run_multiprocess(_job1, 2, str(root), timeout_s=600)
     job1 = [torch.load(root / f"job1_rank{r}.pt", weights_only=False) for r in range(2)]
-    job2 = run_multiprocess(_job2, 2, str(root), timeout_s=240)
+    job2 = run_multiprocess(_job2, 2, str(root), timeout_s=600)
     return root, job1, job2
 
 

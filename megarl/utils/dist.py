@@ -98,7 +98,13 @@ def _child_main(rank: int, world_size: int, port: int, timeout_s: float, fn: Cal
                 args: tuple, kwargs: dict, results: Any) -> None:
     torch.set_num_threads(1)
     try:
-        init_distributed(rank, world_size, master_port=port, timeout_s=timeout_s)
+        try:
+            init_distributed(rank, world_size, master_port=port, timeout_s=timeout_s)
+        except Exception as e:  # noqa: BLE001
+            if "address already in use" in str(e).lower():  # the free port was taken meanwhile
+                results.put((rank, "port_taken", str(e)))
+                return
+            raise
         out = fn(rank, world_size, *args, **kwargs)
         results.put((rank, "ok", out))
     except BaseException:  # noqa: BLE001 - every failure goes back to the parent
@@ -114,6 +120,10 @@ class MultiprocessError(RuntimeError):
     """A rank spawned by run_multiprocess failed, crashed or timed out."""
 
 
+class _PortTaken(MultiprocessError):
+    """Another process took the rendezvous port between choosing and binding it."""
+
+
 def run_multiprocess(fn: Callable, world_size: int, *args: Any, timeout_s: float = 120.0,
                      **kwargs: Any) -> list:
     """Run fn(rank, world_size, *args, **kwargs) on world_size fresh processes joined in a process
@@ -121,8 +131,21 @@ def run_multiprocess(fn: Callable, world_size: int, *args: Any, timeout_s: float
 
     fn must be importable (module level). Raises MultiprocessError naming the rank and carrying
     its traceback when a rank raises, dies, or the whole run exceeds timeout_s; the other ranks
-    are then terminated, so a failure never hangs the caller.
+    are then terminated, so a failure never hangs the caller. If the rendezvous port is taken
+    by another process before rank 0 binds it, the launch is retried on a new port.
     """
+    deadline = time.monotonic() + timeout_s
+    for attempt in range(3):
+        try:
+            return _launch(fn, world_size, args, kwargs, deadline, timeout_s)
+        except _PortTaken as e:
+            log.warning("run_multiprocess: %s; retrying on another port (attempt %d)", e,
+                        attempt + 2)
+    raise MultiprocessError("run_multiprocess: the rendezvous port was taken 3 times in a row")
+
+
+def _launch(fn: Callable, world_size: int, args: tuple, kwargs: dict, deadline: float,
+            timeout_s: float) -> list:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_tcp_port()
@@ -132,7 +155,6 @@ def run_multiprocess(fn: Callable, world_size: int, *args: Any, timeout_s: float
     for p in procs:
         p.start()
     outputs: dict[int, Any] = {}
-    deadline = time.monotonic() + timeout_s
     fn_name = getattr(fn, "__qualname__", repr(fn))
     log.info("run_multiprocess: waiting up to %.0fs for %d ranks running %s", timeout_s,
              world_size, fn_name)
@@ -158,6 +180,8 @@ def run_multiprocess(fn: Callable, world_size: int, *args: Any, timeout_s: float
                             f"run_multiprocess: ranks {missing} of {world_size} running {fn_name} "
                             f"did not finish within {timeout_s:.0f}s")
                     continue
+            if status == "port_taken":
+                raise _PortTaken(f"rank {rank}: port {port}: {payload}")
             if status != "ok":
                 raise MultiprocessError(f"rank {rank} of {world_size} running {fn_name} raised:\n"
                                         f"{payload}")
