@@ -142,6 +142,7 @@ class MegarlWorkerExtension:
                 yield item
 
         self.reload_weights(weights_iterator=counted(), is_checkpoint_format=True)
+        _refresh_tied_lm_head(self.model_runner.model)
         return count
 
     def megarl_dequantized_weight(self, param_name: str) -> torch.Tensor:
@@ -171,6 +172,21 @@ class MegarlWorkerExtension:
         if w.shape[0] != scale.numel():
             raise ValueError(f"{param_name}: scale has {scale.numel()} entries for weight {tuple(w.shape)}")
         return (w * scale[:, None]).contiguous()
+
+
+def _refresh_tied_lm_head(model: torch.nn.Module) -> None:
+    """Re-derive a tied lm_head's kernel state from the freshly loaded embedding.
+
+    With tied embeddings the layerwise reload refreshes ``embed_tokens`` only; on CPU the lm_head's
+    GEMM runs on a packed copy made when the model first loaded, so without this the engine would
+    keep sampling from the old output layer (caught by tests/test_weight_sync.py)."""
+    lm_head = getattr(model, "lm_head", None)
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    if lm_head is None or embed is None or getattr(lm_head, "weight", None) is not getattr(embed, "weight", None):
+        return
+    method = getattr(lm_head, "quant_method", None)
+    if method is not None:
+        method.process_weights_after_loading(lm_head)
 
 
 def _fp8_transposed(params: dict[str, torch.Tensor]) -> bool:
