@@ -109,6 +109,7 @@ class _Replica:
             top_p=overrides.get("top_p", c.top_p), top_k=overrides.get("top_k", c.top_k),
             max_tokens=max_tokens, stop=stop, logprobs=0, output_kind=RequestOutputKind.DELTA,
             detokenize=bool(stop),  # text is only needed to match stop strings
+            ignore_eos=bool(overrides.get("ignore_eos", False)),
         )
 
     # --- commands ------------------------------------------------------------------------------
@@ -156,6 +157,14 @@ class _Replica:
         return {"replica": self.replica, "pid": os.getpid(), "version": self.version,
                 "pending": len(self.pending), "steps": self.steps, "tokens": self.tokens}
 
+    def shm_prefixes(self) -> list[str]:
+        """Prefixes of the /dev/shm files vLLM's CPU TP communicator creates (it never removes
+        them); the executor deletes them once this replica is gone."""
+        if self.cfg.tp == 1:
+            return []
+        idents = self.engine.collective_rpc(_dist_ident)
+        return sorted({f"{i}-" for i in idents if i})
+
     # --- generation ----------------------------------------------------------------------------
     def _result(self, rid: str, finish_reason: str | None, stop_reason: Any) -> dict:
         st = self.pending.pop(rid)
@@ -188,7 +197,7 @@ class _Replica:
         return os.getppid() == self.parent_pid
 
     def loop(self) -> None:
-        self.conn.send(("ready", self.info()))
+        self.conn.send(("ready", {**self.info(), "shm_prefixes": self.shm_prefixes()}))
         while self.running:
             busy = self.engine.has_unfinished_requests()
             timeout = 0.0 if busy else IDLE_POLL_S
@@ -199,6 +208,10 @@ class _Replica:
                 return
             if self.running and self.engine.has_unfinished_requests():
                 self.step()
+
+
+def _dist_ident(worker=None) -> str:
+    return os.environ.get("VLLM_DIST_IDENT", "")
 
 
 def replica_main(conn, cfg: GeneratorConfig, model_dir: str, replica: int, threads_bind: str | None,

@@ -18,7 +18,6 @@ cached partials resume under the current policy rather than stall the loop.
 
 from __future__ import annotations
 
-import atexit
 import dataclasses
 import itertools
 import logging
@@ -44,7 +43,7 @@ from megarl.rollout import Sample
 log = logging.getLogger(__name__)
 
 _POLL_S = 0.25  # granularity of waits: liveness is re-checked this often
-SAMPLING_OVERRIDES = {"temperature", "top_p", "top_k", "stop"}
+SAMPLING_OVERRIDES = {"temperature", "top_p", "top_k", "stop", "ignore_eos"}  # ignore_eos: benchmarks
 
 
 class GeneratorError(RuntimeError):
@@ -188,8 +187,8 @@ class GeneratorExecutor:
             self._replicas.append(handle)
             threading.Thread(target=self._reader, args=(handle,), daemon=True,
                              name=f"megarl-gen-reader-{r}").start()
+        # Runs on shutdown(), on garbage collection and at interpreter exit: no engine outlives us.
         self._finalizer = weakref.finalize(self, _kill_all, [h.process for h in self._replicas])
-        atexit.register(self._finalizer)
         log.info("generator: waiting up to %.0fs for %d replica(s) to start (logs in %s)",
                  cfg.start_timeout_s, cfg.replicas, self._log_dir)
         self._wait(lambda: all(h.info for h in self._replicas), cfg.start_timeout_s,
@@ -210,6 +209,7 @@ class GeneratorExecutor:
             self._finalizer()  # kills stragglers (and their TP workers), idempotent
         for h in self._replicas:
             h.conn.close()
+            _remove_shm_files(h.info.get("shm_prefixes", []))
         self._replicas = []
 
     def __enter__(self) -> "GeneratorExecutor":
@@ -533,6 +533,18 @@ class GeneratorExecutor:
                 last_log = now
             if self._pump(min(_POLL_S, deadline - now)) and progress_resets:
                 deadline = time.monotonic() + timeout
+
+
+def _remove_shm_files(prefixes: Sequence[str]) -> None:
+    for prefix in prefixes:
+        if not prefix or "/" in prefix:
+            continue
+        for name in os.listdir("/dev/shm") if os.path.isdir("/dev/shm") else []:
+            if name.startswith(prefix):
+                try:
+                    os.unlink(os.path.join("/dev/shm", name))
+                except OSError:
+                    pass
 
 
 def _kill_all(processes: list) -> None:

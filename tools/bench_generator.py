@@ -1,0 +1,148 @@
+"""Benchmark: the generator executor (vLLM) against transformers' ``generate`` on the same prompts.
+
+Both decode exactly ``--new-tokens`` tokens for each of ``--prompts`` GSM8K questions (chat
+template, EOS ignored so the work is identical) with SmolLM2-135M-Instruct. The generator is
+timed after start-up (a one-off cost per job) and a warm-up request; transformers runs batched
+generation (left padding, KV cache, ``--hf-batch`` rows at a time, bf16 and fp32 timed, its faster
+dtype counted) in this process on all cores. Runs alternate (generator, transformers, ...) for
+``--repeats`` rounds so machine noise hits both alike; the ratio of generated tokens/s at each
+side's fastest repeat is the headline (target >= 3), the median-based ratio is printed beside it.
+Writes a JSON and, when matplotlib is installed, a PNG.
+
+    .venv/bin/python tools/bench_generator.py [--prompts 32] [--new-tokens 128] [--repeats 2] \\
+        [--quantization none] [--hf-batch 32] [--out runs/bench]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+
+def _prompts(tokenizer, n: int, data: str) -> list[list[int]]:
+    from megarl.data.tasks import format_prompt, load_tasks
+
+    tasks = load_tasks(data, limit=n)
+    return [tokenizer(format_prompt(t, tokenizer), add_special_tokens=False)["input_ids"] for t in tasks]
+
+
+def _hf_run(model, prompts: list[list[int]], new_tokens: int, batch: int, pad_id: int) -> tuple[float, int]:
+    t0 = time.perf_counter()
+    tokens = 0
+    for i in range(0, len(prompts), batch):
+        rows = prompts[i:i + batch]
+        width = max(len(r) for r in rows)
+        ids = torch.tensor([[pad_id] * (width - len(r)) + r for r in rows])
+        mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+        with torch.no_grad():
+            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
+                                 min_new_tokens=new_tokens, do_sample=False, top_k=None, top_p=None,
+                                 temperature=None, pad_token_id=pad_id)
+        tokens += (out.shape[1] - width) * len(rows)
+    return time.perf_counter() - t0, tokens
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="builtin:smollm2", help="HF folder or builtin:smollm2")
+    p.add_argument("--data", default="/work/shared/data/gsm8k/train.jsonl"
+                   if Path("/work/shared/data/gsm8k/train.jsonl").exists() else "builtin:arithmetic")
+    p.add_argument("--prompts", type=int, default=32)
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--quantization", default="none")
+    p.add_argument("--hf-batch", type=int, default=32)
+    p.add_argument("--hf-dtypes", default="bfloat16,float32")
+    p.add_argument("--threads-bind", default="auto")
+    p.add_argument("--out", default="runs/bench")
+    a = p.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from megarl.generator.config import GeneratorConfig
+    from megarl.generator.executor import GeneratorExecutor
+
+    model_dir = a.model
+    if model_dir == "builtin:smollm2":
+        from megarl.models.smollm2 import ensure_smollm2_hf
+        model_dir = str(ensure_smollm2_hf())
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    prompts = _prompts(tok, a.prompts, a.data)
+    pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    tok.padding_side = "left"
+
+    cfg = GeneratorConfig(tp=1, replicas=1, quantization=a.quantization, temperature=0.0, n_samples=1,
+                          max_new_tokens=a.new_tokens, max_model_len=max(map(len, prompts)) + a.new_tokens + 8,
+                          kv_cache_gib=2, threads_bind=a.threads_bind, max_num_seqs=max(a.prompts, 8))
+    torch.set_num_threads(os.cpu_count() or 1)
+    hf_models = {d: AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, d)).eval()
+                 for d in a.hf_dtypes.split(",")}
+    gen_runs, hf_runs = [], {d: [] for d in hf_models}
+    t_start = time.perf_counter()
+    ex = GeneratorExecutor(cfg, model_dir).start()
+    start_s = time.perf_counter() - t_start
+    sampling = {"temperature": 0.0, "ignore_eos": True}
+    try:
+        ex.generate(prompts[:2], max_new_tokens=8, sampling=sampling)  # warm-up
+        for r in range(a.repeats):
+            t0 = time.perf_counter()
+            samples = ex.generate(prompts, max_new_tokens=a.new_tokens, sampling=sampling)
+            secs = time.perf_counter() - t0
+            toks = sum(len(s.completion_ids) for s in samples)
+            gen_runs.append(toks / secs)
+            print(f"repeat {r}: generator {toks} tokens in {secs:.2f}s = {toks / secs:.1f} tok/s", flush=True)
+            # The engine idles (blocked on its pipe) while transformers runs.
+            for d, m in hf_models.items():
+                if r == 0:
+                    _hf_run(m, prompts[:2], 4, a.hf_batch, pad_id)  # warm-up
+                secs, toks = _hf_run(m, prompts, a.new_tokens, a.hf_batch, pad_id)
+                hf_runs[d].append(toks / secs)
+                print(f"repeat {r}: transformers[{d}] {toks} tokens in {secs:.2f}s = {toks / secs:.1f} tok/s",
+                      flush=True)
+    finally:
+        ex.shutdown()
+
+    best_hf_dtype = max(hf_runs, key=lambda d: max(hf_runs[d]))
+    ratio_best = max(gen_runs) / max(hf_runs[best_hf_dtype])
+    ratio_median = statistics.median(gen_runs) / statistics.median(hf_runs[best_hf_dtype])
+    result = {
+        "model": model_dir, "prompts": a.prompts, "new_tokens": a.new_tokens, "repeats": a.repeats,
+        "quantization": a.quantization, "cpus": os.cpu_count(), "generator_start_s": round(start_s, 1),
+        "generator_tok_s": gen_runs, "transformers_tok_s": hf_runs, "transformers_dtype": best_hf_dtype,
+        "ratio_best": round(ratio_best, 2), "ratio_median": round(ratio_median, 2), "target": 3.0,
+    }
+    print(f"generator {max(gen_runs):.1f} tok/s vs transformers[{best_hf_dtype}] "
+          f"{max(hf_runs[best_hf_dtype]):.1f} tok/s: ratio {ratio_best:.2f}x (median-based "
+          f"{ratio_median:.2f}x; target >= 3x); engine start-up {start_s:.1f}s", flush=True)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench_generator.json").write_text(json.dumps(result, indent=2))
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: skipping the PNG")
+        return
+    labels = ["generator (vLLM)"] + [f"transformers {d}" for d in hf_runs]
+    values = [max(gen_runs)] + [max(v) for v in hf_runs.values()]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.bar(labels, values, color=["tab:blue"] + ["tab:gray"] * len(hf_runs))
+    ax.set_ylabel("generated tokens / s (best repeat)")
+    ax.set_title(f"{Path(model_dir).name}: {a.prompts} prompts x {a.new_tokens} tokens, "
+                 f"{ratio_best:.1f}x", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(out / "bench_generator.png", dpi=120)
+    print(f"wrote {out / 'bench_generator.json'} and {out / 'bench_generator.png'}")
+
+
+if __name__ == "__main__":
+    main()
