@@ -107,6 +107,11 @@ class RolloutBatch:
               for f in dataclasses.fields(self)}
         return RolloutBatch(**kw)
 
+    def to(self, device: torch.device | str) -> "RolloutBatch":
+        """The batch with every tensor on ``device`` (the model's device on GPU machines)."""
+        return RolloutBatch(**{f.name: (None if getattr(self, f.name) is None else getattr(self, f.name).to(device))
+                               for f in dataclasses.fields(self)})
+
     def micro_batches(self, micro_batch_size: int) -> list["RolloutBatch"]:
         """Consecutive micro-batches of ``micro_batch_size`` rows (the last may be smaller)."""
         if micro_batch_size < 1:
@@ -117,9 +122,10 @@ class RolloutBatch:
         """input_ids, position_ids and the explicit causal bool attention mask [b,1,s,s]
         (True = masked) that megatron's local attention takes on CPU."""
         b, s = self.input_ids.shape
-        causal = torch.triu(torch.ones(s, s, dtype=torch.bool), diagonal=1)
+        dev = self.input_ids.device
+        causal = torch.triu(torch.ones(s, s, dtype=torch.bool, device=dev), diagonal=1)
         return {
             "input_ids": self.input_ids,
-            "position_ids": torch.arange(s, dtype=torch.long).unsqueeze(0).expand(b, s),
+            "position_ids": torch.arange(s, dtype=torch.long, device=dev).unsqueeze(0).expand(b, s),
             "attention_mask": causal.view(1, 1, s, s).expand(b, 1, s, s),
         }

@@ -86,6 +86,9 @@ def run_pipeline(model, micro_batches: list[RolloutBatch],
     per-micro-batch outputs (non-empty on the last stage only)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    device = next(model.parameters()).device
+    micro_batches = [mb.to(device) for mb in micro_batches]
+
     def forward_step(data_iterator, model_chunk):
         mb = next(data_iterator)
         return model_chunk(**mb.model_inputs()), functools.partial(on_logits, mb)
