@@ -39,12 +39,16 @@ def _train_worker(rank, world, hf_dir, batch, layouts, steps):
         objs = build_training(cfg, model, total_steps=steps)
         out[(tp, pp)] = [train_step(objs, batch, loss_name="aipo", loss_params={"rho": 4.0},
                                     micro_batch_size=1, current_version=0) for _ in range(steps)]
+        if pp == 2:  # tied embeddings: stage 0's embedding and stage 1's output layer stay identical
+            from megarl.trainer.shards import local_shard_specs
+            out["embed_copies"] = [s.local_view.clone() for s in local_shard_specs(model)
+                                   if s.hf_name == "model.embed_tokens.weight"]
     return out
 
 
-def test_loss_decreases_and_matches_across_tp(tiny_llama_dir):
+def test_loss_decreases_and_matches_across_tp(tiny_llama_tied_dir):
     batch = _batch(49152)
-    results = run_multiprocess(_train_worker, 2, str(tiny_llama_dir), batch, [(2, 1), (1, 1), (1, 2)], 4,
+    results = run_multiprocess(_train_worker, 2, str(tiny_llama_tied_dir), batch, [(2, 1), (1, 1), (1, 2)], 4,
                                timeout_s=600)
     tp2, tp1, pp2 = results[0][(2, 1)], results[0][(1, 1)], results[0][(1, 2)]  # (1, 1) on 2 ranks = DP 2
     losses = [m["loss"] for m in tp2]
@@ -54,5 +58,7 @@ def test_loss_decreases_and_matches_across_tp(tiny_llama_dir):
         assert abs(a["grad_norm"] - b["grad_norm"]) < 1e-3 * a["grad_norm"]
         assert a["tokens"] == b["tokens"] == float(batch.loss_mask.sum())
         assert a["update_successful"] and a["lr"] == 1e-3
+    (first,), (last,) = results[0]["embed_copies"], results[1]["embed_copies"]
+    assert torch.equal(first, last)
     # every rank reports the same metrics
     assert [m["loss"] for m in results[1][(2, 1)]] == losses
