@@ -10,7 +10,7 @@ side's fastest repeat is the headline (target >= 3), the median-based ratio is p
 Writes a JSON and, when matplotlib is installed, a PNG.
 
     .venv/bin/python tools/bench_generator.py [--prompts 32] [--new-tokens 128] [--repeats 2] \\
-        [--quantization none] [--hf-batch 32] [--out runs/bench]
+        [--quantization none] [--hf-batch 32] [--compile] [--out runs/bench]
 """
 
 from __future__ import annotations
@@ -61,6 +61,7 @@ def main() -> None:
     p.add_argument("--hf-batch", type=int, default=32)
     p.add_argument("--hf-dtypes", default="bfloat16,float32")
     p.add_argument("--threads-bind", default="auto")
+    p.add_argument("--compile", action="store_true", help="let vLLM torch.compile (enforce_eager=False)")
     p.add_argument("--out", default="runs/bench")
     a = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
@@ -81,7 +82,8 @@ def main() -> None:
 
     cfg = GeneratorConfig(tp=1, replicas=1, quantization=a.quantization, temperature=0.0, n_samples=1,
                           max_new_tokens=a.new_tokens, max_model_len=max(map(len, prompts)) + a.new_tokens + 8,
-                          kv_cache_gib=2, threads_bind=a.threads_bind, max_num_seqs=max(a.prompts, 8))
+                          kv_cache_gib=2, threads_bind=a.threads_bind, max_num_seqs=max(a.prompts, 8),
+                          enforce_eager=not a.compile)
     torch.set_num_threads(os.cpu_count() or 1)
     hf_models = {d: AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, d)).eval()
                  for d in a.hf_dtypes.split(",")}
@@ -115,7 +117,8 @@ def main() -> None:
     ratio_median = statistics.median(gen_runs) / statistics.median(hf_runs[best_hf_dtype])
     result = {
         "model": model_dir, "prompts": a.prompts, "new_tokens": a.new_tokens, "repeats": a.repeats,
-        "quantization": a.quantization, "cpus": os.cpu_count(), "generator_start_s": round(start_s, 1),
+        "quantization": a.quantization, "compile": a.compile, "cpus": os.cpu_count(),
+        "load_avg_1m_at_end": round(os.getloadavg()[0], 2), "generator_start_s": round(start_s, 1),
         "generator_tok_s": gen_runs, "transformers_tok_s": hf_runs, "transformers_dtype": best_hf_dtype,
         "ratio_best": round(ratio_best, 2), "ratio_median": round(ratio_median, 2), "target": 3.0,
     }

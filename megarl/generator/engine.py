@@ -15,7 +15,8 @@ it ran, so per-token versions are exact.
 Wire protocol (tuples; the first item names the message):
   executor -> replica: ("submit", [spec, ...]), ("abort", [rid, ...]), ("update", source, version),
                        ("health", token), ("inspect", token, param_name), ("shutdown",)
-  replica -> executor: ("ready", info), ("done", [result, ...]), ("updated", version, seconds),
+  replica -> executor: ("ready", info), ("done", [result, ...]), ("progress", info),
+                       ("updated", version, seconds),
                        ("health", token, info), ("inspect", token, tensor_or_error),
                        ("error", traceback_text)
 """
@@ -32,6 +33,7 @@ from typing import Any
 from megarl.generator.config import GeneratorConfig
 
 IDLE_POLL_S = 0.2  # how long the idle loop blocks on the pipe before re-checking its parent
+HEARTBEAT_S = 5.0  # while decoding, report progress this often (the executor's liveness clock)
 
 
 def replica_env(cfg: GeneratorConfig, threads_bind: str | None, on_cpu: bool) -> dict[str, str]:
@@ -97,6 +99,7 @@ class _Replica:
         self.running = True
         self.steps = 0
         self.tokens = 0
+        self.last_report = time.monotonic()
 
     def sampling_params(self, max_tokens: int, overrides: dict):
         from vllm import SamplingParams
@@ -192,6 +195,10 @@ class _Replica:
         self.steps += 1
         if finished:
             self.conn.send(("done", finished))
+        elif time.monotonic() - self.last_report > HEARTBEAT_S:
+            self.conn.send(("progress", self.info()))
+        if finished or time.monotonic() - self.last_report > HEARTBEAT_S:
+            self.last_report = time.monotonic()
 
     def parent_alive(self) -> bool:
         return os.getppid() == self.parent_pid

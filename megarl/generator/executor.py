@@ -267,7 +267,12 @@ class GeneratorExecutor:
         partial rollouts included), at most ``timeout_s`` without any engine progress (default
         request_timeout_s); returns what is ready, oldest first."""
         timeout = self.cfg.request_timeout_s if timeout_s is None else timeout_s
-        want = min_samples if min_samples is not None else len(self._done) + self.num_outstanding
+        self._pump(0.0)
+        possible = len(self._done) + self.num_outstanding
+        want = possible if min_samples is None else min_samples
+        if want > possible:
+            raise ValueError(f"collect(min_samples={want}) but only {possible} sample(s) are submitted "
+                             f"and not yet collected; submit more first")
 
         def ready() -> bool:
             if len(self._done) >= want:
@@ -454,6 +459,8 @@ class GeneratorExecutor:
         kind = msg[0]
         if kind == "ready":
             h.info = msg[1]
+        elif kind == "progress":  # a heartbeat while decoding: resets the no-progress clock
+            h.info.update(msg[1])
         elif kind == "done":
             for res in msg[1]:
                 self._finish(h, res)
