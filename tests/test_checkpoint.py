@@ -110,8 +110,8 @@ def _train_step(objs, cfg) -> float:
 
 
 def _weights(chunks) -> dict:
-    from megarl.trainer.checkpoint import _unwrap
-    return {n: p.detach().clone() for n, p in _unwrap(chunks[0]).named_parameters()}
+    from megarl.trainer.model import unwrap
+    return {n: p.detach().clone() for n, p in unwrap(chunks[0]).named_parameters()}
 
 
 def _eval_loss(chunks) -> float:

@@ -32,6 +32,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megarl.trainer.model import unwrap
+
 if TYPE_CHECKING:
     from megarl.trainer.config import TrainerConfig
 
@@ -58,16 +60,9 @@ class TrainProgress:
 
 # ----------------------------------------------------------------------------- model identity
 
-def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The GPTModel inside megatron DDP / Float16Module wrappers."""
-    while isinstance(getattr(model, "module", None), torch.nn.Module):
-        model = model.module
-    return model
-
-
 def model_signature(model: torch.nn.Module) -> dict:
     """What must match between a checkpoint and the model it loads into (parallel-size free)."""
-    m = _unwrap(model)
+    m = unwrap(model)
     c = m.config
     sig = {k: getattr(c, k) for k in (
         "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
@@ -148,7 +143,7 @@ def _sharded_state(model_chunks: list, optimizer: Any, is_loading: bool) -> dict
             "chained_optim_avoid_prefix": True}
     if len(model_chunks) != 1:
         raise CheckpointError("checkpointing supports one model chunk per rank (no virtual PP)")
-    model_sd = _unwrap(model_chunks[0]).sharded_state_dict(metadata=meta)
+    model_sd = unwrap(model_chunks[0]).sharded_state_dict(metadata=meta)
     out = {"model": model_sd}
     if optimizer is not None:
         out["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=is_loading,
@@ -406,7 +401,7 @@ def load_checkpoint(path: str | Path, *, model: list, optimizer: Any = None, sch
     sharded = _sharded_state(model, optimizer, is_loading=True)
     loaded = dist_checkpointing.load(sharded, str(step_dir / "dist"))
     with torch.no_grad():  # fp32 DistributedOptimizer shards are views of the model params
-        _unwrap(model[0]).load_state_dict(loaded["model"], strict=True)
+        unwrap(model[0]).load_state_dict(loaded["model"], strict=True)
         if optimizer is not None:
             optimizer.load_state_dict(loaded["optimizer"])
             _restore_adam_steps(optimizer, meta["adam_step"])
