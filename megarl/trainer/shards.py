@@ -15,6 +15,11 @@ Replicas: norms appear on every TP rank and every tensor on every DP replica; wi
 and PP > 1 the last stage's output layer is a copy of ``model.embed_tokens.weight``
 (``is_tied_copy=True``). The DDMA planner chooses which replica sends.
 The layout logic itself lives in :mod:`megarl.trainer.layouts` (shared with conversion).
+
+Build the specs after ``build_training`` (megatron DDP moves every parameter into its contiguous
+buffer when it wraps the model, so views taken before would point at the old storage); after that
+the views stay valid across optimizer steps (the optimizer writes the model params in place, also
+when it keeps fp32 main copies of bf16 params).
 """
 
 from __future__ import annotations
