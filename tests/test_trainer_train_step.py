@@ -37,10 +37,15 @@ def _train_worker(rank, world, hf_dir, batch, layouts, steps):
         model = build_gpt_model(ModelDims.from_hf_config(read_hf_config(hf_dir)))
         load_hf_into_model(model, hf_dir)
         objs = build_training(cfg, model, total_steps=steps)
+        from megarl.trainer.shards import local_shard_specs
+        early = local_shard_specs(model)  # taken before training: views must follow the updates
+        initial = [s.local_view.clone() for s in early]
         out[(tp, pp)] = [train_step(objs, batch, loss_name="aipo", loss_params={"rho": 4.0},
                                     micro_batch_size=1, current_version=0) for _ in range(steps)]
+        late = local_shard_specs(model)
+        assert all(torch.equal(a.local_view, b.local_view) for a, b in zip(early, late))
+        assert not all(torch.equal(a.local_view, b) for a, b in zip(early, initial))
         if pp == 2:  # tied embeddings: stage 0's embedding and stage 1's output layer stay identical
-            from megarl.trainer.shards import local_shard_specs
             out["embed_copies"] = [s.local_view.clone() for s in local_shard_specs(model)
                                    if s.hf_name == "model.embed_tokens.weight"]
     return out
