@@ -115,6 +115,19 @@ def test_shm_weights_round_trip():
         list(open_weight_source({"kind": "nope"}))
 
 
+def test_threads_binds_split_cores():
+    from megarl.generator.executor import threads_binds
+
+    assert threads_binds(GeneratorConfig(), cpus=[0, 1]) == ["0-1"]
+    assert threads_binds(GeneratorConfig(tp=2), cpus=[0, 1]) == ["0|1"]
+    assert threads_binds(GeneratorConfig(replicas=2), cpus=[0, 1]) == ["0", "1"]
+    assert threads_binds(GeneratorConfig(replicas=2, tp=2), cpus=range(8)) == ["0-1|2-3", "4-5|6-7"]
+    assert threads_binds(GeneratorConfig(replicas=2, tp=2), cpus=[0, 1]) == ["0|1", "0|1"]  # shared
+    assert threads_binds(GeneratorConfig(replicas=2, threads_bind="0;1")) == ["0", "1"]
+    with pytest.raises(ValueError, match="generator.tp=2"):
+        threads_binds(GeneratorConfig(tp=2, threads_bind="0-1"))
+
+
 def test_config_problems_name_the_key():
     assert GeneratorConfig().problems(on_cpu=True) == []
     probs = GeneratorConfig(quantization="fp8_per_block", top_p=0.0).problems(on_cpu=True)

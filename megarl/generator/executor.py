@@ -191,8 +191,12 @@ class GeneratorExecutor:
         self._finalizer = weakref.finalize(self, _kill_all, [h.process for h in self._replicas])
         log.info("generator: waiting up to %.0fs for %d replica(s) to start (logs in %s)",
                  cfg.start_timeout_s, cfg.replicas, self._log_dir)
-        self._wait(lambda: all(h.info for h in self._replicas), cfg.start_timeout_s,
-                   f"{cfg.replicas} generator replica(s) to start", progress_resets=False)
+        try:
+            self._wait(lambda: all(h.info for h in self._replicas), cfg.start_timeout_s,
+                       f"{cfg.replicas} generator replica(s) to start", progress_resets=False)
+        except BaseException:
+            self.shutdown()  # a failed start leaves no engine behind
+            raise
         return self
 
     def shutdown(self) -> None:
@@ -238,15 +242,18 @@ class GeneratorExecutor:
         budget = self.cfg.round_token_budget if round_token_budget is None else int(round_token_budget)
         if limit + 1 > self.cfg.max_model_len:
             raise ValueError(f"max_new_tokens={limit} does not fit generator.max_model_len={self.cfg.max_model_len}")
-        groups = []
-        by_replica: dict[int, list[_Track]] = {}
-        for i, prompt in enumerate(prompts):
-            prompt = [int(t) for t in prompt]
+        prompts = [[int(t) for t in prompt] for prompt in prompts]
+        for i, prompt in enumerate(prompts):  # validate all before queueing any
             if not prompt:
                 raise ValueError(f"prompt {i} is empty")
             if len(prompt) >= self.cfg.max_model_len:
                 raise ValueError(f"prompt {i} has {len(prompt)} tokens, at least generator.max_model_len="
                                  f"{self.cfg.max_model_len}; shorten it or raise max_model_len")
+        if prompt_indices is not None and len(prompt_indices) != len(prompts):
+            raise ValueError(f"{len(prompt_indices)} prompt_indices for {len(prompts)} prompts")
+        groups = []
+        by_replica: dict[int, list[_Track]] = {}
+        for i, prompt in enumerate(prompts):
             g = next(self._group_ids)
             groups.append(g)
             replica = self._least_loaded()
