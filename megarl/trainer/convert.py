@@ -205,7 +205,8 @@ def _hf_to_mcore_worker(rank: int, world_size: int, hf_dir: str, out_dir: str, t
 
     init_model_parallel(tp, pp, seed=0)
     hf_config = read_hf_config(hf_dir)
-    model = build_gpt_model(ModelDims.from_hf_config(hf_config), params_dtype=_DTYPES[params_dtype], spec=spec)
+    model = build_gpt_model(ModelDims.from_hf_config(hf_config), params_dtype=_DTYPES[params_dtype], spec=spec,
+                            init_weights=False)  # every element is written by load_hf_into_model
     load_hf_into_model(model, hf_dir)
     save_model_checkpoint(model, out_dir, hf_config, hf_dtype=_hf_dtype_name(hf_config, HFReader(hf_dir)),
                           extra_from=hf_dir)

@@ -96,9 +96,14 @@ def transformer_config(dims: ModelDims, tp: int, pp: int, params_dtype: torch.dt
 
 
 def build_gpt_model(dims: ModelDims, *, params_dtype: torch.dtype = torch.float32, spec: str = "auto",
-                    vocab_divisible_by: int = DEFAULT_VOCAB_DIVISIBLE_BY, **config_overrides: Any):
+                    vocab_divisible_by: int = DEFAULT_VOCAB_DIVISIBLE_BY, init_weights: bool = True,
+                    **config_overrides: Any):
     """A GPTModel for this rank (pre/post-process from the PP stage). The returned module carries
-    ``megarl_dims``, ``megarl_norm_style`` and ``megarl_vocab_divisible_by`` for the layout code."""
+    ``megarl_dims``, ``megarl_norm_style`` and ``megarl_vocab_divisible_by`` for the layout code.
+
+    ``init_weights=False`` skips megatron's random init (uninitialized memory) when every element
+    is overwritten next, e.g. by ``load_hf_into_model`` (which also zeroes the vocab padding);
+    random init of a large model on CPU takes minutes."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
 
@@ -106,6 +111,7 @@ def build_gpt_model(dims: ModelDims, *, params_dtype: torch.dtype = torch.float3
         raise RuntimeError("model parallel is not initialized: call megarl.utils.dist.init_model_parallel first")
     tp = ps.get_tensor_model_parallel_world_size()
     pp = ps.get_pipeline_model_parallel_world_size()
+    config_overrides.setdefault("perform_initialization", init_weights)
     config = transformer_config(dims, tp, pp, params_dtype, **config_overrides)
     spec_module, norm_style = layer_spec(dims, spec)
     model = GPTModel(
