@@ -208,3 +208,17 @@ def test_smollm2_logits_match_transformers(smollm2_dir):
     print(f"SmolLM2 max |logit diff| = {diff:.2e} ({time.monotonic() - t0:.1f} s)")
     assert diff < 1e-4
     assert torch.allclose(res["logprobs"].logprobs, _hf_logprobs(ref, batch), atol=1e-4)
+
+
+@pytest.mark.slow
+def test_smollm2_round_trip_tp3_pp2_exact(smollm2_dir, tmp_path):
+    """SmolLM2 at its natural TP (9 heads / 3 KV heads: one query group per rank), 6 ranks, bf16."""
+    from megarl.trainer.convert import HFReader, hf_to_mcore, mcore_to_hf
+
+    ckpt = hf_to_mcore(smollm2_dir, tmp_path / "mcore", tp=3, pp=2)
+    out = mcore_to_hf(ckpt, tmp_path / "hf")
+    a, b = HFReader(smollm2_dir), HFReader(out)
+    assert a.names() == b.names()
+    for n in a.names():
+        ta, tb = a(n), b(n)
+        assert ta.dtype == tb.dtype and torch.equal(ta, tb), n
