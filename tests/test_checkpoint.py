@@ -128,6 +128,9 @@ def _job1(rank: int, world_size: int, root: str) -> None:
     for name, layout in LAYOUTS.items():
         cfg, objs, _ = _setup(layout)
         init_weights = _weights(objs.model)
+        if name == "tp2":  # plain optimizer: its groups hold the model params themselves
+            out["wd_groups"] = sorted((g["weight_decay"], sorted({p.ndim for p in g["params"]}))
+                                      for g in objs.optimizer.param_groups if g["params"])
         straight = [_train_step(objs, cfg) for _ in range(N_STEPS)]
         res = {"straight": straight, "straight_weights": _weights(objs.model),
                "init_weights": init_weights}
@@ -223,6 +226,11 @@ def test_resume_is_bit_exact(results, layout):
     for n, w in job1[0][layout]["init_weights"].items():
         if w.ndim >= 2:
             assert not torch.equal(w, job1[0][layout]["straight_weights"][n]), f"{layout}: {n}"
+
+
+def test_weight_decay_only_on_matrices(results):
+    # the scheduler applies megatron's per-group wd_mult: norms (1-D) get none
+    assert results[1][0]["wd_groups"] == [(0.0, [1]), (0.01, [2])]
 
 
 def test_weights_reshard_tp2_to_pp2(results):

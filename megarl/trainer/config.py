@@ -27,11 +27,8 @@ class TrainerConfig:
 
     # --- batch ---
     micro_batch_size: int = knob(4, help="Sequences per forward/backward micro-batch on one DP "
-                                 "replica (sequences). Default 4.")
-    global_batch_size: int = knob(0, help="Sequences per optimizer step over all DP replicas "
-                                  "(sequences); 0 = the whole rollout batch of the step "
-                                  "(controller.prompts_per_step * generator.n_samples). Must be a "
-                                  "multiple of micro_batch_size * dp. Default 0.")
+                                 "replica (sequences); a step's rollout batch is split over DP, "
+                                 "then into micro-batches (gradient accumulation). Default 4.")
 
     # --- optimizer (AdamW) ---
     lr: float = knob(1.0e-6, help="Peak learning rate (per step, AdamW). Default 1e-6.")
@@ -82,13 +79,9 @@ class TrainerConfig:
         for key in ("tp", "pp", "dp", "micro_batch_size", "checkpoint_keep_last"):
             if getattr(self, key) < 1:
                 out.append(f"trainer.{key}={getattr(self, key)}: must be >= 1")
-        for key in ("global_batch_size", "lr_warmup_steps", "lr_decay_steps", "checkpoint_interval"):
+        for key in ("lr_warmup_steps", "lr_decay_steps", "checkpoint_interval"):
             if getattr(self, key) < 0:
                 out.append(f"trainer.{key}={getattr(self, key)}: must be >= 0")
-        per_step = self.micro_batch_size * self.dp
-        if self.global_batch_size and per_step and self.global_batch_size % per_step:
-            out.append(f"trainer.global_batch_size={self.global_batch_size}: must be a multiple of "
-                       f"micro_batch_size*dp={per_step}")
         if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
             out.append(f"trainer.lr={self.lr}, trainer.min_lr={self.min_lr}: need 0 <= min_lr <= lr "
                        f"and lr > 0")
@@ -100,12 +93,3 @@ class TrainerConfig:
         if self.logprob_temperature <= 0:
             out.append(f"trainer.logprob_temperature={self.logprob_temperature}: must be > 0")
         return out
-
-    def num_microbatches(self, batch_size: int) -> int:
-        """Micro-batches per DP replica for a step of batch_size sequences (global)."""
-        per_step = self.micro_batch_size * self.dp
-        if batch_size % per_step:
-            raise ValueError(f"a step of {batch_size} sequences does not split into "
-                             f"trainer.micro_batch_size={self.micro_batch_size} x "
-                             f"trainer.dp={self.dp}; make the batch a multiple of {per_step}")
-        return batch_size // per_step
