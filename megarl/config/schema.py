@@ -54,7 +54,6 @@ class ControllerConfig:
         "Largest allowed policy-version gap between a token's generator and the trainer (versions); "
         "0 = synchronous on-policy training, the benchmark baseline."))
     eval_every: int = knob(0, help="Greedy held-out evaluation every N steps (steps; 0 = never).")
-    wait_timeout_s: float = knob(1800.0, help="Longest the loop waits on any executor before failing the job (seconds).")
 
 
 @dataclass
