@@ -27,7 +27,7 @@ class LocalTrainer:
     def __init__(self, cfg: TrainerConfig, algo: AlgorithmConfig, model_dir: str | Path, *,
                  total_steps: int, run_dir: str | Path):
         from megarl.trainer.checkpoint import TrainProgress, checkpoint_root, load_checkpoint, resume_path
-        from megarl.trainer.convert import load_hf_into_model
+        from megarl.trainer.convert import load_pretrained
         from megarl.trainer.layouts import ModelDims
         from megarl.trainer.model import build_gpt_model, read_hf_config
         from megarl.trainer.optimizer import build_training, params_dtype
@@ -40,8 +40,9 @@ class LocalTrainer:
         init_distributed(0, 1, master_port=free_tcp_port())
         init_model_parallel(1, 1, seed=cfg.seed)
         dims = ModelDims.from_hf_config(read_hf_config(model_dir))
-        self.model = build_gpt_model(dims, params_dtype=params_dtype(cfg))
-        load_hf_into_model(self.model, model_dir)
+        # Every element comes from the checkpoint: skip the random init (minutes for big models on CPU).
+        self.model = build_gpt_model(dims, params_dtype=params_dtype(cfg), init_weights=False)
+        load_pretrained(self.model, model_dir)
         self.objs = build_training(cfg, self.model, total_steps)
         self.progress = TrainProgress(step=0, consumed_samples=0)
         self.checkpoint_dir = checkpoint_root(cfg, self.run_dir)
