@@ -67,7 +67,7 @@ def separated_prompts(model, count, n_tokens, margin=2 * LOGPROB_TOL, seed=0) ->
     return [cands[i].tolist() for i in ok[:count]]
 
 
-def check_greedy(model, sample, start=0, stop=None):
+def check_greedy(model, sample, start=0, stop=None, tol=2 * LOGPROB_TOL):
     """Greedy tokens [start, stop): each is transformers' argmax given the prefix, up to ties
     within bf16 noise; returns the number of exact argmax matches."""
     ids = torch.tensor([sample.prompt_ids + sample.completion_ids])
@@ -78,7 +78,7 @@ def check_greedy(model, sample, start=0, stop=None):
     for i in range(start, len(sample.completion_ids) if stop is None else stop):
         row = lp[p + i - 1]
         tok = sample.completion_ids[i]
-        assert row[tok] >= row.max() - 2 * LOGPROB_TOL, (i, tok, int(row.argmax()))  # both sides err
+        assert row[tok] >= row.max() - tol, (i, tok, int(row.argmax()))  # both sides err
         exact += int(tok == int(row.argmax()))
     return exact
 
@@ -387,3 +387,25 @@ def test_tp2_engine_update_matches_transformers(tiny_llama_dir, tmp_path):
         assert s.versions == [1] * 8
         assert s.completion_ids == hf_greedy(ref, s.prompt_ids, 8)
         assert lp_err(ref_bf16, s) < LOGPROB_TOL
+
+
+# ------------------------------------------------------------------ SmolLM2-135M (real weights)
+@pytest.mark.slow  # converts/loads SmolLM2 and starts an engine on it (~1-2 min on 2 cores)
+def test_smollm2_greedy_and_logprobs_match_transformers(smollm2_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    questions = ["What is 12 + 30?", "Name a primary color.", "Write a haiku about rain."]
+    prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                       tokenize=True, return_dict=False) for q in questions]
+    cfg = base_cfg(max_new_tokens=24, max_model_len=512, log_dir=str(tmp_path / "logs"))
+    with GeneratorExecutor(cfg, smollm2_dir) as ex:
+        samples = ex.generate(prompts)
+    # SmolLM2's logits reach |20|, where bf16 spacing is 0.125: single tokens move by up to ~0.15
+    # (measured max 0.07-0.12 vs fp32, mean 0.015-0.03), so bound the mean by LOGPROB_TOL.
+    ref = hf_model(smollm2_dir)
+    for s in samples:
+        assert s.finish_reason in ("stop", "length") and len(s.completion_ids) > 0
+        assert check_greedy(ref, s, tol=0.25) >= 0.9 * len(s.completion_ids), tok.decode(s.completion_ids)
+        diff = (torch.tensor(s.behav_logprobs) - hf_logprobs(ref, s.prompt_ids, s.completion_ids)).abs()
+        assert diff.mean() < LOGPROB_TOL and diff.max() < 0.25, (diff.mean(), diff.max())

@@ -24,6 +24,7 @@ import logging
 import multiprocessing as mp
 import os
 import queue
+import shutil
 import signal
 import tempfile
 import threading
@@ -163,6 +164,7 @@ class GeneratorExecutor:
         self._round_ids = itertools.count()
         self._replies: dict[Any, Any] = {}
         self._failure: GeneratorError | None = None
+        self._own_log_dir = not cfg.log_dir  # a temporary folder, removed after a clean shutdown
         self._log_dir = Path(cfg.log_dir) if cfg.log_dir else Path(tempfile.mkdtemp(prefix="megarl-gen-"))
         self._finalizer = None
 
@@ -215,6 +217,8 @@ class GeneratorExecutor:
             h.conn.close()
             _remove_shm_files(h.info.get("shm_prefixes", []))
         self._replicas = []
+        if self._own_log_dir and self._failure is None:
+            shutil.rmtree(self._log_dir, ignore_errors=True)  # after a failure it names the logs
 
     def __enter__(self) -> "GeneratorExecutor":
         return self.start() if not self._replicas else self
