@@ -59,8 +59,10 @@ class TrainerConfig:
 
     # --- logprobs ---
     logprob_temperature: float = knob(1.0, help="Temperature the trainer divides logits by before "
-                                      "log-softmax; must match the generator's logprob convention "
-                                      "(vLLM raw_logprobs are untempered: 1.0). Default 1.0.")
+                                      "log-softmax; must equal the generator's convention: "
+                                      "generator.temperature with logprobs_mode 'processed' (the "
+                                      "default), 1.0 with 'raw' or greedy. The validator checks it. "
+                                      "Default 1.0.")
 
     # --- checkpoints ---
     checkpoint_dir: str = knob("", help="Folder for trainer checkpoints ('' = <run dir>/checkpoints)."
