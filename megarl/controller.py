@@ -134,17 +134,9 @@ class PromptSource:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def rollout_batch(self, samples, advantages: list[float]):
-        """Prompt + completion rows; the loss covers completion tokens only."""
         from megarl.trainer.batch import RolloutBatch
 
-        tokens, masks, behav, versions = [], [], [], []
-        for s in samples:
-            p = len(s.prompt_ids)
-            tokens.append(s.token_ids)
-            masks.append([0.0] * p + [1.0] * len(s.completion_ids))
-            behav.append([0.0] * p + list(s.behav_logprobs))
-            versions.append([-1] * p + list(s.versions))
-        return RolloutBatch.from_sequences(tokens, masks, behav, advantages, versions, pad_id=self.pad_id)
+        return RolloutBatch.from_samples(samples, advantages, pad_id=self.pad_id)
 
 
 def resolve_model(path: str) -> Path:

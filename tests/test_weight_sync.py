@@ -19,16 +19,6 @@ from megarl.trainer.logprobs import compute_logprobs
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _batch(samples) -> RolloutBatch:
-    tokens, masks, behav = [], [], []
-    for s in samples:
-        p = len(s.prompt_ids)
-        tokens.append(s.token_ids)
-        masks.append([0.0] * p + [1.0] * len(s.completion_ids))
-        behav.append([0.0] * p + list(s.behav_logprobs))
-    return RolloutBatch.from_sequences(tokens, masks, behav)
-
-
 def _max_gap(trainer: LocalTrainer, batch: RolloutBatch) -> float:
     lp = compute_logprobs(trainer.model, batch, temperature=1.0).logprobs
     return float(((lp - batch.behav_logprobs).abs() * batch.loss_mask).max())
@@ -48,7 +38,7 @@ def test_pushed_weights_reproduce_trainer_logprobs(tiny_llama_tied_dir, tmp_path
             gen.update_weights(trainer.hf_weights(), version=1)
             samples = gen.generate([[1, 504, 3180, 314], [1, 2683, 314, 253, 1345]], n_samples=2)
             assert all(s.versions == [1] * len(s.completion_ids) for s in samples)
-            batch = _batch(samples)
+            batch = RolloutBatch.from_samples(samples)
             assert _max_gap(trainer, batch) < 2e-3
 
             with torch.no_grad():

@@ -90,6 +90,20 @@ class RolloutBatch:
             versions=pad(versions, -1, torch.long, "versions"),
         )
 
+    @classmethod
+    def from_samples(cls, samples: Sequence, advantages: Sequence[float] | None = None,
+                     pad_id: int = 0) -> "RolloutBatch":
+        """Rows of prompt + completion from generator ``megarl.rollout.Sample``s; the loss covers
+        the completion tokens, which carry their behaviour logprobs and policy versions."""
+        tokens, masks, behav, versions = [], [], [], []
+        for s in samples:
+            p = len(s.prompt_ids)
+            tokens.append(s.token_ids)
+            masks.append([0.0] * p + [1.0] * len(s.completion_ids))
+            behav.append([0.0] * p + list(s.behav_logprobs))
+            versions.append([-1] * p + list(s.versions))
+        return cls.from_sequences(tokens, masks, behav, advantages, versions, pad_id=pad_id)
+
     @property
     def batch_size(self) -> int:
         return self.input_ids.shape[0]
