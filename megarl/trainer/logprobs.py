@@ -25,7 +25,8 @@ _MASKED_LOGIT = -1e30  # finite, so 0 * logit stays 0 in the entropy sum
 
 
 def mask_padded_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """A float32 copy of this rank's vocab-parallel logits with padding columns masked."""
+    """float32 vocab-parallel logits with the padding columns masked. A new tensor when it must
+    cast or mask; otherwise ``logits`` itself (the caller decides whether it may be modified)."""
     from megatron.core import parallel_state as ps
 
     v_local = logits.shape[-1]
@@ -34,8 +35,6 @@ def mask_padded_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
     if start + v_local > vocab_size:
         pad = torch.arange(start, start + v_local, device=logits.device) >= vocab_size
         out = out.masked_fill(pad, _MASKED_LOGIT)  # a new tensor
-    elif out is logits:
-        out = out.clone()
     return out
 
 
@@ -57,20 +56,25 @@ def vocab_parallel_entropy(logits: torch.Tensor) -> torch.Tensor:
 def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, vocab_size: int, temperature: float = 1.0,
                    with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Token-aligned logprobs ``out[b, t] = log p(input_ids[b, t] | < t)`` (``out[:, 0] = 0``) from
-    vocab-parallel logits ``[b, s, v_local]``; differentiable. Entropy (no grad) likewise aligned."""
+    vocab-parallel logits ``[b, s, v_local]``; differentiable. Entropy (no grad) likewise aligned.
+    May overwrite ``logits`` (fp32, unpadded vocab): pass the model's output and do not reuse it."""
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
-    scaled = mask_padded_vocab(logits[:, :-1], vocab_size)
+    # The whole [b, s, v] tensor with next-token labels (the last column's label is a dummy and its
+    # result is dropped): no strided slice, and no copy when the logits are fp32 without vocab
+    # padding -- vocab_parallel_cross_entropy then works in place on the model's output, exactly as
+    # megatron's own loss does (nothing else reads the logits afterwards).
+    scaled = mask_padded_vocab(logits, vocab_size)
     if temperature != 1.0:
         scaled = scaled / temperature
     entropy = None
     if with_entropy:
-        entropy = torch.nn.functional.pad(vocab_parallel_entropy(scaled.detach()), (1, 0))
-    # vocab_parallel_cross_entropy modifies its input in place: `scaled` is our own copy
-    nll = vocab_parallel_cross_entropy(scaled, input_ids[:, 1:].contiguous())
-    return torch.nn.functional.pad(-nll, (1, 0)), entropy
+        entropy = torch.nn.functional.pad(vocab_parallel_entropy(scaled[:, :-1].detach()), (1, 0))
+    labels = torch.roll(input_ids, -1, dims=1)
+    nll = vocab_parallel_cross_entropy(scaled, labels)
+    return torch.nn.functional.pad(-nll[:, :-1], (1, 0)), entropy
 
 
 def valid_token_mask(batch: RolloutBatch) -> torch.Tensor:
