@@ -48,6 +48,10 @@ def run_job(cfg: MegaRLConfig) -> int:
         reward = MathReward(cfg.reward.workers, cfg.reward.timeout_s, cfg.reward.correct, cfg.reward.wrong)
         metrics_log = MetricsLogger(run_dir, jsonl=cfg.logging.jsonl, tensorboard=cfg.logging.tensorboard)
         generator.update_weights(trainer.hf_weights(), version=trainer.step_count)  # resume-safe start
+        if cfg.controller.eval_every and trainer.step_count == 0:  # the baseline the run improves on
+            baseline = evaluate(generator, reward, prompts)
+            metrics_log.log(0, {"eval/accuracy": baseline})
+            log.info("step 0/%d (before training) | eval acc %.3f", steps, baseline)
 
         for step in range(trainer.step_count + 1, steps + 1):
             timer = PhaseTimer()

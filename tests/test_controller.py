@@ -30,8 +30,9 @@ def test_train_runs_end_to_end_and_resumes(tiny_llama_dir, tmp_path):
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     run = tmp_path / "tiny-test"
     rows = _rows(run)
-    assert [r["step"] for r in rows] == [1, 2]
-    for r in rows:
+    assert [r["step"] for r in rows] == [0, 1, 2]  # step 0: the untrained model's eval accuracy
+    assert 0.0 <= rows[0]["eval/accuracy"] <= 1.0
+    for r in rows[1:]:
         # 4 prompts x 2 samples, every phase timed, the loss and the sampler/learner gap finite
         assert r["gen/samples"] == 8
         assert all(r[f"time/{p}"] >= 0 for p in ("generate", "reward", "train", "sync", "idle"))
@@ -48,7 +49,7 @@ def test_train_runs_end_to_end_and_resumes(tiny_llama_dir, tmp_path):
     # Resume: same run folder, one more step; it continues at step 3 from the saved state.
     out = _train(tiny_llama_dir, tmp_path, "controller.steps=3", "trainer.resume_from=auto")
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    assert [r["step"] for r in _rows(run)] == [1, 2, 3]
+    assert [r["step"] for r in _rows(run)] == [0, 1, 2, 3]  # no second baseline on resume
     assert "resuming from" in out.stdout
 
 
