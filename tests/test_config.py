@@ -170,3 +170,12 @@ def test_validation_does_not_import_engines(tmp_path, model_dir):
             "heavy = [m for m in ('torch', 'megatron', 'vllm') if m in sys.modules]; print(heavy); assert not heavy")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=60)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_trainer_tp_must_divide_intermediate_size(tmp_path):
+    d = tmp_path / "m"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"num_hidden_layers": 4, "num_attention_heads": 4,
+                                               "num_key_value_heads": 4, "intermediate_size": 250}))
+    (msg,) = problems_of(None, [f"model.path={d}", "trainer.tp=4"])
+    assert msg.startswith("trainer.tp=4") and "intermediate_size=250" in msg

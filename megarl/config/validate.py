@@ -17,7 +17,7 @@ from megarl.config.schema import BUILTIN_ARITHMETIC, BUILTIN_SMOLLM2, MegaRLConf
 # SmolLM2-135M-Instruct: Llama architecture, 30 layers, 9 heads / 3 KV heads, hidden 576.
 BUILTIN_MODEL_SHAPES = {
     BUILTIN_SMOLLM2: {"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
-                      "hidden_size": 576, "vocab_size": 49152},
+                      "hidden_size": 576, "intermediate_size": 1536, "vocab_size": 49152},
 }
 
 
@@ -86,6 +86,10 @@ def check(cfg: MegaRLConfig) -> list[str]:
         elif groups % t.tp:
             problems.append(f"trainer.tp={t.tp}: must divide the model's num_key_value_heads={groups} "
                             f"(Megatron splits query groups across TP); use one of {divisors(groups)}")
+        ffn = shape.get("intermediate_size")
+        if ffn and ffn % t.tp and not heads % t.tp:
+            problems.append(f"trainer.tp={t.tp}: must divide the model's intermediate_size={ffn}; "
+                            f"use one of {[d for d in divisors(heads) if ffn % d == 0]}")
         if layers % t.pp:
             problems.append(f"trainer.pp={t.pp}: must divide the model's num_hidden_layers={layers}; "
                             f"use one of {divisors(layers)}")
@@ -115,11 +119,9 @@ def cuda_expected(device: str) -> bool:
 
 
 def _env_world_size() -> int:
-    """World size the launcher announced (Slurm / torchrun), or 0 when run locally."""
-    for var in ("MEGARL_WORLD_SIZE",):
-        if os.environ.get(var, "").isdigit():
-            return int(os.environ[var])
-    return 0
+    """World size a launcher announced in MEGARL_WORLD_SIZE, or 0 when run locally."""
+    value = os.environ.get("MEGARL_WORLD_SIZE", "")
+    return int(value) if value.isdigit() else 0
 
 
 def divisors(n: int) -> list[int]:
