@@ -1,4 +1,4 @@
-"""Prompt sources and the math-verify reward."""
+"""Prompt sources, and the rewards on the data's own gold answers (adversarial reward cases: test_rewards.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 
 from megarl.data import format_prompt, load_tasks, split_train_eval
 from megarl.data.tasks import gold_answer
-from megarl.reward import MathReward, score_one
+from megarl.reward import get_reward
 
 GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k" / "train.jsonl"
 
@@ -44,15 +44,27 @@ def test_format_prompt_plain():
     assert format_prompt(task, None) == f"Question: {task.question} Reply with only the final number.\nAnswer:"
 
 
-def test_score_one():
-    assert score_one("The answer is 72.", "72")
-    assert score_one("$\\frac{1}{2}$", "0.5")
-    assert not score_one("71", "72")
-    assert not score_one("", "72")
+def test_arithmetic_reward_on_builtin_tasks():
+    """The gold answer is right, strictly; the restated question is wrong unless its last operand
+    happens to be the answer (e.g. 'What is 5 * 1?')."""
+    arithmetic = get_reward("arithmetic")
+    tasks = load_tasks("builtin:arithmetic", limit=200, seed=5)
+    for t in tasks:
+        assert arithmetic(t.answer, t.answer, strict=True) is True
+        assert arithmetic(f"{t.question.removeprefix('What is ').removesuffix('?')} = {t.answer}", t.answer) is True
+        last_operand = t.question.removesuffix("?").split()[-1]
+        assert arithmetic(t.question, t.answer) is (int(last_operand) == int(t.answer))
+        assert arithmetic(format_prompt(t, None), t.answer) is (int(last_operand) == int(t.answer))
+    assert sum(arithmetic(t.question, t.answer) for t in tasks) < 20
 
 
-def test_math_reward_pool():
-    with MathReward(workers=2, timeout_s=5, correct=1.0, wrong=-0.5) as reward:
-        assert reward.score(["72", "so 5", "no idea"], ["72", "5", "3"]) == [1.0, 1.0, -0.5]
-    with pytest.raises(ValueError, match="gold"):
-        MathReward().score(["1"], [])
+@pytest.mark.skipif(not GSM8K.is_file(), reason="GSM8K copy not present beside the repo")
+def test_gsm8k_reward_on_gsm8k_solutions():
+    """A GSM8K reference solution ('... #### 72') scores right against its own gold, strictly."""
+    import json
+
+    gsm8k = get_reward("gsm8k")
+    rows = [json.loads(line) for line in GSM8K.read_text().splitlines()[:50]]
+    tasks = load_tasks(str(GSM8K), limit=50)
+    assert all(gsm8k(row["answer"], t.answer, strict=True) for row, t in zip(rows, tasks))
+    assert not any(gsm8k(row["question"], t.answer, strict=True) for row, t in zip(rows, tasks))

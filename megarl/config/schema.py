@@ -1,8 +1,9 @@
 """The whole job's configuration: one dataclass per section, composed here.
 
 Sections owned by an executor live next to it (`megarl/trainer/config.py`, `megarl/generator/config.py`,
-`megarl/algorithms/config.py`); the job-level sections are defined below. Every knob is declared with
-:func:`megarl.config.knobs.knob`, so `megarl config explain` prints its unit and default.
+`megarl/algorithms/config.py`, `megarl/reward/config.py`); the job-level sections are defined below.
+Every knob is declared with :func:`megarl.config.knobs.knob`, so `megarl config explain` prints its
+unit and default.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from dataclasses import dataclass, field
 from megarl.algorithms.config import AlgorithmConfig
 from megarl.config.knobs import knob
 from megarl.generator.config import GeneratorConfig
+from megarl.reward.config import RewardConfig
 from megarl.trainer.config import TrainerConfig
 
 BUILTIN_SMOLLM2 = "builtin:smollm2"
@@ -36,14 +38,6 @@ class DataConfig:
     max_prompt_tokens: int = knob(256, help="Prompts longer than this are dropped (tokens).")
     chat_template: bool = knob(True, help="Wrap each question in the tokenizer's chat template.")
     seed: int = knob(1234, help="Shuffling seed for the prompt stream.")
-
-
-@dataclass
-class RewardConfig:
-    workers: int = knob(2, help="Processes in the math-verify pool (processes).")
-    timeout_s: float = knob(5.0, help="Per-sample verification timeout; a timeout scores as wrong (seconds).")
-    correct: float = knob(1.0, help="Reward for a verified-correct final answer.")
-    wrong: float = knob(0.0, help="Reward for a wrong, missing or timed-out answer.")
 
 
 @dataclass

@@ -48,6 +48,7 @@ def check(cfg: MegaRLConfig) -> list[str]:
     # Each section's own range checks first.
     problems += t.problems() + g.problems(on_cpu=not cuda_expected(cfg.cluster.device))
     problems += cfg.algorithm.problems()
+    problems += cfg.reward.problems(max_new_tokens=g.max_new_tokens)
     for key, value in (("controller.steps", cfg.controller.steps),
                        ("controller.prompts_per_step", cfg.controller.prompts_per_step),
                        ("reward.workers", cfg.reward.workers)):

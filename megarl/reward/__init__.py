@@ -1,5 +1,11 @@
-"""Reward executor: verifiable math rewards in a process pool."""
+"""Rewards: final-answer extraction, a registry of reward functions, and the scoring pool.
 
-from megarl.reward.math_reward import MathReward, score_one
+See docs/rewards.md. Importing this package imports neither torch nor math-verify.
+"""
 
-__all__ = ["MathReward", "score_one"]
+from megarl.reward.config import RewardConfig
+from megarl.reward.pool import MathReward, RewardPool, ScoredSample, overlong_penalty
+from megarl.reward.registry import get_reward, known_rewards, register_reward
+
+__all__ = ["MathReward", "RewardConfig", "RewardPool", "ScoredSample", "get_reward", "known_rewards",
+           "overlong_penalty", "register_reward"]

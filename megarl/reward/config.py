@@ -1,0 +1,107 @@
+"""Knobs of the reward: which reward function, its scores, truncation and overlong shaping.
+
+The top-level config composes :class:`RewardConfig` as ``reward``; the controller builds
+``RewardPool(cfg.reward, max_new_tokens=cfg.generator.max_new_tokens)``. Nothing here imports torch
+or math-verify: validating a config stays fast. See docs/rewards.md.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import importlib.util
+from typing import List, Optional
+
+from megarl.config.knobs import knob
+
+@dataclasses.dataclass
+class RewardConfig:
+    fn: str = knob("arithmetic", help="reward function: a built-in name (arithmetic: the reply's last "
+                   "number; gsm8k: the '####' answer, else the last number; math: math-verify on the last "
+                   "\\boxed{}) or a 'package.module:function' path to fn(completion, gold, *, strict) -> bool; "
+                   "default arithmetic")
+    strict: bool = knob(False, help="strict answer format: arithmetic: the reply is only the number; gsm8k: "
+                        "only the number after '####'; math: the last \\boxed{} ends the reply; default False")
+    correct: float = knob(1.0, help="reward of a finished reply whose final answer is right (reward units); "
+                          "default 1")
+    wrong: float = knob(0.0, help="reward of a wrong, missing or timed-out answer (reward units); default 0")
+    truncated: Optional[float] = knob(None, help="reward of a reply cut off at max_new_tokens (finish reason "
+                                      "'length'), whatever it says (reward units); default None = the wrong score")
+    overlong_buffer: int = knob(0, help="DAPO soft overlong punishment: the last this-many tokens before "
+                                "generator.max_new_tokens over which a finished reply's penalty ramps linearly "
+                                "from 0 to overlong_penalty (tokens, >= 0); default 0 = off")
+    overlong_penalty: float = knob(1.0, help="penalty subtracted at full length when overlong_buffer > 0 "
+                                   "(reward units, >= 0); default 1")
+    workers: int = knob(2, help="processes scoring the math reward and import-path rewards (processes); "
+                        "default 2")
+    timeout_s: float = knob(5.0, help="per-sample scoring timeout in the pool; a timeout scores as wrong "
+                            "(seconds, > 0); default 5")
+
+    def __post_init__(self) -> None:
+        problems = self.problems()
+        if problems:
+            raise ValueError("; ".join(problems))
+
+    def problems(self, max_new_tokens: Optional[int] = None) -> List[str]:
+        """Every invalid value, each naming the key (empty when valid). ``max_new_tokens`` (the
+        generator's) also checks that the overlong buffer fits in it."""
+        found: List[str] = []
+        fn_problem = _fn_problem(self.fn)
+        if fn_problem:
+            found.append(f"reward.fn={self.fn!r}: {fn_problem}")
+        helps = {f.name: f.metadata.get("help", "") for f in dataclasses.fields(self)}
+        checks = [("timeout_s", self.timeout_s > 0), ("overlong_buffer", self.overlong_buffer >= 0),
+                  ("overlong_penalty", self.overlong_penalty >= 0)]
+        found += [f"reward.{name}={getattr(self, name)!r} is out of range: {helps[name]}"
+                  for name, ok in checks if not ok]
+        if self.correct <= self.wrong:
+            found.append(f"reward.correct={self.correct!r} must be greater than reward.wrong={self.wrong!r}, "
+                         f"or a right answer is not rewarded")
+        if max_new_tokens is not None and self.overlong_buffer > max_new_tokens:
+            found.append(f"reward.overlong_buffer={self.overlong_buffer} exceeds generator.max_new_tokens="
+                         f"{max_new_tokens}: the ramp starts at max_new_tokens - overlong_buffer tokens; "
+                         f"use at most {max_new_tokens}")
+        return found
+
+
+def _fn_problem(spec: object) -> Optional[str]:
+    """Why ``spec`` names no reward, found without importing it (so no torch): a registered name, or a
+    module that exists and, where its source can be read, defines the function at top level."""
+    from megarl.reward.registry import known_rewards, unknown_message  # torch- and sympy-free
+
+    if not isinstance(spec, str) or not spec or ":" not in spec:
+        # The built-ins, and names registered by code imported earlier (a plugin calling register_reward).
+        return None if spec in known_rewards() else unknown_message(spec)
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        return "an import path must look like 'package.module:function'"
+    try:
+        module_spec = importlib.util.find_spec(module_name)
+    except (ImportError, ValueError) as exc:
+        return f"cannot find module {module_name!r} ({exc})"
+    if module_spec is None:
+        return f"cannot find module {module_name!r} (is it on PYTHONPATH?)"
+    origin = module_spec.origin
+    if not origin or not origin.endswith(".py"):
+        return None  # an extension or namespace module: checked when the reward is built
+    try:
+        tree = ast.parse(open(origin, encoding="utf-8").read())
+    except (OSError, SyntaxError, ValueError) as exc:
+        return f"cannot read {origin}: {exc}"
+    top = attr.split(".")[0]
+    defined = set()
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            defined.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            for alias in node.names:
+                if alias.name == "*":
+                    return None  # a star import may define anything
+                defined.add((alias.asname or alias.name).split(".")[0])
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            defined.update(t.id for t in targets if isinstance(t, ast.Name))
+    if top not in defined:
+        return f"module {module_name!r} ({origin}) defines no top-level {top!r}"
+    return None
+

@@ -1,0 +1,194 @@
+"""RewardPool: scores a batch of replies: final-answer correctness, truncation, overlong shaping.
+
+The ``math`` reward runs math-verify (sympy), which can take seconds or hang on a pathological
+reply and enforces its own timeouts with ``signal.alarm``, which only works in a process's main
+thread. So it (and any ``module:function`` reward, whose cost is unknown) runs in a process pool:
+each worker calls it from its main thread, and the pool adds an outer wall-clock deadline so a stuck
+sample scores as wrong instead of stalling the RL loop (the pool is then killed and restarted).
+``arithmetic`` and ``gsm8k`` are a few linear-time regexes over the reply: they run in the calling
+process, since shipping a batch to workers would cost more than scoring it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import multiprocessing as mp
+import time
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Callable, Dict, List, Optional, Sequence
+
+from megarl.reward.config import RewardConfig
+from megarl.reward.registry import get_reward, reward_meta
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class ScoredSample:
+    """One reply's score. ``correct``: its final answer is right (False when truncated);
+    ``formatted``: an answer could be extracted in the configured format (False when truncated);
+    ``truncated``: it hit max_new_tokens (finish reason 'length')."""
+
+    reward: float
+    correct: bool
+    formatted: bool
+    truncated: bool
+
+
+def overlong_penalty(length: int, max_new_tokens: int, buffer: int, penalty: float) -> float:
+    """DAPO's soft overlong punishment: 0 up to ``max_new_tokens - buffer`` tokens, then rising
+    linearly to ``penalty`` at ``max_new_tokens`` (capped there); 0 when ``buffer`` is 0."""
+    if buffer <= 0:
+        return 0.0
+    over = length - (max_new_tokens - buffer)
+    return penalty * min(max(over, 0), buffer) / buffer
+
+
+class RewardPool:
+    """Scores (completion, gold) pairs with the reward ``cfg.fn``; see docs/rewards.md.
+
+    ``max_new_tokens`` is the generator's completion limit (tokens), the end of the overlong ramp.
+    """
+
+    def __init__(self, cfg: RewardConfig, max_new_tokens: int):
+        problems = cfg.problems(max_new_tokens=max_new_tokens)
+        if problems:
+            raise ValueError("; ".join(problems))
+        self.cfg, self.max_new_tokens = cfg, max_new_tokens
+        self.fn = get_reward(cfg.fn)  # resolved now: a bad import path fails before any generation
+        meta = reward_meta(self.fn)
+        self._extract: Optional[Callable] = meta["extract"]
+        self.in_process: bool = bool(meta["in_process"])
+        self._pool: Optional[ProcessPoolExecutor] = None
+
+    @property
+    def correct(self) -> float:
+        return self.cfg.correct
+
+    @property
+    def truncated_score(self) -> float:
+        return self.cfg.wrong if self.cfg.truncated is None else self.cfg.truncated
+
+    def score(self, completions: Sequence[str], golds: Sequence[str], finish_reasons: Sequence[Optional[str]],
+              lengths: Sequence[int]) -> List[ScoredSample]:
+        """One :class:`ScoredSample` per reply. ``finish_reasons``: the generator's ('stop', 'length',
+        ...); ``lengths``: completion lengths (tokens)."""
+        n = len(completions)
+        for name, seq in (("gold answers", golds), ("finish reasons", finish_reasons), ("lengths", lengths)):
+            if len(seq) != n:
+                raise ValueError(f"{n} completions but {len(seq)} {name}")
+        cfg = self.cfg
+        truncated = [reason == "length" for reason in finish_reasons]
+        finished = [i for i in range(n) if not truncated[i]]
+        verdicts = self._judge([completions[i] for i in finished], [golds[i] for i in finished])
+        correct = dict(zip(finished, verdicts))
+        out = []
+        for i in range(n):
+            if truncated[i]:
+                out.append(ScoredSample(self.truncated_score, False, False, True))
+                continue
+            ok = correct[i]
+            formatted = ok if self._extract is None else self._extract(completions[i], strict=cfg.strict) is not None
+            reward = (cfg.correct if ok else cfg.wrong) - overlong_penalty(
+                lengths[i], self.max_new_tokens, cfg.overlong_buffer, cfg.overlong_penalty)
+            out.append(ScoredSample(reward, ok, bool(formatted), False))
+        return out
+
+    def _judge(self, completions: List[str], golds: List[str]) -> List[bool]:
+        if not completions:
+            return []
+        if self.in_process:
+            return [_safe_call(self.fn, c, g, self.cfg.strict) for c, g in zip(completions, golds)]
+        pool = self._ensure_pool()
+        futures = [pool.submit(_worker_score, self.cfg.fn, c, g, self.cfg.strict) for c, g in zip(completions, golds)]
+        verdicts, timed_out, failed = [], 0, 0
+        # Outer deadline: all samples in parallel, each allowed timeout_s, plus pool start-up slack.
+        deadline = time.monotonic() + self.cfg.timeout_s * (1 + len(futures) / self.cfg.workers) + 30.0
+        for fut in futures:
+            try:
+                ok = bool(fut.result(timeout=max(0.0, deadline - time.monotonic())))
+            except FutureTimeout:
+                ok, timed_out = False, timed_out + 1
+            except Exception:  # a broken pool (a worker died); the sample scores as wrong
+                ok, failed = False, failed + 1
+            verdicts.append(ok)
+        if timed_out or failed:
+            log.warning("reward: %d sample(s) timed out after %.1fs and %d failed, scored as wrong; "
+                        "restarting the pool", timed_out, self.cfg.timeout_s, failed)
+            self.close()
+        return verdicts
+
+    def _ensure_pool(self) -> ProcessPoolExecutor:
+        if self._pool is None:
+            self._pool = ProcessPoolExecutor(self.cfg.workers, mp_context=mp.get_context("spawn"),
+                                             initializer=_init_worker, initargs=(self.cfg.timeout_s,))
+        return self._pool
+
+    def close(self) -> None:
+        if self._pool is not None:
+            procs = list((getattr(self._pool, "_processes", None) or {}).values())
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            for proc in procs:
+                proc.kill()  # a stuck sympy call ignores shutdown
+            self._pool = None
+
+    def __enter__(self) -> "RewardPool":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _safe_call(fn: Callable, completion: str, gold: str, strict: bool) -> bool:
+    try:
+        return bool(fn(completion, gold, strict=strict))
+    except Exception:  # a reward that raises on odd input must not stop training: the sample is wrong
+        log.warning("reward: %s raised on a sample; scored as wrong", getattr(fn, "__qualname__", fn),
+                    exc_info=True)
+        return False
+
+
+_WORKER_FNS: Dict[str, Callable] = {}
+
+
+def _init_worker(timeout_s: float) -> None:
+    from megarl.reward import rewards
+
+    rewards.MATH_TIMEOUT_S = max(1, int(timeout_s))
+
+
+def _worker_score(spec: str, completion: str, gold: str, strict: bool) -> bool:
+    fn = _WORKER_FNS.get(spec)
+    if fn is None:
+        fn = _WORKER_FNS[spec] = get_reward(spec)
+    return _safe_call(fn, completion, gold, strict)
+
+
+class MathReward:
+    """Deprecated, for one release: the old ``MathReward(workers, timeout_s, correct, wrong)`` with
+    ``score(completions, golds) -> list[float]``, now scoring the final answer with ``fn`` (default
+    ``arithmetic``, not math-verify on free text) and every reply as finished (no truncation score,
+    no overlong penalty). Use :class:`RewardPool` with finish reasons and lengths instead."""
+
+    def __init__(self, workers: int = 2, timeout_s: float = 5.0, correct: float = 1.0, wrong: float = 0.0,
+                 fn: str = "arithmetic"):
+        self.correct, self.wrong = correct, wrong
+        self._pool = RewardPool(RewardConfig(fn=fn, workers=workers, timeout_s=timeout_s, correct=correct,
+                                             wrong=wrong), max_new_tokens=0)
+
+    def score(self, completions: List[str], golds: List[str]) -> List[float]:
+        n = len(completions)
+        if len(golds) != n:
+            raise ValueError(f"{n} completions but {len(golds)} gold answers")
+        return [s.reward for s in self._pool.score(completions, golds, ["stop"] * n, [0] * n)]
+
+    def close(self) -> None:
+        self._pool.close()
+
+    def __enter__(self) -> "MathReward":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
