@@ -19,10 +19,25 @@ from megarl.generator.executor import GeneratorEngineDied, GeneratorExecutor, Ge
 from megarl.generator.weights import pack_to_shm, open_weight_source
 
 PROMPTS = [[1, 504, 3012, 281], [1, 9038, 17, 6124, 88], [1, 42, 4711]]
-# bf16 engine vs transformers in bf16. Both round the logits to bf16 (step 2^-8 relative), which
-# alone moves a logprob by ~0.01-0.03 on these random models; a wrong layout or temperature moves
-# it by > 0.5.
-LOGPROB_TOL = 0.05
+
+# Where the bf16 bounds come from. bf16 keeps 8 significant bits, so a bf16 forward pass differs
+# from the fp32 one by rounding noise whose size depends on the model, the weights and the tokens,
+# and its kernels are chosen by the CPU (vLLM's CPU attention runs an AMX kernel whenever the CPU
+# has AMX, else AVX-512/AVX2 vector kernels; oneDNN picks the GEMM ISA). So no constant holds
+# everywhere: each test measures the reference's own noise on the very tokens it checks --
+# transformers in bf16 against transformers in fp32 -- and allows the engine, another bf16
+# implementation with its roundings in other places, BF16_NOISE_FACTOR times that deviation from the
+# fp32 reference. Measured on an AVX-512 (no AMX) CPU: engine-vs-fp32 was 0.5-1.0x the reference's
+# own noise (0.02-0.1 nats); an AMX CPU's engine was 0.062 off transformers-bf16, i.e. <= 2x. A
+# wrong layout, temperature or stale weight is off by more than 0.5 nats (asserted where it matters).
+BF16_NOISE_FACTOR = 3
+# Floor for the bound: one bf16 ulp at logprob scale 1 (2^-7), so a token run whose noise happens
+# to be tiny does not demand more than bf16 can represent.
+BF16_FLOOR = 2.0**-7
+# Greedy paths: every engine token must be the fp32 argmax up to a tie within twice the bound (both
+# logprobs of a top-1/top-2 pair may err); at least this fraction must be the exact argmax (the
+# prompts are chosen with a top-2 gap beyond the reference's own noise, so near-ties are rare).
+GREEDY_EXACT_FRAC = 0.8
 
 
 # ------------------------------------------------------------------ transformers references
@@ -44,17 +59,27 @@ def hf_logprobs(model, prompt, completion, temperature=1.0) -> torch.Tensor:
 
 
 @torch.no_grad()
-def hf_greedy(model, prompt, n) -> list[int]:
-    out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, top_k=None,
-                         top_p=None, temperature=None, eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+def bf16_noise(model_dir, state_dict, seqs, temperature=1.0) -> float:
+    """The reference's own bf16 noise: max |transformers bf16 - transformers fp32| logprob over the
+    completion tokens of ``seqs`` ((prompt, completion) pairs)."""
+    ref, ref16 = hf_model(model_dir, state_dict), hf_model(model_dir, state_dict, dtype=torch.bfloat16)
+    return max(float((hf_logprobs(ref16, p, c, temperature) - hf_logprobs(ref, p, c, temperature)).abs().max())
+               for p, c in seqs)
+
+
+def bf16_bound(model_dir, state_dict, samples, start=0, stop=None, temperature=1.0) -> float:
+    """How far a bf16 engine's logprobs may be from fp32 transformers on these samples' tokens
+    [start, stop) (see BF16_NOISE_FACTOR)."""
+    seqs = [(s.prompt_ids + s.completion_ids[:start], s.completion_ids[start:stop]) for s in samples]
+    return max(BF16_NOISE_FACTOR * bf16_noise(model_dir, state_dict, seqs, temperature), BF16_FLOOR)
 
 
 @torch.no_grad()
-def separated_prompts(model, count, n_tokens, margin=2 * LOGPROB_TOL, seed=0) -> list[list[int]]:
-    """Prompts whose greedy path (in `model`, fp32) keeps a top-1/top-2 logprob gap above `margin`
-    for `n_tokens` steps: there greedy decoding is decided beyond bf16 noise, so an engine that
-    matches logprobs within LOGPROB_TOL must produce exactly these tokens."""
+def separated_prompts(model_dir, state_dict, count, n_tokens, seed=0) -> list[list[int]]:
+    """Prompts whose fp32 greedy path keeps a top-1/top-2 logprob gap above twice transformers' own
+    bf16 noise on that very path for `n_tokens` steps: greedy decoding there is decided beyond
+    typical bf16 noise, so a correct bf16 engine follows it (almost always exactly; see check_greedy)."""
+    model = hf_model(model_dir, state_dict)
     g = torch.Generator().manual_seed(seed)
     cands = torch.cat([torch.ones(256, 1, dtype=torch.long),
                        torch.randint(3, model.config.vocab_size, (256, 4), generator=g)], 1)
@@ -62,14 +87,19 @@ def separated_prompts(model, count, n_tokens, margin=2 * LOGPROB_TOL, seed=0) ->
                          temperature=None, eos_token_id=None, pad_token_id=0, output_logits=True,
                          return_dict_in_generate=True)
     top2 = torch.stack([torch.log_softmax(l.float(), -1).topk(2).values for l in out.logits], 1)
-    ok = ((top2[..., 0] - top2[..., 1]).min(1).values > margin).nonzero()[:, 0]
-    assert len(ok) >= count, f"only {len(ok)} prompts with a greedy margin > {margin}: model too flat"
-    return [cands[i].tolist() for i in ok[:count]]
+    gap = (top2[..., 0] - top2[..., 1]).min(1).values
+    ok = []
+    for i in gap.argsort(descending=True).tolist()[:8 * count]:
+        prompt, completion = cands[i].tolist(), out.sequences[i, cands.shape[1]:].tolist()
+        if float(gap[i]) > 2 * max(bf16_noise(model_dir, state_dict, [(prompt, completion)]), BF16_FLOOR):
+            ok.append(prompt)
+    assert len(ok) >= count, f"only {len(ok)} prompts with a greedy margin beyond bf16 noise: model too flat"
+    return ok[:count]
 
 
-def check_greedy(model, sample, start=0, stop=None, tol=2 * LOGPROB_TOL):
+def check_greedy(model, sample, tol, start=0, stop=None):
     """Greedy tokens [start, stop): each is transformers' argmax given the prefix, up to ties
-    within bf16 noise; returns the number of exact argmax matches."""
+    within ``tol`` (twice the bf16 bound: both sides err); returns the number of exact argmax matches."""
     ids = torch.tensor([sample.prompt_ids + sample.completion_ids])
     with torch.no_grad():
         lp = torch.log_softmax(model(ids).logits[0].float(), -1)
@@ -160,23 +190,50 @@ def _alive(pid):
         return False
 
 
-def lp_err(model, sample, start=0, temperature=1.0) -> float:
-    """Largest |behav_logprob - transformers logprob| over the completion tokens from `start`."""
+def lp_err(model, sample, start=0, stop=None, temperature=1.0) -> float:
+    """Largest |behav_logprob - transformers logprob| over the completion tokens [start, stop)."""
     prefix = sample.prompt_ids + sample.completion_ids[:start]
-    ref = hf_logprobs(model, prefix, sample.completion_ids[start:], temperature)
-    return float((torch.tensor(sample.behav_logprobs[start:]) - ref).abs().max())
+    ref = hf_logprobs(model, prefix, sample.completion_ids[start:stop], temperature)
+    return float((torch.tensor(sample.behav_logprobs[start:stop]) - ref).abs().max())
+
+
+def attention_kernel(block_size: int) -> str:
+    """The CPU attention kernel vLLM picks for a bf16 engine with head_dim 32 on this machine."""
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    return _get_attn_isa(torch.bfloat16, block_size, 32)
 
 
 def test_greedy_matches_transformers(bf16_gen, tiny_llama_dir):
-    ref, ref_bf16 = hf_model(tiny_llama_dir), hf_model(tiny_llama_dir, dtype=torch.bfloat16)
-    prompts = separated_prompts(ref, 3, 10)
-    samples = bf16_gen.generate(prompts, max_new_tokens=10)
+    """On the default block size: the AMX kernel on AMX CPUs, the vector kernel elsewhere."""
+    print(f"attention kernel (default block size): {attention_kernel(128)}")
+    _check_greedy_engine(bf16_gen, tiny_llama_dir)
+
+
+def test_greedy_matches_transformers_vector_kernel(tiny_llama_dir, tmp_path, monkeypatch):
+    """The same check with the attention kernel forced to the vector one: on an AMX CPU the default
+    test above ran the AMX kernel, so together they cover both kernels a user's CPU may pick."""
+    from megarl.generator.engine import FORCE_CPU_ATTN_KERNEL_ENV
+
+    monkeypatch.setenv(FORCE_CPU_ATTN_KERNEL_ENV, "vec")  # the replica process inherits it
+    with GeneratorExecutor(base_cfg(log_dir=str(tmp_path / "logs")), tiny_llama_dir) as ex:
+        _check_greedy_engine(ex, tiny_llama_dir)
+    logs = "".join(f.read_text(errors="replace") for f in (tmp_path / "logs").iterdir())
+    assert f"kernel forced to 'vec' (vLLM chose '{attention_kernel(128)}')" in logs
+
+
+def _check_greedy_engine(gen, tiny_llama_dir):
+    ref = hf_model(tiny_llama_dir)
+    prompts = separated_prompts(tiny_llama_dir, None, 3, 10)
+    samples = gen.generate(prompts, max_new_tokens=10)
     assert [s.prompt_ids for s in samples] == prompts
+    bound = bf16_bound(tiny_llama_dir, None, samples)
     for s in samples:
         assert len(s.completion_ids) == 10 and s.finish_reason == "length"
         assert s.versions == [0] * 10
-        assert s.completion_ids == hf_greedy(ref, s.prompt_ids, 10)
-        assert lp_err(ref_bf16, s) < LOGPROB_TOL
+        # every token is the fp32 argmax up to a bf16-noise tie; a wrong weight breaks this by nats
+        assert check_greedy(ref, s, 2 * bound) >= GREEDY_EXACT_FRAC * 10
+        assert lp_err(ref, s) < bound, (lp_err(ref, s), bound)
 
 
 def test_sampled_logprobs_are_tempered(bf16_gen, tiny_llama_dir):
@@ -184,12 +241,14 @@ def test_sampled_logprobs_are_tempered(bf16_gen, tiny_llama_dir):
     with trainer_logprob_temperature(); the untempered distribution is measurably different."""
     t = 0.8
     samples = bf16_gen.generate(PROMPTS[:2], n_samples=3, max_new_tokens=10, sampling={"temperature": t})
-    ref_bf16 = hf_model(tiny_llama_dir, dtype=torch.bfloat16)
+    ref = hf_model(tiny_llama_dir)
     assert len(samples) == 6 and [s.sample_index for s in samples[:3]] == [0, 1, 2]
     assert [s.prompt_ids for s in samples] == [PROMPTS[0]] * 3 + [PROMPTS[1]] * 3
     assert len({tuple(s.completion_ids) for s in samples}) > 2  # really sampled
-    assert max(lp_err(ref_bf16, s, temperature=t) for s in samples) < LOGPROB_TOL
-    assert min(lp_err(ref_bf16, s) for s in samples) > 5 * LOGPROB_TOL
+    bound = bf16_bound(tiny_llama_dir, None, samples, temperature=t)
+    assert max(lp_err(ref, s, temperature=t) for s in samples) < bound
+    # the untempered distribution is off by more than bf16 noise can explain
+    assert min(lp_err(ref, s) for s in samples) > 2 * bound
 
 
 def test_stop_string_ends_generation(bf16_gen):
@@ -206,17 +265,19 @@ def test_stop_string_ends_generation(bf16_gen):
 
 def test_update_follows_new_weights(bf16_gen, tiny_llama_dir):
     new = perturbed(tiny_llama_dir, seed=1)
-    ref, ref_bf16 = hf_model(tiny_llama_dir, new), hf_model(tiny_llama_dir, new, dtype=torch.bfloat16)
-    prompts = separated_prompts(ref, 3, 10, seed=1)
+    ref = hf_model(tiny_llama_dir, new)
+    prompts = separated_prompts(tiny_llama_dir, new, 3, 10, seed=1)
     before = bf16_gen.generate(prompts, max_new_tokens=10)
     bf16_gen.update_weights(new.items())
     assert bf16_gen.version == 1 and bf16_gen.health()[0]["version"] == 1
     after = bf16_gen.generate(prompts, max_new_tokens=10)
     assert [s.completion_ids for s in after] != [s.completion_ids for s in before]
+    bound = bf16_bound(tiny_llama_dir, new, after)
     for s in after:
         assert s.versions == [1] * 10
-        assert s.completion_ids == hf_greedy(ref, s.prompt_ids, 10)
-        assert lp_err(ref_bf16, s) < LOGPROB_TOL
+        # every token is the fp32 argmax up to a bf16-noise tie; a wrong weight breaks this by nats
+        assert check_greedy(ref, s, 2 * bound) >= GREEDY_EXACT_FRAC * 10
+        assert lp_err(ref, s) < bound, (lp_err(ref, s), bound)
 
 
 def test_partial_rollout_resumes_under_new_policy(bf16_gen, tiny_llama_dir):
@@ -228,16 +289,18 @@ def test_partial_rollout_resumes_under_new_policy(bf16_gen, tiny_llama_dir):
     assert bf16_gen.num_partial == 2 and bf16_gen.poll() == []  # cut after 5 tokens, cached
     bf16_gen.update_weights(new_sd.items())  # resumes the partials at v + 1
     samples = sorted(bf16_gen.collect(), key=lambda s: s.group_id)
-    old = hf_model(tiny_llama_dir, old_sd, dtype=torch.bfloat16)
-    new = hf_model(tiny_llama_dir, new_sd, dtype=torch.bfloat16)
+    old, new = hf_model(tiny_llama_dir, old_sd), hf_model(tiny_llama_dir, new_sd)
+    old_bound = bf16_bound(tiny_llama_dir, old_sd, samples, stop=5)
+    new_bound = bf16_bound(tiny_llama_dir, new_sd, samples, start=5)
     for s, prompt in zip(samples, PROMPTS[:2]):
         assert s.prompt_ids == prompt and s.num_rounds == 3  # 5 + 5 + 2 tokens
         assert len(s.completion_ids) == len(s.behav_logprobs) == 12  # nothing lost or duplicated
         assert s.versions == [v] * 5 + [v + 1] * 7
         # The first 5 tokens are the old policy's, the rest the new policy's given that prefix.
-        assert check_greedy(old, s, stop=5) >= 4 and check_greedy(new, s, start=5) >= 6
-        assert lp_err(new, s, start=5) < LOGPROB_TOL
-        assert float((torch.tensor(s.behav_logprobs[:5]) - hf_logprobs(old, s.prompt_ids, s.completion_ids[:5])).abs().max()) < LOGPROB_TOL
+        assert check_greedy(old, s, 2 * old_bound, stop=5) >= GREEDY_EXACT_FRAC * 5
+        assert check_greedy(new, s, 2 * new_bound, start=5) >= GREEDY_EXACT_FRAC * 7
+        assert lp_err(new, s, start=5) < new_bound, (lp_err(new, s, start=5), new_bound)
+        assert lp_err(old, s, stop=5) < old_bound, (lp_err(old, s, stop=5), old_bound)
 
 
 def test_inflight_update_switches_mid_generation(bf16_gen, tiny_llama_dir):
@@ -255,13 +318,11 @@ def test_inflight_update_switches_mid_generation(bf16_gen, tiny_llama_dir):
     k = s.versions.index(v + 1)
     assert 0 < k < n and s.versions == [v] * k + [v + 1] * (n - k) and s.num_rounds == 1
     assert n == 200
-    new = hf_model(tiny_llama_dir, new_sd, dtype=torch.bfloat16)
+    new = hf_model(tiny_llama_dir, new_sd)
+    bound = bf16_bound(tiny_llama_dir, new_sd, [s], start=k)
     # after the switch: the new policy's continuation of the (kept) prefix
-    assert check_greedy(new, s, start=k) >= 0.8 * (n - k)
-    # Over ~200 tokens bf16 rounding occasionally reaches ~0.06 on one token: bound the mean too.
-    ref = hf_logprobs(new, s.prompt_ids + s.completion_ids[:k], s.completion_ids[k:])
-    diff = (torch.tensor(s.behav_logprobs[k:]) - ref).abs()
-    assert diff.max() < 2 * LOGPROB_TOL and diff.mean() < LOGPROB_TOL / 2, (diff.max(), diff.mean())
+    assert check_greedy(new, s, 2 * bound, start=k) >= GREEDY_EXACT_FRAC * (n - k)
+    assert lp_err(new, s, start=k) < bound, (lp_err(new, s, start=k), bound)
 
 
 # ------------------------------------------------------------------ FP8, two DP replicas
@@ -298,10 +359,10 @@ def _fake_fp8(x: torch.Tensor, dim: int) -> torch.Tensor:
     return ((x.float() / scale).to(torch.float8_e4m3fn).float() * scale).to(x.dtype)
 
 
-def hf_fp8_model(model_dir, state_dict):
+def hf_fp8_model(model_dir, state_dict, dtype=torch.float32):
     """transformers with vLLM's fp8_per_channel math: per-output-channel FP8 weights, dynamic
     per-token FP8 activations into every linear layer except embeddings and lm_head."""
-    model = hf_model(model_dir, state_dict)
+    model = hf_model(model_dir, state_dict, dtype=dtype)
     for name, mod in model.named_modules():
         if isinstance(mod, torch.nn.Linear) and name.rsplit(".", 1)[-1] in FP8_LINEARS:
             mod.weight.data = _fake_fp8(mod.weight.data, 1)
@@ -310,9 +371,10 @@ def hf_fp8_model(model_dir, state_dict):
 
 
 # FP8 rounding is discontinuous: bf16-level differences upstream flip the rounding of single
-# activations, so the engine and the emulation differ by FP8 noise (measured: max ~0.35, mean
-# ~0.1 nats on this random model); the pre-update weights are off by several nats.
-FP8_LOGPROB_TOL = 0.6
+# activations, so a bf16 engine with FP8 weights differs from the fp32 emulation by that flip noise.
+# Its size is measured the same way as for bf16 (the emulation itself run in bf16 vs in fp32, on the
+# same tokens) and the engine gets BF16_NOISE_FACTOR times it; the pre-update weights are off by
+# several nats.
 
 
 def test_fp8_update_requantizes_on_every_replica(fp8_gen, tiny_llama_dir):
@@ -330,12 +392,21 @@ def test_fp8_update_requantizes_on_every_replica(fp8_gen, tiny_llama_dir):
     assert [s.completion_ids for s in after[::2]] != [s.completion_ids for s in before]
     # Logprobs follow the new weights: close to transformers on them, far from the old ones.
     ref_new, ref_old = hf_fp8_model(tiny_llama_dir, new), hf_fp8_model(tiny_llama_dir, None)
+    ref_new16 = hf_fp8_model(tiny_llama_dir, new, dtype=torch.bfloat16)
+    noise = [(hf_logprobs(ref_new16, s.prompt_ids, s.completion_ids)
+              - hf_logprobs(ref_new, s.prompt_ids, s.completion_ids)).abs() for s in after]
+    bound_max = max(BF16_NOISE_FACTOR * float(torch.cat(noise).max()), BF16_FLOOR)
+    bound_mean = max(BF16_NOISE_FACTOR * float(torch.cat(noise).mean()), BF16_FLOOR)
+    diffs = []
     for s in after:
         lp = torch.tensor(s.behav_logprobs)
         diff_new = (lp - hf_logprobs(ref_new, s.prompt_ids, s.completion_ids)).abs()
         diff_old = (lp - hf_logprobs(ref_old, s.prompt_ids, s.completion_ids)).abs()
-        assert diff_new.max() < FP8_LOGPROB_TOL and diff_new.mean() < FP8_LOGPROB_TOL / 3, diff_new
+        diffs.append(diff_new)
+        assert diff_new.max() < bound_max, (diff_new, bound_max)
+        # stale weights are several nats off: 5x the fresh error separates them with room to spare
         assert diff_old.mean() > 5 * diff_new.mean(), (diff_old.mean(), diff_new.mean())
+    assert float(torch.cat(diffs).mean()) < bound_mean, (float(torch.cat(diffs).mean()), bound_mean)
 
 
 def test_hung_engine_times_out_then_recovers(fp8_gen):
@@ -371,8 +442,8 @@ def test_tp2_engine_update_matches_transformers(tiny_llama_dir, tmp_path):
     """A TP=2 engine (two vLLM worker processes, one core each) loads pushed weights shard by
     shard through the same entry point and decodes like transformers on them."""
     new = perturbed(tiny_llama_dir, seed=5)
-    ref, ref_bf16 = hf_model(tiny_llama_dir, new), hf_model(tiny_llama_dir, new, dtype=torch.bfloat16)
-    prompts = separated_prompts(ref, 2, 8, seed=5)
+    ref = hf_model(tiny_llama_dir, new)
+    prompts = separated_prompts(tiny_llama_dir, new, 2, 8, seed=5)
     cfg = base_cfg(tp=2, log_dir=str(tmp_path / "logs"))
     with GeneratorExecutor(cfg, tiny_llama_dir) as ex:
         pids = ex.pids
@@ -383,10 +454,11 @@ def test_tp2_engine_update_matches_transformers(tiny_llama_dir, tmp_path):
         samples = ex.generate(prompts, max_new_tokens=8)
     assert not any(_alive(p) for p in pids)
     assert not [f for f in os.listdir("/dev/shm") if f.startswith(tuple(prefixes))]  # cleaned up
+    bound = bf16_bound(tiny_llama_dir, new, samples)
     for s in samples:
         assert s.versions == [1] * 8
-        assert s.completion_ids == hf_greedy(ref, s.prompt_ids, 8)
-        assert lp_err(ref_bf16, s) < LOGPROB_TOL
+        assert check_greedy(ref, s, 2 * bound) >= GREEDY_EXACT_FRAC * 8
+        assert lp_err(ref, s) < bound, (lp_err(ref, s), bound)
 
 
 # ------------------------------------------------------------------ SmolLM2-135M (real weights)
@@ -401,11 +473,11 @@ def test_smollm2_greedy_and_logprobs_match_transformers(smollm2_dir, tmp_path):
     cfg = base_cfg(max_new_tokens=24, max_model_len=512, log_dir=str(tmp_path / "logs"))
     with GeneratorExecutor(cfg, smollm2_dir) as ex:
         samples = ex.generate(prompts)
-    # SmolLM2's logits reach |20|, where bf16 spacing is 0.125: single tokens move by up to ~0.15
-    # (measured max 0.07-0.12 vs fp32, mean 0.015-0.03), so bound the mean by LOGPROB_TOL.
+    # SmolLM2's logits reach |20|, where bf16 spacing is 0.125: the bound comes from transformers'
+    # own bf16 noise on these tokens (see BF16_NOISE_FACTOR), like the tiny-model tests.
     ref = hf_model(smollm2_dir)
+    bound = bf16_bound(smollm2_dir, None, samples)
     for s in samples:
         assert s.finish_reason in ("stop", "length") and len(s.completion_ids) > 0
-        assert check_greedy(ref, s, tol=0.25) >= 0.9 * len(s.completion_ids), tok.decode(s.completion_ids)
-        diff = (torch.tensor(s.behav_logprobs) - hf_logprobs(ref, s.prompt_ids, s.completion_ids)).abs()
-        assert diff.mean() < LOGPROB_TOL and diff.max() < 0.25, (diff.mean(), diff.max())
+        assert check_greedy(ref, s, 2 * bound) >= 0.9 * len(s.completion_ids), tok.decode(s.completion_ids)
+        assert lp_err(ref, s) < bound, (lp_err(ref, s), bound)

@@ -54,6 +54,27 @@ def replica_env(cfg: GeneratorConfig, threads_bind: str | None, on_cpu: bool) ->
     return env
 
 
+# Debugging/testing hook: vLLM's CPU attention picks its kernel from the CPU (AMX for bf16 whenever
+# the CPU has AMX, else the vector kernel) with no knob of its own; numerics differ between them.
+# Setting this variable (e.g. 'vec') in an engine's environment forces that kernel, so one machine
+# can compare the two. Only a kernel the CPU can run works ('amx' needs AMX).
+FORCE_CPU_ATTN_KERNEL_ENV = "MEGARL_FORCE_CPU_ATTN_KERNEL"
+
+
+def force_cpu_attention_kernel(kernel: str) -> None:
+    """Make vLLM's CPU attention use ``kernel`` ('vec', 'vec16', 'amx', ...) in this process."""
+    from vllm.v1.attention.backends import cpu_attn
+
+    chosen = cpu_attn._get_attn_isa
+
+    def forced(*args, **kwargs) -> str:
+        print(f"megarl: CPU attention kernel forced to {kernel!r} (vLLM chose {chosen(*args, **kwargs)!r})",
+              flush=True)
+        return kernel
+
+    cpu_attn._get_attn_isa = forced
+
+
 def engine_args(cfg: GeneratorConfig, model_dir: str, replica: int, on_cpu: bool):
     from vllm import EngineArgs
 
@@ -233,6 +254,8 @@ def replica_main(conn, cfg: GeneratorConfig, model_dir: str, replica: int, threa
     if cuda_devices is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = cuda_devices
     os.setpgrp()  # its own process group: the executor can kill it with its TP workers
+    if on_cpu and os.environ.get(FORCE_CPU_ATTN_KERNEL_ENV):
+        force_cpu_attention_kernel(os.environ[FORCE_CPU_ATTN_KERNEL_ENV])
     replica_obj = None
     code = 0
     try:
