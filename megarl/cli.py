@@ -69,9 +69,21 @@ def _parser() -> argparse.ArgumentParser:
     h.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     h.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
     h.set_defaults(func=_cmd_hf_to_mcore)
-    m = vsub.add_parser("mcore-to-hf", help="Megatron dist-checkpoint -> HF folder (safetensors)")
-    m.add_argument("--mcore", required=True, help="Megatron checkpoint folder")
-    m.add_argument("--out", required=True, help="output HF folder")
+    m = vsub.add_parser("mcore-to-hf", help="Megatron checkpoint (hf-to-mcore or training) -> HF folder",
+                        description="Write an HF folder (model.safetensors, config.json, tokenizer) from a "
+                                    "checkpoint of `megarl convert hf-to-mcore`, or from a training checkpoint "
+                                    "of `megarl train`: a step folder, a checkpoints/ folder (its `latest`) or "
+                                    "the run folder. Any saved TP/PP/DP. Example: `megarl convert mcore-to-hf "
+                                    "--mcore runs/quickstart/checkpoints --out runs/quickstart/hf`.")
+    m.add_argument("--mcore", required=True,
+                   help="hf-to-mcore checkpoint, training step folder, checkpoints/ folder or run folder")
+    m.add_argument("--out", required=True, help="output HF folder (new or empty)")
+    m.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
+                   help="weights dtype (default: lossless -- the trainer's params dtype for a training "
+                        "checkpoint, the original HF dtype for an hf-to-mcore one)")
+    m.add_argument("--hf", default=None,
+                   help="HF folder the run trained from: config + tokenizer for training checkpoints "
+                        "saved without them (older megarl)")
     m.set_defaults(func=_cmd_mcore_to_hf)
 
     b = sub.add_parser("bench", help="benchmarks (ratios measured side by side; JSON + PNG)")
@@ -125,32 +137,79 @@ def _print_config(cfg) -> int:
     return 0
 
 
+def _one_line(exc: BaseException) -> str:
+    """An exception as one line; for a failed worker process, the last line of its traceback."""
+    from megarl.utils.dist import MultiprocessError
+
+    text = str(exc)
+    if isinstance(exc, MultiprocessError):
+        lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+        text = f"{lines[0].removesuffix(':')}: {lines[-1]}" if len(lines) > 1 else text
+    return " ".join(text.split())
+
+
+def _convert(what: str, fn, *args, **kwargs) -> int:
+    """Run a conversion; bad input (missing / non-checkpoint / truncated folders, impossible TP/PP)
+    is one line on stderr and exit code 2, not a traceback."""
+    from megarl.trainer.checkpoint import CheckpointError
+    from megarl.utils.dist import MultiprocessError
+
+    try:
+        fn(*args, **kwargs)
+    except (CheckpointError, FileNotFoundError, FileExistsError, NotADirectoryError, ValueError,
+            MultiprocessError) as exc:
+        print(f"megarl convert {what}: {_one_line(exc)}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _missing_dir(what: str, flag: str, path: str, expected: str) -> int:
+    print(f"megarl convert {what}: {flag} {path} does not exist: pass {expected}", file=sys.stderr)
+    return 2
+
+
 def _cmd_gguf_to_hf(args: argparse.Namespace) -> int:
     from megarl.models.gguf_to_hf import convert_gguf_to_hf
     from megarl.models.smollm2 import ensure_smollm2_hf, smollm2_gguf_path
 
+    if args.gguf is not None and not Path(args.gguf).is_file():
+        return _missing_dir("gguf-to-hf", "--gguf", args.gguf, "a .gguf file (or omit --gguf for the built-in "
+                            "SmolLM2-135M-Instruct)")
+    result: list = []
     if args.gguf is None and args.out is None:
-        out = ensure_smollm2_hf(dtype=args.dtype)
+        rc = _convert("gguf-to-hf", lambda: result.append(ensure_smollm2_hf(dtype=args.dtype)))
     else:
-        out = convert_gguf_to_hf(args.gguf or smollm2_gguf_path(), args.out or "smollm2-hf", dtype=args.dtype)
-    print(f"HF folder: {out}")
-    return 0
+        rc = _convert("gguf-to-hf", lambda: result.append(convert_gguf_to_hf(
+            args.gguf or smollm2_gguf_path(), args.out or "smollm2-hf", dtype=args.dtype)))
+    if rc == 0:
+        print(f"HF folder: {result[0]}")
+    return rc
 
 
 def _cmd_hf_to_mcore(args: argparse.Namespace) -> int:
     from megarl.trainer.convert import hf_to_mcore
 
-    hf_to_mcore(args.hf, args.out, tp=args.tp, pp=args.pp)
-    print(f"Megatron checkpoint (tp={args.tp}, pp={args.pp}): {args.out}")
-    return 0
+    expected = "an HF model folder (config.json + *.safetensors)"
+    if not Path(args.hf).exists():
+        return _missing_dir("hf-to-mcore", "--hf", args.hf, expected)
+    if not (Path(args.hf) / "config.json").is_file():
+        print(f"megarl convert hf-to-mcore: --hf {args.hf} has no config.json: pass {expected}", file=sys.stderr)
+        return 2
+    rc = _convert("hf-to-mcore", hf_to_mcore, args.hf, args.out, tp=args.tp, pp=args.pp)
+    if rc == 0:
+        print(f"Megatron checkpoint (tp={args.tp}, pp={args.pp}): {args.out}")
+    return rc
 
 
 def _cmd_mcore_to_hf(args: argparse.Namespace) -> int:
     from megarl.trainer.convert import mcore_to_hf
 
-    mcore_to_hf(args.mcore, args.out)
-    print(f"HF folder: {args.out}")
-    return 0
+    if args.hf is not None and not Path(args.hf).exists():
+        return _missing_dir("mcore-to-hf", "--hf", args.hf, "the HF model folder the run trained from")
+    rc = _convert("mcore-to-hf", mcore_to_hf, args.mcore, args.out, dtype=args.dtype, hf_dir=args.hf)
+    if rc == 0:
+        print(f"HF folder: {args.out}")
+    return rc
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:

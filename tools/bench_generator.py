@@ -11,6 +11,10 @@ Writes a JSON and, when matplotlib is installed, a PNG.
 
     .venv/bin/python tools/bench_generator.py [--prompts 32] [--new-tokens 128] [--repeats 2] \\
         [--quantization none] [--hf-batch 32] [--compile] [--out runs/bench]
+
+``--quick`` is a smoke run (2 prompts x 8 tokens, 1 repeat, transformers fp32 only, the built-in
+arithmetic prompts) that checks the bench end to end, e.g. with ``--model <tiny HF folder>``; its
+ratio means little (engine overheads dominate).
 """
 
 from __future__ import annotations
@@ -24,6 +28,9 @@ import time
 from pathlib import Path
 
 import torch
+
+
+QUICK = dict(prompts=2, new_tokens=8, repeats=1, hf_batch=2, hf_dtypes="float32", data="builtin:arithmetic")
 
 
 def _prompts(tokenizer, n: int, data: str) -> list[list[int]]:
@@ -63,6 +70,11 @@ def main() -> None:
     p.add_argument("--threads-bind", default="auto")
     p.add_argument("--compile", action="store_true", help="let vLLM torch.compile (enforce_eager=False)")
     p.add_argument("--out", default="runs/bench")
+    p.add_argument("--quick", action="store_true", help="smoke run: "
+                   f"{', '.join(f'--{k.replace(chr(95), chr(45))} {v}' for k, v in QUICK.items())}; "
+                   "explicit flags still win")
+    if "--quick" in __import__("sys").argv[1:]:
+        p.set_defaults(**QUICK)
     a = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
 

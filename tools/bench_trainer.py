@@ -12,6 +12,10 @@ to a JSON (and a PNG when matplotlib is installed).
     .venv/bin/python tools/bench_trainer.py [--world 1] [--tp 1] [--pp 1] [--threads 1] \\
         [--layers 4 --hidden 256 --heads 4 --kv-heads 2 --vocab 8192] [--batch 8 --seq 256] \\
         [--micro-batch 4] [--repeats 5] [--out runs/bench]
+
+``--quick`` is a smoke run (2 layers, hidden 64, vocab 512, 2 x 32 tokens, 2 repeats: seconds on
+CPU) that checks the bench end to end; its ratio means little. ``--model DIR`` takes the model
+shape from an HF folder's config.json instead of the --layers/--hidden/... flags.
 """
 
 from __future__ import annotations
@@ -27,8 +31,15 @@ import torch
 from megarl.utils.dist import run_multiprocess
 
 
+QUICK = dict(layers=2, hidden=64, heads=4, kv_heads=2, vocab=512, batch=2, seq=32, micro_batch=2,
+             repeats=2)
+
+
 def _dims(a: argparse.Namespace):
     from megarl.trainer.layouts import ModelDims
+    if a.model:
+        from megarl.trainer.model import read_hf_config
+        return ModelDims.from_hf_config(read_hf_config(a.model))
     return ModelDims(family="llama", num_layers=a.layers, hidden_size=a.hidden, num_heads=a.heads,
                      num_kv_heads=a.kv_heads, head_dim=a.hidden // a.heads,
                      ffn_hidden_size=a.ffn or 4 * a.hidden, vocab_size=a.vocab, rms_norm_eps=1e-5,
@@ -42,7 +53,7 @@ def _rollout_batch(a: argparse.Namespace):
     from megarl.trainer.batch import RolloutBatch
 
     g = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, a.vocab, (a.batch, a.seq), generator=g)
+    tokens = torch.randint(0, min(a.vocab, _dims(a).vocab_size), (a.batch, a.seq), generator=g)
     prompt = max(1, a.seq // 4)
     mask = [[0.0] * prompt + [1.0] * (a.seq - prompt)] * a.batch
     behav = (-torch.rand(a.batch, a.seq, generator=g) * 3).tolist()
@@ -157,6 +168,12 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=8, help="timed steps of each kind")
     p.add_argument("--timeout", type=float, default=1200.0, help="seconds for the whole run")
     p.add_argument("--out", default="runs/bench")
+    p.add_argument("--model", default="", help="HF folder whose config.json gives the model shape")
+    p.add_argument("--quick", action="store_true", help="smoke run: tiny model and batch, 2 repeats "
+                   f"({', '.join(f'--{k.replace(chr(95), chr(45))} {v}' for k, v in QUICK.items())}); "
+                   "explicit flags still win")
+    if "--quick" in __import__("sys").argv[1:]:
+        p.set_defaults(**QUICK)
     a = p.parse_args()
 
     results = run_multiprocess(_worker, a.world, a, timeout_s=a.timeout)

@@ -3,9 +3,13 @@
 Layout of ``checkpoint_dir``::
 
     step_00000012/
-        meta.json           progress, model signature, parallel layout, scheduler state, manifest
+        meta.json           progress, model signature, parallel layout, scheduler state, manifest,
+                            and (when the caller passes it) the source HF config.json
         dist/               megatron dist_checkpointing: model (reshardable across TP/PP) + optimizer
         rng/rank_00000.pt   per-rank python / numpy / torch / cuda / megatron tracker RNG states
+        hf_extra/           tokenizer / generation config / chat template of the source HF folder
+                            (when the caller passes hf_extra_from): `megarl convert mcore-to-hf`
+                            turns the step folder into a complete HF folder
     latest                  name of the newest complete step folder (written last)
 
 A save writes everything into ``.tmp_step_...``, fsyncs it, renames it into place and only then
@@ -264,11 +268,15 @@ def should_save(cfg: "TrainerConfig", step: int, last_step: int) -> bool:
 
 def save_checkpoint(checkpoint_dir: str | Path, *, model: list, optimizer: Any = None,
                     scheduler: Any = None, progress: TrainProgress, keep_last: int = 2,
+                    hf_config: Optional[dict] = None, hf_extra_from: str | Path | None = None,
                     _before_commit: Optional[Callable[[Path], None]] = None) -> Path:
     """Save a checkpoint of this step; collective over every trainer rank.
 
-    Returns the step folder. `_before_commit` (tests only) runs after all files are written and
-    before the rename, to simulate a crash mid-save.
+    Returns the step folder. `hf_config` (the source HF config.json as a dict) and `hf_extra_from`
+    (the HF folder the model came from: its tokenizer / generation config files are copied into
+    `hf_extra/`) are export metadata only: with them `megarl convert mcore-to-hf` writes a
+    complete HF folder from the step folder; loading ignores them. `_before_commit` (tests only)
+    runs after all files are written and before the rename, to simulate a crash mid-save.
     """
     if keep_last < 1:
         raise ValueError(f"keep_last={keep_last}: must be >= 1 (trainer.checkpoint_keep_last)")
@@ -293,6 +301,9 @@ def save_checkpoint(checkpoint_dir: str | Path, *, model: list, optimizer: Any =
     _barrier("shards written")
 
     if rank == 0:
+        if hf_extra_from is not None:
+            from megarl.trainer.convert import EXTRA_DIR, copy_hf_extra
+            copy_hf_extra(hf_extra_from, tmp / EXTRA_DIR)
         meta = {
             "format": FORMAT, "step": progress.step, "consumed_samples": progress.consumed_samples,
             "extra": progress.extra, "model": model_signature(model[0]),
@@ -301,6 +312,13 @@ def save_checkpoint(checkpoint_dir: str | Path, *, model: list, optimizer: Any =
             "scheduler": scheduler.state_dict() if scheduler is not None else None,
             "saved_at": time.time(), "files": _manifest(tmp),
         }
+        if hf_config is not None or hf_extra_from is not None:  # export metadata (optional)
+            m0 = unwrap(model[0])
+            meta["export"] = {
+                "hf_config": hf_config,
+                "hf_source": str(hf_extra_from) if hf_extra_from is not None else None,
+                "vocab_divisible_by": getattr(m0, "megarl_vocab_divisible_by", None),
+                "norm_style": getattr(m0, "megarl_norm_style", None)}
         _write_text_atomic(tmp / "meta.json", json.dumps(meta, indent=1, default=str))
         _fsync_tree(tmp)
     _barrier("metadata written")

@@ -8,6 +8,12 @@ On-disk format of a converted checkpoint (``hf_to_mcore``), loadable at any TP/P
   at, the params dtype, and the HF dtype to write back;
 - ``hf_extra/``: tokenizer / generation-config / chat-template files copied from the HF folder,
   so ``mcore_to_hf`` can produce a complete HF folder again.
+
+``mcore_to_hf`` also exports training checkpoints (``megarl.trainer.checkpoint``: a step folder,
+or a checkpoint dir and its ``latest``) written at any TP/PP/DP: their model part is the same
+``{"model": ...}`` dist-checkpoint, loaded here at TP=1 PP=1 (megatron reshards), and their
+``meta.json`` ``export`` entry plus ``hf_extra/`` give the HF config and tokenizer files
+(``LocalTrainer.save`` stores them; for older checkpoints pass the HF folder the run trained from).
 """
 
 from __future__ import annotations
@@ -21,8 +27,9 @@ from typing import Any
 
 import torch
 
+from megarl.trainer.checkpoint import LATEST, CheckpointError, check_checkpoint, resolve_checkpoint
 from megarl.trainer.layouts import ModelDims, ParamLayout, hf_to_local, local_param_layouts, local_to_hf
-from megarl.trainer.model import read_hf_config
+from megarl.trainer.model import DEFAULT_VOCAB_DIVISIBLE_BY, read_hf_config
 
 log = logging.getLogger(__name__)
 
@@ -142,21 +149,34 @@ def save_model_checkpoint(model, out_dir: str | Path, hf_config: dict, hf_dtype:
 
     _in_process_write_queue()  # same writer setup as training checkpoints (no Manager process)
     dist_checkpointing.save({MODEL_KEY: m.sharded_state_dict()}, str(out))
+    torch.distributed.barrier()
     if torch.distributed.get_rank() == 0:
+        if extra_from is not None:
+            copy_hf_extra(extra_from, out / EXTRA_DIR)
         meta = {"format": "megarl-mcore-v1", "hf_config": hf_config,
                 "saved_tp": ps.get_tensor_model_parallel_world_size(),
                 "saved_pp": ps.get_pipeline_model_parallel_world_size(),
                 "params_dtype": str(next(m.parameters()).dtype).removeprefix("torch."),
                 "hf_dtype": hf_dtype, "norm_style": m.megarl_norm_style,
-                "vocab_divisible_by": m.megarl_vocab_divisible_by}
-        (out / META_FILE).write_text(json.dumps(meta, indent=1))
-        if extra_from is not None:
-            extra = out / EXTRA_DIR
-            extra.mkdir(exist_ok=True)
-            for f in Path(extra_from).iterdir():
-                if f.is_file() and f.suffix in _HF_EXTRA_SUFFIXES and f.name not in _NOT_EXTRA:
-                    shutil.copy2(f, extra / f.name)
+                "vocab_divisible_by": m.megarl_vocab_divisible_by,
+                # every file and its size: a missing or truncated shard is a clear error
+                "files": {str(f.relative_to(out)): f.stat().st_size for f in sorted(out.rglob("*"))
+                          if f.is_file() and f.name != META_FILE}}
+        (out / META_FILE).write_text(json.dumps(meta, indent=1))  # last: marks the folder complete
     torch.distributed.barrier()
+
+
+def copy_hf_extra(src_dir: str | Path, dst_dir: str | Path) -> list[str]:
+    """Copy an HF folder's tokenizer / generation-config / chat-template files (not config.json,
+    not weights) into dst_dir; returns the names copied."""
+    dst = Path(dst_dir)
+    dst.mkdir(parents=True, exist_ok=True)
+    names = []
+    for f in sorted(Path(src_dir).iterdir()):
+        if f.is_file() and f.suffix in _HF_EXTRA_SUFFIXES and f.name not in _NOT_EXTRA:
+            shutil.copy2(f, dst / f.name)
+            names.append(f.name)
+    return names
 
 
 def load_model_checkpoint(model, mcore_dir: str | Path) -> dict:
@@ -234,9 +254,150 @@ def hf_to_mcore(hf_dir: str | Path, out_dir: str | Path, tp: int = 1, pp: int = 
     return out
 
 
-def _mcore_to_hf_worker(rank: int, world_size: int, mcore_dir: str, out_dir: str, dtype: str | None) -> None:
+_WHAT_TO_PASS = ("pass a checkpoint written by `megarl convert hf-to-mcore`, a training step folder "
+                 "(<run>/checkpoints/step_XXXXXXXX) or a run's checkpoints/ folder (its `latest` is used)")
+
+
+def check_model_checkpoint(mcore_dir: str | Path) -> dict:
+    """Validate a checkpoint written by ``hf_to_mcore`` without loading tensors; return its metadata.
+    Raises CheckpointError naming a missing or truncated file."""
+    p = Path(mcore_dir)
+    try:
+        meta = read_meta(p)
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{p / META_FILE} is corrupt ({e})") from None
+    except FileNotFoundError as e:
+        raise CheckpointError(str(e)) from None
+    for key in ("hf_config", "params_dtype"):
+        if key not in meta:
+            raise CheckpointError(f"{p / META_FILE} has no {key!r}: not a complete megarl model checkpoint")
+    files = meta.get("files")
+    if files is None:  # written before the manifest: at least megatron's own index must be there
+        files = {"metadata.json": None}
+        if not any(p.glob("*.distcp")):
+            raise CheckpointError(f"checkpoint {p} is incomplete: no *.distcp shard files")
+    for rel, size in files.items():
+        f = p / rel
+        if not f.is_file():
+            raise CheckpointError(f"checkpoint {p} is incomplete: missing file {rel}")
+        if size is not None and f.stat().st_size != size:
+            raise CheckpointError(f"checkpoint {p} is damaged: {rel} has {f.stat().st_size} bytes, "
+                                  f"expected {size}")
+    return meta
+
+
+def find_mcore_source(path: str | Path) -> tuple[str, Path]:
+    """What ``--mcore`` names: ("model", dir) for an ``hf_to_mcore`` checkpoint, ("train", step
+    folder) for a training checkpoint (a step folder, a checkpoint dir's ``latest``, or a run folder's
+    ``checkpoints/``). Validates the files; raises CheckpointError saying what to pass."""
+    p = Path(path)
+    if not p.exists():
+        raise CheckpointError(f"{p} does not exist: {_WHAT_TO_PASS}")
+    if not p.is_dir():
+        raise CheckpointError(f"{p} is a file, not a checkpoint folder: {_WHAT_TO_PASS}")
+    if (p / META_FILE).is_file():
+        check_model_checkpoint(p)
+        return "model", p
+    if (p / "meta.json").is_file() or (p / LATEST).is_file():
+        step = resolve_checkpoint(p)
+        check_checkpoint(step)
+        return "train", step
+    if (p / "checkpoints").is_dir():  # a run folder
+        if not (p / "checkpoints" / LATEST).is_file():
+            raise CheckpointError(f"{p / 'checkpoints'} has no complete checkpoint yet (no `{LATEST}` file): "
+                                  f"{_WHAT_TO_PASS}")
+        return find_mcore_source(p / "checkpoints")
+    steps = sorted(q.name for q in p.glob("step_*") if q.is_dir())
+    if steps:
+        raise CheckpointError(f"{p} has step folders {steps} but no `{LATEST}` file and none of them is "
+                              f"complete (no meta.json): {_WHAT_TO_PASS}")
+    if (p / "config.json").is_file():
+        raise CheckpointError(f"{p} is an HF folder (config.json), not a Megatron checkpoint: {_WHAT_TO_PASS}")
+    raise CheckpointError(f"{p} is not a megarl checkpoint (no {META_FILE}, meta.json or `{LATEST}`): "
+                          f"{_WHAT_TO_PASS}")
+
+
+def _run_model_dir(step_dir: Path) -> Path | None:
+    """The HF folder a run trained from, read from <run>/config.yaml next to <run>/checkpoints/."""
+    cfg_file = step_dir.parent.parent / "config.yaml"
+    if not cfg_file.is_file():
+        return None
+    try:
+        import yaml
+
+        path = ((yaml.safe_load(cfg_file.read_text()) or {}).get("model") or {}).get("path")
+    except Exception:  # noqa: BLE001 - an unreadable run config just means "not found"
+        return None
+    if not path:
+        return None
+    if path == "builtin:smollm2":
+        from megarl.models.smollm2 import ensure_smollm2_hf
+
+        return Path(ensure_smollm2_hf())
+    p = Path(path)
+    return p if (p / "config.json").is_file() else None
+
+
+def _check_dims(hf_config: dict, saved: dict, source: str, what: str) -> None:
+    """The HF config must describe the saved model (meta.json `model` signature, hf.* keys)."""
+    dims = dataclasses.asdict(ModelDims.from_hf_config(hf_config))
+    diff = [f"{k}: {source} has {v!r}, the checkpoint has {saved[f'hf.{k}']!r}"
+            for k, v in dims.items() if f"hf.{k}" in saved and saved[f"hf.{k}"] != v]
+    if diff:
+        raise CheckpointError(f"{what} {source} does not describe the checkpoint's model ({'; '.join(diff)}): "
+                              f"pass the HF folder the run trained from")
+
+
+def _train_export_sources(step_dir: Path, meta: dict, hf_dir: str | Path | None) -> tuple[dict, str | None]:
+    """(HF config dict, folder of tokenizer files or None) for a training checkpoint."""
+    export = meta.get("export") or {}
+    if hf_dir is not None:
+        hf_dir = Path(hf_dir)
+        if not (hf_dir / "config.json").is_file():
+            raise CheckpointError(f"--hf {hf_dir}: no config.json there; pass the HF model folder the run "
+                                  f"trained from")
+        cfg = read_hf_config(hf_dir)
+        _check_dims(cfg, meta["model"], str(hf_dir), "--hf")
+        return cfg, str(hf_dir)
+    if export.get("hf_config"):
+        extra = step_dir / EXTRA_DIR
+        if not extra.is_dir():  # saved without the files: the source folder may still be there
+            src = export.get("hf_source")
+            extra = Path(src) if src and Path(src).is_dir() else None
+        return export["hf_config"], str(extra) if extra is not None else None
+    run_model = _run_model_dir(step_dir)
+    if run_model is not None:
+        cfg = read_hf_config(run_model)
+        _check_dims(cfg, meta["model"], str(run_model), "the run's model.path")
+        log.info("mcore_to_hf: %s has no HF config; using the run's model %s", step_dir, run_model)
+        return cfg, str(run_model)
+    raise CheckpointError(f"{step_dir} does not record its HF config (saved by an older megarl) and no "
+                          f"<run>/config.yaml names the model: pass --hf <the HF model folder the run trained from>")
+
+
+def _write_hf_folder(out: Path, tensors: dict[str, torch.Tensor], hf_config: dict, dtype: str,
+                     extra_dir: str | None) -> None:
     from safetensors.torch import save_file
 
+    out_dtype = _DTYPES[dtype]
+    tensors = {k: v.detach().to(out_dtype).contiguous() for k, v in tensors.items()}
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    if extra_dir is not None and Path(extra_dir).is_dir():
+        copy_hf_extra(extra_dir, out)
+    cfg = dict(hf_config)
+    keys = [k for k in ("dtype", "torch_dtype") if k in cfg] or ["torch_dtype"]
+    for k in keys:  # the dtype the weights are written in
+        cfg[k] = dtype
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+
+
+def _model_to_hf_tensors(model, dims: ModelDims) -> dict[str, torch.Tensor]:
+    with torch.no_grad():
+        return local_to_hf([(model_layouts(model), model_local_params(model))], dims)
+
+
+def _mcore_to_hf_worker(rank: int, world_size: int, mcore_dir: str, out_dir: str, dtype: str | None) -> None:
     from megarl.trainer.model import build_gpt_model
     from megarl.utils.dist import init_model_parallel
 
@@ -244,34 +405,63 @@ def _mcore_to_hf_worker(rank: int, world_size: int, mcore_dir: str, out_dir: str
     init_model_parallel(1, 1, seed=0)
     dims = ModelDims.from_hf_config(meta["hf_config"])
     model = build_gpt_model(dims, params_dtype=_DTYPES[meta["params_dtype"]],
-                            vocab_divisible_by=meta.get("vocab_divisible_by", 128))
+                            vocab_divisible_by=meta.get("vocab_divisible_by", DEFAULT_VOCAB_DIVISIBLE_BY))
     load_model_checkpoint(model, mcore_dir)
-    with torch.no_grad():
-        tensors = local_to_hf([(model_layouts(model), model_local_params(model))], dims)
-    out_dtype = _DTYPES[dtype or meta.get("hf_dtype") or meta["params_dtype"]]
-    tensors = {k: v.detach().to(out_dtype).contiguous() for k, v in tensors.items()}
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     extra = Path(mcore_dir) / EXTRA_DIR
-    if extra.is_dir():
-        for f in extra.iterdir():
-            shutil.copy2(f, out / f.name)
-    (out / "config.json").write_text(json.dumps(meta["hf_config"], indent=2))
+    _write_hf_folder(Path(out_dir), _model_to_hf_tensors(model, dims), meta["hf_config"],
+                     dtype or meta.get("hf_dtype") or meta["params_dtype"], str(extra) if extra.is_dir() else None)
+
+
+def _train_to_hf_worker(rank: int, world_size: int, step_dir: str, out_dir: str, hf_config: dict,
+                        extra_dir: str | None, dtype: str | None) -> None:
+    from megarl.trainer.checkpoint import load_checkpoint
+    from megarl.trainer.model import build_gpt_model
+    from megarl.utils.dist import init_model_parallel
+
+    meta = check_checkpoint(step_dir)
+    export = meta.get("export") or {}
+    init_model_parallel(1, 1, seed=0)
+    dims = ModelDims.from_hf_config(hf_config)
+    params_dtype = meta["model"]["params_dtype"]
+    # every element is filled from the checkpoint (vocab padding included): no random init
+    model = build_gpt_model(dims, params_dtype=_DTYPES[params_dtype], init_weights=False,
+                            vocab_divisible_by=export.get("vocab_divisible_by") or DEFAULT_VOCAB_DIVISIBLE_BY)
+    # weights only, resharded from the saved TP/PP to 1 x 1; the model signature is checked
+    load_checkpoint(step_dir, model=[model], optimizer=None, load_rng=False)
+    _write_hf_folder(Path(out_dir), _model_to_hf_tensors(model, dims), hf_config, dtype or params_dtype,
+                     extra_dir)
 
 
 def mcore_to_hf(mcore_dir: str | Path, out_dir: str | Path, dtype: str | None = None,
-                timeout_s: float = 1800.0) -> Path:
-    """Convert a megarl Megatron checkpoint (any saved TP/PP) back to an HF folder: safetensors,
-    config.json, and the tokenizer / generation config when the source had them. ``dtype``
-    defaults to the dtype of the original HF checkpoint."""
+                timeout_s: float = 1800.0, hf_dir: str | Path | None = None) -> Path:
+    """Convert a megarl Megatron checkpoint back to an HF folder: safetensors, config.json, and the
+    tokenizer / generation config when the source had them.
+
+    ``mcore_dir``: a checkpoint from ``hf_to_mcore`` (any saved TP/PP; ``dtype`` defaults to the
+    original HF checkpoint's), or a training checkpoint -- a step folder, a checkpoint dir (its
+    ``latest``) or a run folder with ``checkpoints/`` -- saved at any TP/PP/DP (``dtype`` defaults
+    to the trainer's params dtype, so the weights are written exactly). ``hf_dir`` supplies the HF
+    config and tokenizer for a training checkpoint that does not record them. Invalid input raises
+    CheckpointError before any process starts."""
     from megarl.utils.dist import run_multiprocess
 
-    read_meta(mcore_dir)  # clear error before spawning
     if dtype is not None and dtype not in _DTYPES:
         raise ValueError(f"dtype={dtype!r}; expected one of {sorted(_DTYPES)}")
-    run_multiprocess(_mcore_to_hf_worker, 1, str(mcore_dir), str(out_dir), dtype, timeout_s=timeout_s)
-    return Path(out_dir)
+    kind, src = find_mcore_source(mcore_dir)
+    out = Path(out_dir)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise FileExistsError(f"{out} exists and is not empty: choose a new --out folder")
+    if kind == "model":
+        log.info("mcore_to_hf: model checkpoint %s -> %s", src, out)
+        run_multiprocess(_mcore_to_hf_worker, 1, str(src), str(out), dtype, timeout_s=timeout_s)
+    else:
+        meta = check_checkpoint(src)
+        hf_config, extra = _train_export_sources(src, meta, hf_dir)
+        log.info("mcore_to_hf: training checkpoint %s (step %d, saved at %s) -> %s", src, meta["step"],
+                 meta.get("parallel"), out)
+        run_multiprocess(_train_to_hf_worker, 1, str(src), str(out), hf_config, extra, dtype,
+                         timeout_s=timeout_s)
+    return out
 
 
 def describe(mcore_dir: str | Path) -> dict[str, Any]:

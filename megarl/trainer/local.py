@@ -37,6 +37,7 @@ class LocalTrainer:
             raise ValueError(f"LocalTrainer runs one rank; got trainer tp={cfg.tp} pp={cfg.pp} dp={cfg.dp}")
         self.cfg, self.algo = cfg, algo
         self.run_dir = Path(run_dir)
+        self.model_dir = Path(model_dir)  # its config.json + tokenizer go into checkpoints (export)
         init_distributed(0, 1, master_port=free_tcp_port())
         init_model_parallel(1, 1, seed=cfg.seed)
         dims = ModelDims.from_hf_config(read_hf_config(model_dir))
@@ -81,12 +82,15 @@ class LocalTrainer:
             yield from reassemble(pieces).items()
 
     def save(self) -> Path:
-        """Atomic checkpoint of model, optimizer, scheduler, RNG and progress."""
+        """Atomic checkpoint of model, optimizer, scheduler, RNG and progress, plus the HF config and
+        tokenizer files of ``model_dir`` so ``megarl convert mcore-to-hf`` can export it."""
         from megarl.trainer.checkpoint import save_checkpoint
+        from megarl.trainer.model import read_hf_config
 
         return save_checkpoint(self.checkpoint_dir, model=self.objs.model, optimizer=self.objs.optimizer,
                                scheduler=self.objs.scheduler, progress=self.progress,
-                               keep_last=self.cfg.checkpoint_keep_last)
+                               keep_last=self.cfg.checkpoint_keep_last,
+                               hf_config=read_hf_config(self.model_dir), hf_extra_from=self.model_dir)
 
     def close(self) -> None:
         from megarl.utils.dist import destroy_distributed
