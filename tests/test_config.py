@@ -179,3 +179,23 @@ def test_trainer_tp_must_divide_intermediate_size(tmp_path):
                                                "num_key_value_heads": 4, "intermediate_size": 250}))
     (msg,) = problems_of(None, [f"model.path={d}", "trainer.tp=4"])
     assert msg.startswith("trainer.tp=4") and "intermediate_size=250" in msg
+
+
+def test_global_batch_must_split_over_trainer_dp(tmp_path, model_dir):
+    cfg = write(tmp_path / "c.yaml", f"model: {{path: {model_dir}}}\n")
+    # 3 prompts x 2 samples = 6 sequences: 4 DP ranks would get 1.5 rows each
+    (msg,) = problems_of(cfg, ["controller.prompts_per_step=3", "generator.n_samples=2", "trainer.dp=4"])
+    assert msg.startswith("trainer.dp=4") and "controller.prompts_per_step=3" in msg
+    assert "generator.n_samples=2" in msg and "= 6 sequences" in msg
+    assert "use trainer.dp=3" in msg and "controller.prompts_per_step=4" in msg  # 4 x 2 = 8 splits over 4
+    # both suggested fixes validate
+    assert load_config(cfg, ["controller.prompts_per_step=3", "generator.n_samples=2", "trainer.dp=3"])
+    assert load_config(cfg, ["controller.prompts_per_step=4", "generator.n_samples=2", "trainer.dp=4"])
+
+
+@pytest.mark.parametrize("loss", ["decoupled_ppo", "a3po"])
+def test_tis_with_a_loss_that_corrects_itself_is_rejected(tmp_path, model_dir, loss):
+    cfg = write(tmp_path / "c.yaml", f"model: {{path: {model_dir}}}\n")
+    (msg,) = problems_of(cfg, [f"algorithm.loss={loss}", "algorithm.tis=token"])
+    assert msg.startswith("algorithm.tis='token'") and loss in msg and "algorithm.tis=none" in msg
+    assert load_config(cfg, [f"algorithm.loss={loss}"]).algorithm.tis == "none"

@@ -97,6 +97,31 @@ def loss_params(cfg: AlgorithmConfig) -> Dict[str, Any]:
     return params
 
 
+# Losses that correct prox/mu themselves (policy_loss rejects tis != 'none' for them); a3po also
+# approximates prox from the token versions instead of taking it.
+OWN_BEHAVIOUR_CORRECTION = ("decoupled_ppo", "a3po")
+
+
+def needs_prox(cfg: AlgorithmConfig) -> bool:
+    """Whether the step needs trainer-recomputed proximal logprobs (a no-grad forward pass of the
+    current policy before the update): decoupled_ppo's proximal policy, or TIS's recomputation of
+    the sampling policy. Not a3po, which approximates them from the token versions."""
+    if cfg.loss == "a3po":
+        return False
+    return cfg.loss == "decoupled_ppo" or cfg.tis != "none"
+
+
+def needs_ref(cfg: AlgorithmConfig) -> bool:
+    """Whether the step needs reference-policy logprobs (a frozen copy of the initial model and a
+    no-grad forward pass of it): the KL(pi || ref) penalty is on."""
+    return cfg.kl_coef > 0
+
+
+def needs_entropy(cfg: AlgorithmConfig) -> bool:
+    """Whether the train step computes the per-token entropy with grad (entropy bonus on)."""
+    return cfg.entropy_coef > 0
+
+
 def advantage_params(cfg: AlgorithmConfig) -> Dict[str, Any]:
     """Keyword arguments for ``compute_advantages(cfg.advantage, ...)`` (besides the grouping)."""
     from megarl.algorithms.advantages import advantage_knobs

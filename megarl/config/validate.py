@@ -7,10 +7,12 @@ key to change instead of minutes later inside a collective.
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any
 
+from megarl.algorithms.config import OWN_BEHAVIOUR_CORRECTION
 from megarl.config.schema import BUILTIN_ARITHMETIC, BUILTIN_SMOLLM2, MegaRLConfig
 
 # Shape of the built-in model, so a config using it validates before the (slow) first conversion.
@@ -56,6 +58,19 @@ def check(cfg: MegaRLConfig) -> list[str]:
             problems.append(f"{key}={value}: must be >= 1")
     if cfg.controller.max_policy_lag < 0:
         problems.append(f"controller.max_policy_lag={cfg.controller.max_policy_lag}: must be >= 0 (0 = synchronous)")
+    rows = cfg.controller.prompts_per_step * g.n_samples  # the global batch of one train step
+    if t.dp >= 1 and rows >= 1 and rows % t.dp:
+        fits = [d for d in divisors(rows) if d <= max(t.dp, 1)] or [1]
+        problems.append(
+            f"trainer.dp={t.dp}: a step's batch of controller.prompts_per_step={cfg.controller.prompts_per_step} x "
+            f"generator.n_samples={g.n_samples} = {rows} sequences does not split evenly over {t.dp} data-parallel "
+            f"ranks; use trainer.dp={fits[-1]} (a divisor of {rows}) or set controller.prompts_per_step="
+            f"{_round_up(cfg.controller.prompts_per_step, t.dp // math.gcd(t.dp, g.n_samples))}")
+    if cfg.algorithm.tis != "none" and cfg.algorithm.loss in OWN_BEHAVIOUR_CORRECTION:
+        problems.append(
+            f"algorithm.tis={cfg.algorithm.tis!r}: loss {cfg.algorithm.loss!r} already corrects the "
+            f"proximal/behaviour mismatch itself; set algorithm.tis=none (and algorithm.behav_weight_cap to "
+            f"truncate that weight)")
     want_t = g.trainer_logprob_temperature()
     if abs(t.logprob_temperature - want_t) > 1e-9:
         problems.append(
@@ -127,3 +142,7 @@ def _env_world_size() -> int:
 
 def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _round_up(n: int, k: int) -> int:
+    return -(-n // k) * k

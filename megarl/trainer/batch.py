@@ -26,6 +26,7 @@ class RolloutBatch:
     advantages:     [B, S] float, per-token advantage (a sequence advantage broadcast over tokens).
     versions:       [B, S] long, policy version that generated each token (-1 for prompt/pad).
     prox_logprobs:  optional [B, S] float, proximal-policy logprobs (decoupled PPO and friends).
+    ref_logprobs:   optional [B, S] float, reference-policy logprobs (the KL penalty).
     """
 
     input_ids: torch.Tensor
@@ -35,6 +36,7 @@ class RolloutBatch:
     advantages: torch.Tensor
     versions: torch.Tensor
     prox_logprobs: torch.Tensor | None = None
+    ref_logprobs: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         b, s = self.input_ids.shape

@@ -14,7 +14,7 @@ from typing import Iterator
 
 import torch
 
-from megarl.algorithms.config import AlgorithmConfig, loss_params
+from megarl.algorithms.config import AlgorithmConfig, loss_params, needs_ref
 from megarl.trainer.batch import RolloutBatch
 from megarl.trainer.config import TrainerConfig
 
@@ -45,6 +45,12 @@ class LocalTrainer:
         self.model = build_gpt_model(dims, params_dtype=params_dtype(cfg), init_weights=False)
         load_pretrained(self.model, model_dir)
         self.objs = build_training(cfg, self.model, total_steps)
+        # The KL reference: the initial policy (from model_dir even on resume), frozen, built only if used.
+        self.ref_model = None
+        if needs_ref(algo):
+            from megarl.trainer.train_step import build_reference_model
+
+            self.ref_model = build_reference_model(model_dir, params_dtype(cfg))
         self.progress = TrainProgress(step=0, consumed_samples=0)
         self.checkpoint_dir = checkpoint_root(cfg, self.run_dir)
         resume = resume_path(cfg, self.run_dir)
@@ -59,12 +65,16 @@ class LocalTrainer:
         return self.progress.step
 
     def step(self, batch: RolloutBatch) -> dict:
-        """One optimizer step on ``batch``; returns the step's metrics."""
-        from megarl.trainer.train_step import train_step
+        """One optimizer step on ``batch`` (after the no-grad passes its loss needs: proximal and
+        reference logprobs); returns the step's metrics."""
+        from megarl.trainer.train_step import prepare_batch, train_step
 
+        batch, prep = prepare_batch(self.objs, self.ref_model, batch, self.algo, self.cfg.micro_batch_size,
+                                    self.cfg.logprob_temperature)
         metrics = train_step(self.objs, batch, loss_name=self.algo.loss, loss_params=loss_params(self.algo),
                              micro_batch_size=self.cfg.micro_batch_size,
                              temperature=self.cfg.logprob_temperature, current_version=self.progress.step)
+        metrics.update(prep)
         self.progress.step += 1
         self.progress.consumed_samples += batch.batch_size
         return metrics

@@ -38,26 +38,36 @@ def mask_padded_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return out
 
 
-@torch.no_grad()
 def vocab_parallel_entropy(logits: torch.Tensor) -> torch.Tensor:
-    """Entropy of softmax(logits) over the TP-sharded last dim (fp32 logits, padding masked)."""
+    """Entropy of softmax(logits) over the TP-sharded last dim (fp32 logits, padding masked);
+    differentiable.
+
+    H = log S0 - S1 / S0 with S0 = sum_v exp(z_v), S1 = sum_v exp(z_v) z_v, z = logits - m. The
+    identity holds for any m, so the max is detached (it cancels; it only keeps exp in range).
+    Each rank sums its own vocab shard and the partial sums are all-reduced with megatron's
+    autograd-aware reduction (all-reduce forward, identity backward): every TP rank computes the
+    same downstream loss, so dL/dS is the same everywhere and its local copy is each shard's
+    gradient. Backward keeps exp(z) and z ([..., v_local] each) alive until the backward pass."""
     from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 
     group = ps.get_tensor_model_parallel_group()
-    m = logits.max(dim=-1, keepdim=True).values
-    torch.distributed.all_reduce(m, op=torch.distributed.ReduceOp.MAX, group=group)
+    m = logits.detach().max(dim=-1, keepdim=True).values
+    if ps.get_tensor_model_parallel_world_size() > 1:
+        torch.distributed.all_reduce(m, op=torch.distributed.ReduceOp.MAX, group=group)
     z = logits - m
     e = z.exp()
-    sums = torch.stack([e.sum(-1), (e * z).sum(-1)])
-    torch.distributed.all_reduce(sums, group=group)
+    sums = reduce_from_tensor_model_parallel_region(torch.stack([e.sum(-1), (e * z).sum(-1)]).contiguous(), group)
     return sums[0].log() - sums[1] / sums[0]
 
 
 def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, vocab_size: int, temperature: float = 1.0,
                    with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Token-aligned logprobs ``out[b, t] = log p(input_ids[b, t] | < t)`` (``out[:, 0] = 0``) from
-    vocab-parallel logits ``[b, s, v_local]``; differentiable. Entropy (no grad) likewise aligned.
-    May overwrite ``logits`` (fp32, unpadded vocab): pass the model's output and do not reuse it."""
+    vocab-parallel logits ``[b, s, v_local]``; differentiable. Entropy likewise aligned
+    (``ent[b, t]`` is the entropy of the distribution token t was drawn from) and differentiable
+    when ``logits`` require grad (the entropy bonus). May overwrite ``logits`` (fp32, unpadded
+    vocab): pass the model's output and do not reuse it."""
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
     if temperature <= 0:
@@ -71,7 +81,9 @@ def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, vocab_size: in
         scaled = scaled / temperature
     entropy = None
     if with_entropy:
-        entropy = torch.nn.functional.pad(vocab_parallel_entropy(scaled[:, :-1].detach()), (1, 0))
+        # Before the cross entropy overwrites ``scaled``: the entropy's graph saves exp(z) and z
+        # (new tensors), never ``scaled`` itself, so the in-place overwrite cannot corrupt it.
+        entropy = torch.nn.functional.pad(vocab_parallel_entropy(scaled[:, :-1]), (1, 0))
     labels = torch.roll(input_ids, -1, dims=1)
     nll = vocab_parallel_cross_entropy(scaled, labels)
     return torch.nn.functional.pad(-nll[:, :-1], (1, 0)), entropy

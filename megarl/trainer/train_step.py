@@ -22,6 +22,12 @@ from megarl.trainer.batch import RolloutBatch
 from megarl.trainer.logprobs import dp_share, run_pipeline, token_logprobs
 
 
+# policy_loss metrics aggregated with agg_denominator (the global count): each micro-batch's value
+# is its share of the batch's value, so they add up over micro-batches and DP ranks, like the loss.
+# Every other metric is a per-micro-batch masked mean and is averaged weighted by loss tokens.
+_SUMMED = ("tokens", "loss", "pg_loss", "kl_ref", "entropy")
+
+
 def _global_denominator(batch: RolloutBatch, aggregation: str) -> float:
     if aggregation == "token-mean":
         return max(float(batch.loss_mask.sum()), 1.0)
@@ -30,7 +36,8 @@ def _global_denominator(batch: RolloutBatch, aggregation: str) -> float:
 
 def _reduce_metrics(sums: dict[str, float], weight: float) -> dict[str, float]:
     """Token-weighted mean of per-micro-batch metrics over micro-batches and DP ranks; the
-    counts ("tokens") are summed. Result lives on the last PP stage, then goes to every stage."""
+    counts ("tokens") and the globally normalised terms (``_SUMMED``) are summed. Result lives on
+    the last PP stage, then goes to every stage."""
     from megatron.core import parallel_state as ps
 
     group = ps.get_data_parallel_group()
@@ -40,7 +47,7 @@ def _reduce_metrics(sums: dict[str, float], weight: float) -> dict[str, float]:
     vec = torch.tensor([sums.get(k, 0.0) for k in keys] + [weight], dtype=torch.float64)
     torch.distributed.all_reduce(vec, group=group)
     total_w = max(float(vec[-1]), 1.0)
-    return {k: (float(v) if k in ("tokens", "loss") else float(v) / total_w) for k, v in zip(keys, vec[:-1])}
+    return {k: (float(v) if k in _SUMMED else float(v) / total_w) for k, v in zip(keys, vec[:-1])}
 
 
 def _broadcast_metrics(metrics: dict | None) -> dict:
@@ -71,14 +78,16 @@ def train_step(objs, batch: RolloutBatch, *, loss_name: str, loss_params: dict[s
     """
     from megatron.core import parallel_state as ps
 
-    from megarl.algorithms import policy_loss
+    # the submodule, not the package attribute: importing the submodule rebinds that name to it
+    from megarl.algorithms.policy_loss import policy_loss
     from megarl.trainer.model import unwrap
     from megarl.trainer.optimizer import optimizer_step
 
     params = dict(loss_params or {})
-    if params.get("entropy_coef", 0.0):
-        raise ValueError("entropy_coef != 0 needs a differentiable vocab-parallel entropy, which the trainer "
-                         "does not compute; set algorithm.entropy_coef: 0")
+    with_entropy = bool(params.get("entropy_coef", 0.0))
+    if params.get("kl_coef", 0.0) and batch.ref_logprobs is None:
+        raise ValueError("kl_coef != 0 needs batch.ref_logprobs (reference-policy logprobs): fill them with "
+                         "prepare_batch(...) and a reference model before train_step")
     params.pop("agg_denominator", None)
     aggregation = params.get("aggregation", "token-mean")
     denominator = _global_denominator(batch, aggregation)
@@ -91,16 +100,17 @@ def train_step(objs, batch: RolloutBatch, *, loss_name: str, loss_params: dict[s
 
     def on_logits(mb: RolloutBatch, logits: torch.Tensor):
         nonlocal weight
-        logprobs, _ = token_logprobs(logits, mb.input_ids, vocab, temperature)
+        logprobs, entropy = token_logprobs(logits, mb.input_ids, vocab, temperature, with_entropy=with_entropy)
         loss, metrics = policy_loss(
             loss_name, logprobs=logprobs, behav_logprobs=mb.behav_logprobs, advantages=mb.advantages,
             mask=mb.loss_mask, prox_logprobs=mb.prox_logprobs, versions=mb.versions,
-            current_version=current_version, agg_denominator=denominator, **params)
+            current_version=current_version, ref_logprobs=mb.ref_logprobs, entropy=entropy,
+            agg_denominator=denominator, **params)
         w = float(mb.loss_mask.sum())
         for k, v in metrics.items():
             if k in ("tokens", "loss"):
                 continue
-            sums[k] = sums.get(k, 0.0) + float(v) * w
+            sums[k] = sums.get(k, 0.0) + (float(v) if k in _SUMMED else float(v) * w)
         sums["tokens"] = sums.get("tokens", 0.0) + w
         sums["loss"] = sums.get("loss", 0.0) + float(loss.detach())
         weight += w
@@ -115,3 +125,51 @@ def train_step(objs, batch: RolloutBatch, *, loss_name: str, loss_params: dict[s
            "micro_batches": len(micro), **step}
     out.update({f"loss/{k}": v for k, v in metrics.items() if k not in ("loss", "tokens")})
     return out
+
+
+def build_reference_model(model_dir, params_dtype: torch.dtype = torch.float32):
+    """The frozen reference policy for the KL penalty: a Megatron model at this rank's TP/PP
+    layout (call after ``init_model_parallel``), loaded once from ``model_dir`` -- the HF folder
+    (or megarl Megatron checkpoint) the trainer started from, never a resumed checkpoint, so a
+    resumed run keeps the same reference. In eval mode, no grads, never wrapped in DDP/optimizer."""
+    from megarl.trainer.convert import load_pretrained
+    from megarl.trainer.layouts import ModelDims
+    from megarl.trainer.model import build_gpt_model, read_hf_config
+
+    dims = ModelDims.from_hf_config(read_hf_config(model_dir))
+    ref = build_gpt_model(dims, params_dtype=params_dtype, init_weights=False)
+    load_pretrained(ref, model_dir)
+    ref.requires_grad_(False)
+    ref.eval()
+    return ref
+
+
+def prepare_batch(objs, ref_model, batch: RolloutBatch, algo_cfg, micro_batch_size: int,
+                  temperature: float = 1.0) -> tuple[RolloutBatch, dict]:
+    """The extra no-grad forward passes the loss and its options need, before ``train_step``:
+    proximal logprobs of the current policy (``needs_prox``: decoupled_ppo, tis != none) and
+    reference logprobs (``needs_ref``: kl_coef > 0, with ``ref_model`` from
+    :func:`build_reference_model`). Collective like ``train_step`` (every trainer rank calls it
+    with the same global batch). Returns the filled batch and timing metrics (seconds)."""
+    import dataclasses
+    import time
+
+    from megarl.algorithms.config import needs_prox, needs_ref
+    from megarl.trainer.logprobs import compute_logprobs
+
+    fill: dict[str, torch.Tensor] = {}
+    timings: dict[str, float] = {}
+    if needs_prox(algo_cfg):
+        t0 = time.monotonic()
+        (model,) = objs.model
+        fill["prox_logprobs"] = compute_logprobs(model, batch, micro_batch_size=micro_batch_size,
+                                                 temperature=temperature).logprobs
+        timings["prox_logprobs_s"] = time.monotonic() - t0
+    if needs_ref(algo_cfg):
+        if ref_model is None:
+            raise ValueError(f"algorithm.kl_coef={algo_cfg.kl_coef} needs a reference model (build_reference_model)")
+        t0 = time.monotonic()
+        fill["ref_logprobs"] = compute_logprobs(ref_model, batch, micro_batch_size=micro_batch_size,
+                                                temperature=temperature).logprobs
+        timings["ref_logprobs_s"] = time.monotonic() - t0
+    return (dataclasses.replace(batch, **fill) if fill else batch), timings
