@@ -47,7 +47,10 @@ class ControllerConfig:
     max_policy_lag: int = knob(1, help=(
         "Largest allowed policy-version gap between a token's generator and the trainer (versions); "
         "0 = synchronous on-policy training, the benchmark baseline."))
-    eval_every: int = knob(0, help="Greedy held-out evaluation every N steps (steps; 0 = never).")
+    eval_every: int = knob(10, help=(
+        "Greedy held-out evaluation every N steps, plus a baseline before the first step and one after the "
+        "last, scored strictly (last number of a finished reply; never the training reward) (steps; "
+        "0 = never). Default 10."))
 
 
 @dataclass
@@ -70,7 +73,6 @@ class LoggingConfig:
 @dataclass
 class MegaRLConfig:
     name: str = knob("megarl", help="Run name: output folder and metric tags.")
-    seed: int = knob(0, help="Global seed (weights init where random, sampling engine seed).")
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)

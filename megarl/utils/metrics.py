@@ -42,8 +42,10 @@ def phase_line(step: int, total_steps: int, metrics: dict) -> str:
     t = {p: metrics.get(f"time/{p}", 0.0) for p in PHASES}
     parts = " + ".join(f"{p} {t[p]:.1f}" for p in PHASES)
     tail = []
-    for key, label, fmt in (("reward/mean", "reward", ".3f"), ("train/loss", "loss", ".4f"),
+    for key, label, fmt in (("reward/mean", "reward", ".3f"), ("gen/mean_length", "len", ".1f"),
+                            ("gen/truncated_frac", "trunc", ".2f"), ("train/loss", "loss", ".4f"),
                             ("train/grad_norm", "gnorm", ".3f"), ("eval/accuracy", "eval acc", ".3f"),
+                            ("eval/format_rate", "eval fmt", ".2f"), ("eval/truncated_frac", "eval trunc", ".2f"),
                             ("train/loss/mismatch", "mismatch", ".4f"), ("gen/tokens_per_s", "gen tok/s", ".0f")):
         if key in metrics and isinstance(metrics[key], (int, float)) and math.isfinite(metrics[key]):
             tail.append(f"{label} {metrics[key]:{fmt}}")

@@ -1,0 +1,82 @@
+"""Held-out evaluation that the policy cannot game: a strict scorer independent of the training reward.
+
+The training reward is pluggable and may be lenient (flexible formats, shaping); evaluation is not.
+Its scorer is written here on its own, shares no code with ``megarl.reward``, and evaluates no
+expression: the answer is the last number of a reply that *finished* (a truncated reply is wrong,
+whatever it contains), compared with the gold number exactly (as a fraction). A reply that restates
+the question ("To find 12 + 7, ...") ends in 7 and is wrong.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Sequence
+
+# A plain decimal number with optional thousands groups; a minus sign only when it is not a
+# subtraction (not right after a digit, letter or closing bracket).
+_NUMBER = re.compile(r"(?<![\w)\]])[-\u2212]?\d{1,3}(?:,\d{3})+(?:\.\d+)?|(?<![\w)\]])[-\u2212]?\d+(?:\.\d+)?")
+
+
+def last_number(text: str) -> Fraction | None:
+    """The last number written in ``text`` (exactly, as a fraction), or None when there is none."""
+    found = _NUMBER.findall(text)
+    if not found:
+        return None
+    return Fraction(found[-1].replace(",", "").replace("\u2212", "-"))
+
+
+def strict_correct(reply: str, gold: str, finish_reason: str | None) -> tuple[bool, bool]:
+    """(correct, formatted): formatted = the reply finished and contains a number; correct = that
+    number, the reply's last, equals ``gold``."""
+    if finish_reason == "length":
+        return False, False
+    answer = last_number(reply)
+    if answer is None:
+        return False, False
+    gold_value = last_number(gold)
+    return gold_value is not None and answer == gold_value, True
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    accuracy: float  # fraction of held-out prompts answered correctly (strict)
+    format_rate: float  # fraction of replies that finished with a number
+    truncated_frac: float  # fraction of replies cut at max_new_tokens
+    mean_length: float  # completion tokens per reply
+    n: int
+
+    def metrics(self) -> dict[str, float]:
+        return {"eval/accuracy": self.accuracy, "eval/format_rate": self.format_rate,
+                "eval/truncated_frac": self.truncated_frac, "eval/mean_length": self.mean_length,
+                "eval/n": float(self.n)}
+
+
+def score_replies(replies: Sequence[str], golds: Sequence[str], finish_reasons: Sequence[str | None],
+                  lengths: Sequence[int]) -> tuple[EvalResult, list[bool]]:
+    """Strict scores of held-out replies; returns the summary and each reply's correctness."""
+    judged = [strict_correct(r, g, f) for r, g, f in zip(replies, golds, finish_reasons, strict=True)]
+    n = max(len(judged), 1)
+    result = EvalResult(accuracy=sum(c for c, _ in judged) / n, format_rate=sum(f for _, f in judged) / n,
+                        truncated_frac=sum(f == "length" for f in finish_reasons) / n,
+                        mean_length=sum(lengths) / n, n=len(judged))
+    return result, [c for c, _ in judged]
+
+
+def hacking_warning(prev_reward: float, reward: float, prev_acc: float, acc: float, n_eval: int,
+                    min_reward_rise: float = 0.05) -> str | None:
+    """A warning when the training reward rose while strict held-out accuracy fell.
+
+    ``prev_reward``/``reward``: mean training reward over the steps before the previous eval and
+    since it. Accuracy must fall by more than two standard errors of a difference of two accuracies
+    on ``n_eval`` prompts (sqrt(2 p (1 - p) / n), p their mean), so eval noise alone rarely warns.
+    """
+    p = min(max((prev_acc + acc) / 2, 1.0 / max(n_eval, 1)), 1 - 1.0 / max(n_eval, 1))
+    noise = 2 * math.sqrt(2 * p * (1 - p) / max(n_eval, 1))
+    if reward - prev_reward >= min_reward_rise and prev_acc - acc > noise:
+        return (f"reward hacking? training reward rose {prev_reward:.3f} -> {reward:.3f} while strict held-out "
+                f"accuracy fell {prev_acc:.3f} -> {acc:.3f} (more than eval noise {noise:.3f}): look at "
+                f"eval_samples.jsonl and the reward function (reward.fn)")
+    return None

@@ -1,0 +1,176 @@
+"""The controller: the one place the RL loop is written.
+
+Today the loop runs synchronously (generate -> reward -> train -> sync, no overlap: what
+``max_policy_lag: 0`` means) with a single-rank trainer in this process and the generator's vLLM
+replicas in their own processes; weights travel as full HF tensors through host shared memory.
+The asynchronous loop, multi-rank trainers and DDMA slot in below ``run_job`` without changing its
+shape.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from contextlib import ExitStack
+from pathlib import Path
+
+from megarl.config import ConfigError
+from megarl.config.schema import BUILTIN_SMOLLM2, MegaRLConfig
+from megarl.controller.run import RunFolder
+
+log = logging.getLogger("megarl")
+
+
+def run_job(cfg: MegaRLConfig) -> int:
+    """Run the job described by ``cfg``; returns a process exit code."""
+    _setup_logging()
+    _check_supported(cfg)
+    _select_device(cfg.cluster.device)
+
+    from megarl.controller.prompts import PromptSource
+    from megarl.generator.executor import GeneratorExecutor
+    from megarl.reward import RewardPool
+    from megarl.trainer.batch import RolloutBatch
+    from megarl.trainer.checkpoint import should_save
+    from megarl.trainer.local import LocalTrainer
+    from megarl.utils.metrics import PhaseTimer
+
+    model_dir = resolve_model(cfg.model.path)
+    prompts = PromptSource(cfg, model_dir)
+    steps, every = cfg.controller.steps, cfg.controller.eval_every
+    with ExitStack() as stack:
+        run = stack.enter_context(RunFolder(cfg, n_eval=len(prompts.held)))
+        log.info("starting the trainer (Megatron, tp=pp=dp=1) from %s", model_dir)
+        trainer = LocalTrainer(cfg.trainer, cfg.algorithm, model_dir, total_steps=steps, run_dir=run.path)
+        stack.callback(trainer.close)
+        log.info("starting the generator (%d vLLM replica(s), tp=%d)", cfg.generator.replicas, cfg.generator.tp)
+        generator = stack.enter_context(GeneratorExecutor(cfg.generator, model_dir).start())
+        reward = stack.enter_context(RewardPool(cfg.reward, cfg.generator.max_new_tokens))
+        generator.update_weights(trainer.hf_weights(), version=trainer.step_count)  # resume-safe start
+        if every and trainer.step_count == 0:  # the baseline the run improves on
+            run.log_eval(0, steps, evaluate(generator, prompts, run, step=0))
+
+        for step in range(trainer.step_count + 1, steps + 1):
+            timer = PhaseTimer()
+            tasks, prompt_ids = prompts.batch(step - 1, cfg.controller.prompts_per_step)
+            with timer.phase("generate"):
+                samples = generator.generate(prompt_ids)
+            with timer.phase("reward"):
+                scored = reward.score([prompts.decode(s.completion_ids) for s in samples],
+                                      [tasks[s.prompt_index].answer for s in samples],
+                                      [s.finish_reason for s in samples], [len(s.completion_ids) for s in samples])
+            advantages = group_advantages(cfg, samples, [s.reward for s in scored])
+            with timer.phase("train"):
+                train_metrics = trainer.step(RolloutBatch.from_samples(samples, advantages, pad_id=prompts.pad_id))
+            with timer.phase("sync"):
+                generator.update_weights(trainer.hf_weights(), version=trainer.step_count)
+            metrics = {**{f"train/{k}": v for k, v in train_metrics.items()}, **timer.finish(),
+                       **rollout_metrics(samples, scored, timer.seconds["generate"]),
+                       "data/prompts_crc32": prompts_fingerprint(prompt_ids)}
+            if every and (step % every == 0 or step == steps):
+                metrics.update(evaluate(generator, prompts, run, step=step))
+            if should_save(cfg.trainer, step, steps):
+                metrics["checkpoint/seconds"] = _timed(trainer.save)
+            run.log(step, steps, metrics)
+        run.finish(steps)
+    return 0
+
+
+def evaluate(generator, prompts, run: RunFolder, *, step: int) -> dict[str, float]:
+    """Greedy replies to the held-out prompts, scored strictly (never by the training reward)."""
+    from megarl.controller.evaluation import score_replies
+
+    t0 = time.monotonic()
+    tasks, prompt_ids = prompts.eval_set()
+    samples = generator.generate(prompt_ids, n_samples=1, sampling={"temperature": 0.0})
+    replies = [prompts.decode(s.completion_ids) for s in samples]
+    golds = [tasks[s.prompt_index].answer for s in samples]
+    result, correct = score_replies(replies, golds, [s.finish_reason for s in samples],
+                                    [len(s.completion_ids) for s in samples])
+    run.write_eval_samples(step, [{"question": tasks[s.prompt_index].question, "gold": g, "reply": r,
+                                   "finish_reason": s.finish_reason, "correct": c}
+                                  for s, g, r, c in zip(samples, golds, replies, correct)])
+    return {**result.metrics(), "eval/seconds": time.monotonic() - t0}
+
+
+def group_advantages(cfg: MegaRLConfig, samples, rewards: list[float]) -> list[float]:
+    """Advantages within each prompt's group, found by the samples' group ids (not their order)."""
+    import torch
+
+    from megarl.algorithms import advantage_params, compute_advantages
+
+    group_ids = torch.tensor([s.group_id for s in samples], dtype=torch.long)
+    return compute_advantages(cfg.algorithm.advantage, torch.tensor(rewards, dtype=torch.float32),
+                              group_ids=group_ids, **advantage_params(cfg.algorithm)).tolist()
+
+
+def rollout_metrics(samples, scored, gen_seconds: float) -> dict[str, float]:
+    """What the samples of one step look like: reward, and the signs of a hacked reward (length,
+    truncation, format)."""
+    n = max(len(samples), 1)
+    tokens = sum(len(s.completion_ids) for s in samples)
+    return {"reward/mean": sum(s.reward for s in scored) / n,
+            "reward/correct_frac": sum(s.correct for s in scored) / n,
+            "reward/format_rate": sum(s.formatted for s in scored) / n,
+            "gen/samples": len(samples), "gen/tokens": tokens, "gen/tokens_per_s": tokens / max(gen_seconds, 1e-9),
+            "gen/mean_length": tokens / n, "gen/truncated_frac": sum(s.truncated for s in scored) / n}
+
+
+def prompts_fingerprint(prompt_ids) -> int:
+    """CRC32 of a step's prompts: equal across a straight and a resumed run iff the data stream continues."""
+    import zlib
+
+    return zlib.crc32(repr([list(p) for p in prompt_ids]).encode())
+
+
+def resolve_model(path: str) -> Path:
+    """An HF folder for ``model.path`` (the built-in SmolLM2 is converted once and cached)."""
+    if path == BUILTIN_SMOLLM2:
+        from megarl.models.smollm2 import ensure_smollm2_hf
+
+        log.info("preparing the built-in SmolLM2-135M-Instruct (first time: converts the GGUF, ~1 min)")
+        return ensure_smollm2_hf()
+    return Path(path)
+
+
+def _check_supported(cfg: MegaRLConfig) -> None:
+    t = cfg.trainer
+    if t.tp * t.pp * t.dp != 1:
+        raise ConfigError([f"trainer.tp={t.tp}, trainer.pp={t.pp}, trainer.dp={t.dp}: `megarl train` runs a "
+                           f"single-rank trainer today (multi-rank trainers arrive with the controller); "
+                           f"set all three to 1. Multi-rank training steps are exercised in tests/test_trainer_*"])
+    if cfg.controller.max_policy_lag:
+        log.warning("controller.max_policy_lag=%d: the asynchronous loop is not in yet; running synchronously "
+                    "(on-policy, max_policy_lag 0)", cfg.controller.max_policy_lag)
+
+
+def _select_device(device: str) -> None:
+    """cluster.device: 'cpu' hides CUDA from this process and the engines it starts (before torch
+    is imported here); 'cuda' insists on a device."""
+    if device == "cpu":
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+        if "torch" in sys.modules and sys.modules["torch"].cuda.is_available():
+            raise ConfigError(["cluster.device=cpu: torch was imported with CUDA visible before the job "
+                               "started; set CUDA_VISIBLE_DEVICES= in the environment instead"])
+    elif device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError(["cluster.device=cuda: no CUDA device is visible to this process; use "
+                               "cluster.device=auto or cpu, or check CUDA_VISIBLE_DEVICES"])
+
+
+def _timed(fn) -> float:
+    t0 = time.monotonic()
+    fn()
+    return time.monotonic() - t0
+
+
+def _setup_logging() -> None:
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO, stream=sys.stdout,
+                            format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    for noisy in ("megatron", "vllm", "transformers"):  # their INFO is per-parameter detail
+        logging.getLogger(noisy).setLevel(logging.WARNING)

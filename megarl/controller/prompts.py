@@ -1,0 +1,74 @@
+"""The prompt stream: tokenized training prompts in a fixed shuffled order, and a held-out set
+that is disjoint from them by content (normalized question text), checked, not assumed."""
+
+from __future__ import annotations
+
+import logging
+import re
+from pathlib import Path
+
+from megarl.config import ConfigError
+from megarl.config.schema import MegaRLConfig
+
+log = logging.getLogger("megarl")
+
+
+def question_key(question: str) -> str:
+    """What makes two questions the same: case and whitespace do not count."""
+    return re.sub(r"\s+", " ", question).strip().lower()
+
+
+def check_disjoint(train, held) -> None:
+    """Raise if any held-out question also appears (by content) among the training questions."""
+    shared = {question_key(t.question) for t in train} & {question_key(t.question) for t in held}
+    if shared:
+        example = next(iter(shared))
+        raise ConfigError([f"{len(shared)} held-out question(s) also appear in the training data "
+                           f"(e.g. {example!r}); evaluation would measure memorisation. Use a data.eval_path "
+                           f"disjoint from data.train_path, or leave data.eval_path empty to hold out a slice"])
+
+
+class PromptSource:
+    """Training prompts (deterministic order, so a resumed run continues the same stream) and the
+    held-out set, both tokenized with the model's chat template."""
+
+    def __init__(self, cfg: MegaRLConfig, model_dir: Path):
+        from transformers import AutoTokenizer
+
+        from megarl.data import format_prompt, load_tasks, split_train_eval
+
+        self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        tasks = load_tasks(cfg.data.train_path, seed=cfg.data.seed)
+        if cfg.data.eval_path:
+            held = load_tasks(cfg.data.eval_path, limit=cfg.data.eval_size)
+            held_keys = {question_key(t.question) for t in held}
+            train = [t for t in tasks if question_key(t.question) not in held_keys]
+            if len(train) < len(tasks):
+                log.info("prompts: dropped %d training question(s) that are also in data.eval_path",
+                         len(tasks) - len(train))
+        else:
+            train, held = split_train_eval(tasks, cfg.data.eval_size, seed=cfg.data.seed)
+        check_disjoint(train, held)
+
+        def encode(items):
+            kept = [(t, self.tokenizer.encode(format_prompt(t, self.tokenizer, chat_template=cfg.data.chat_template),
+                                              add_special_tokens=False)) for t in items]
+            return [(t, ids) for t, ids in kept if len(ids) <= cfg.data.max_prompt_tokens]
+
+        self.train, self.held = encode(train), encode(held)
+        if not self.train:
+            raise ConfigError([f"data.train_path={cfg.data.train_path!r}: no prompt fits "
+                               f"data.max_prompt_tokens={cfg.data.max_prompt_tokens}"])
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        log.info("prompts: %d train, %d held-out (disjoint by content)", len(self.train), len(self.held))
+
+    def batch(self, index: int, size: int):
+        """The ``index``-th batch of ``size`` (task, prompt ids) rows."""
+        rows = [self.train[(index * size + i) % len(self.train)] for i in range(size)]
+        return [t for t, _ in rows], [ids for _, ids in rows]
+
+    def eval_set(self):
+        return [t for t, _ in self.held], [ids for _, ids in self.held]
+
+    def decode(self, ids) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)

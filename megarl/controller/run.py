@@ -1,0 +1,90 @@
+"""The run folder people read: config.yaml, metrics.jsonl + TensorBoard, the per-step phase line,
+eval_samples.jsonl (held-out replies), metrics.png, and the reward-hacking watch."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+from megarl.config import to_dict
+from megarl.config.schema import MegaRLConfig
+
+log = logging.getLogger("megarl")
+
+# Panels of metrics.png: what a person checks first, learning and the signs of a gamed reward.
+PLOT_KEYS = ("reward/mean", "eval/accuracy", "eval/format_rate", "gen/truncated_frac", "gen/mean_length",
+             "train/loss", "time/step")
+EVAL_SAMPLES_KEPT = 16  # held-out replies written per eval (replies)
+
+
+class RunFolder:
+    """``<logging.out_dir>/<name>/``: everything a run writes besides checkpoints."""
+
+    def __init__(self, cfg: MegaRLConfig, n_eval: int):
+        import yaml
+
+        from megarl.utils.metrics import MetricsLogger
+
+        self.cfg = cfg
+        self.path = Path(cfg.logging.out_dir) / cfg.name
+        self.path.mkdir(parents=True, exist_ok=True)
+        (self.path / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+        log.info("run folder %s", self.path.resolve())
+        self.metrics = MetricsLogger(self.path, jsonl=cfg.logging.jsonl, tensorboard=cfg.logging.tensorboard)
+        self.n_eval = n_eval
+        self._evals: list[tuple[float, float]] = []  # (mean training reward since the last eval, accuracy)
+        self._rewards: list[float] = []  # training reward of each step since the last eval
+
+    def __enter__(self) -> "RunFolder":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.metrics.close()
+
+    def log(self, step: int, total: int, metrics: dict) -> None:
+        """Record one training step; print its phase line; watch for a gamed reward at evals."""
+        from megarl.utils.metrics import phase_line
+
+        if "reward/mean" in metrics:
+            self._rewards.append(metrics["reward/mean"])
+        if "eval/accuracy" in metrics:
+            self._watch(metrics["eval/accuracy"])
+        self.metrics.log(step, metrics)
+        if step % self.cfg.logging.log_every == 0 or step == total or "eval/accuracy" in metrics:
+            log.info(phase_line(step, total, metrics))
+
+    def log_eval(self, step: int, total: int, metrics: dict) -> None:
+        """The baseline evaluation before any training step."""
+        self._evals.append((float("nan"), metrics["eval/accuracy"]))
+        self.metrics.log(step, metrics)
+        log.info("step %d/%d (before training) | eval acc %.3f | format %.3f | truncated %.3f", step, total,
+                 metrics["eval/accuracy"], metrics["eval/format_rate"], metrics["eval/truncated_frac"])
+
+    def write_eval_samples(self, step: int, rows: list[dict]) -> None:
+        with (self.path / "eval_samples.jsonl").open("a") as fh:
+            for row in rows[:EVAL_SAMPLES_KEPT]:
+                fh.write(json.dumps({"step": step, **row}) + "\n")
+
+    def _watch(self, accuracy: float) -> None:
+        """Warn when the training reward rose while strict held-out accuracy fell: against the
+        previous eval and against the first (baseline accuracy, first window's reward)."""
+        from megarl.controller.evaluation import hacking_warning
+
+        reward = sum(self._rewards) / len(self._rewards) if self._rewards else float("nan")
+        self._rewards = []
+        self._evals.append((reward, accuracy))
+        if len(self._evals) < 3:  # baseline + first window: nothing to compare the reward with yet
+            return
+        first_reward = self._evals[1][0]
+        for prev_reward, prev_acc in ((first_reward, self._evals[0][1]), self._evals[-2]):
+            warning = hacking_warning(prev_reward, reward, prev_acc, accuracy, self.n_eval)
+            if warning:
+                log.warning(warning)
+                return
+
+    def finish(self, steps: int) -> None:
+        from megarl.utils.metrics import plot_metrics
+
+        plot = plot_metrics(self.metrics.jsonl_path, self.path / "metrics.png", keys=PLOT_KEYS)
+        log.info("done: %d steps; metrics in %s%s", steps, self.metrics.jsonl_path, f", plot {plot}" if plot else "")
