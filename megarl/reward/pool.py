@@ -164,31 +164,3 @@ def _worker_score(spec: str, completion: str, gold: str, strict: bool) -> bool:
     if fn is None:
         fn = _WORKER_FNS[spec] = get_reward(spec)
     return _safe_call(fn, completion, gold, strict)
-
-
-class MathReward:
-    """Deprecated, for one release: the old ``MathReward(workers, timeout_s, correct, wrong)`` with
-    ``score(completions, golds) -> list[float]``, now scoring the final answer with ``fn`` (default
-    ``arithmetic``, not math-verify on free text) and every reply as finished (no truncation score,
-    no overlong penalty). Use :class:`RewardPool` with finish reasons and lengths instead."""
-
-    def __init__(self, workers: int = 2, timeout_s: float = 5.0, correct: float = 1.0, wrong: float = 0.0,
-                 fn: str = "arithmetic"):
-        self.correct, self.wrong = correct, wrong
-        self._pool = RewardPool(RewardConfig(fn=fn, workers=workers, timeout_s=timeout_s, correct=correct,
-                                             wrong=wrong), max_new_tokens=0)
-
-    def score(self, completions: List[str], golds: List[str]) -> List[float]:
-        n = len(completions)
-        if len(golds) != n:
-            raise ValueError(f"{n} completions but {len(golds)} gold answers")
-        return [s.reward for s in self._pool.score(completions, golds, ["stop"] * n, [0] * n)]
-
-    def close(self) -> None:
-        self._pool.close()
-
-    def __enter__(self) -> "MathReward":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
