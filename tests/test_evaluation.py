@@ -96,5 +96,6 @@ def test_advantages_follow_group_ids_not_order():
     adv = group_advantages(cfg, samples, [1.0, 0.0, 0.0, 0.0])
     # group 7 = rewards (1, 0): +-1/sqrt(2) after GRPO std normalisation (unbiased std = 1/sqrt(2));
     # group 3 = (0, 0): no signal
+    # rel 1e-5: GRPO adds eps = 1e-6 to the std (0.707), shifting the value by ~1.4e-6 relative
     assert adv[0] == pytest.approx(2 ** -0.5, rel=1e-5) and adv[2] == pytest.approx(-(2 ** -0.5), rel=1e-5)
     assert adv[1] == 0.0 and adv[3] == 0.0
