@@ -11,6 +11,7 @@ import torch
 
 from megarl.algorithms import (a3po_alpha, aggregate, policy_loss, known_losses)
 
+# float64 hand values via a few exp/log ops: ~1e-15 relative error; rtol 1e-9 ample, atol 1e-12 for exact-0 grads
 TOL = dict(rtol=1e-9, atol=1e-12)
 
 
@@ -47,6 +48,7 @@ def test_aipo_values_gradient_and_metrics():
     adv = [2.0, 1.0, -1.0]
     loss, grad, m = run("aipo", pi, mu, adv, rho=4.0)
     # loss = -(1/3) * (1.2*2*log .6 + 4*1*log .5 + 0.5*(-1)*log .2)
+    # float64, a few ops: rounding ~1e-15 relative; 1e-12 leaves room
     assert loss == pytest.approx(-(2.4 * math.log(0.6) + 4 * math.log(0.5) - 0.5 * math.log(0.2)) / 3, rel=1e-12)
     # d loss / d log pi_t = -w_t A_t / 3
     expect_grad(grad, [-2.4 / 3, -4 / 3, 0.5 / 3])
@@ -68,6 +70,7 @@ def test_aipo_ratio_exactly_at_rho_is_not_clipped():
     loss, grad, m = run("aipo", pi, mu, [1.5], rho=rho)
     assert m["clip_frac"] == 0.0
     expect_grad(grad, [-rho * 1.5])
+    # float64, a few ops: rounding ~1e-15 relative; 1e-12 leaves room
     assert loss == pytest.approx(-rho * 1.5 * math.log(0.4), rel=1e-12)
 
 
@@ -89,6 +92,7 @@ def test_on_policy_aipo_is_reinforce_with_baseline_and_ppo_never_clips():
         assert metrics["clip_frac"] == 0.0
         assert metrics["ess"] == pytest.approx(1.0) and metrics["kl_mu_pi"] == 0.0 and metrics["mismatch"] == 0.0
         if name == "aipo":
+            # float64, a few ops: rounding ~1e-15 relative; 1e-12 leaves room
             assert loss.item() == pytest.approx(ref_loss, rel=1e-12)
 
 
@@ -103,6 +107,7 @@ def test_ppo_asymmetric_clip(name):
     loss, grad, m = run(name, PPO_PI, PPO_MU, PPO_ADV, eps_low=0.2, eps_high=0.28)
     # per token: A>0,r=1.5>1.28 -> -1.28 (clipped); -2*1.1; A<0,r=.5<.8 -> +0.8 (clipped);
     # A<0,r=4 -> +4 (unclipped: pessimistic side); A>0,r=.6 -> -0.6 (unclipped)
+    # float64, a few ops: rounding ~1e-15 relative; 1e-12 leaves room
     assert loss == pytest.approx((-1.28 - 2.2 + 0.8 + 4.0 - 0.6) / 5, rel=1e-12)
     expect_grad(grad, [0.0, -2.2 / 5, 0.0, 4.0 / 5, -0.6 / 5])
     assert m["clip_frac"] == pytest.approx(2 / 5)
@@ -111,6 +116,7 @@ def test_ppo_asymmetric_clip(name):
 def test_ppo_dual_clip():
     loss, grad, m = run("ppo", PPO_PI, PPO_MU, PPO_ADV, eps_low=0.2, eps_high=0.28, dual_clip_c=3.0)
     # the A<0, r=4 token is capped at -A*c = 3 with zero gradient
+    # float64, a few ops: rounding ~1e-15 relative; 1e-12 leaves room
     assert loss == pytest.approx((-1.28 - 2.2 + 0.8 + 3.0 - 0.6) / 5, rel=1e-12)
     expect_grad(grad, [0.0, -2.2 / 5, 0.0, 0.0, -0.6 / 5])
     assert m["clip_frac"] == pytest.approx(3 / 5)
@@ -124,6 +130,7 @@ def test_ppo_ratio_exactly_at_the_clip_keeps_full_gradient():
     loss, grad, m = run("ppo", pi, mu, [1.0, -1.0], eps_low=eps_low, eps_high=eps_high)
     assert m["clip_frac"] == 0.0
     expect_grad(grad, [-r[0].item() / 2, r[1].item() / 2])
+    # float64, a few ops: rounding ~1e-15 relative; 1e-12 leaves room
     assert loss == pytest.approx((-r[0].item() + r[1].item()) / 2, rel=1e-12)
 
 
@@ -134,12 +141,14 @@ def test_decoupled_ppo():
     # token 0: w_b = prox/mu = 2, r = pi/prox = 1.25 > 1.2 with A=1 -> clipped: 2 * -1.2, grad 0
     # token 1: w_b = 0.5, r = 1.1, A=-2 -> unclipped: 0.5 * 2 * 1.1 = 1.1, grad 0.5 * 2 * 1.1
     loss, grad, m = run("decoupled_ppo", pi, mu, [1.0, -2.0], prox_logprobs=prox)
+    # float64, a few ops: rounding ~1e-15 relative; 1e-12 leaves room
     assert loss == pytest.approx((-2.4 + 1.1) / 2, rel=1e-12)
     expect_grad(grad, [0.0, 1.1 / 2])
     assert m["clip_frac"] == pytest.approx(0.5)
     assert m["decoupled_ppo/behav_weight_mean"] == pytest.approx(1.25)
     # behaviour weight truncated at 1.5: token 0 becomes 1.5 * -1.2
     loss, _, m = run("decoupled_ppo", pi, mu, [1.0, -2.0], prox_logprobs=prox, behav_weight_cap=1.5)
+    # float64, a few ops: rounding ~1e-15 relative; 1e-12 leaves room
     assert loss == pytest.approx((-1.8 + 1.1) / 2, rel=1e-12)
     assert m["decoupled_ppo/behav_weight_trunc_frac"] == pytest.approx(0.5)
     with pytest.raises(ValueError, match="prox_logprobs"):
@@ -165,6 +174,7 @@ def test_a3po_on_fresh_data_equals_ppo(staleness):
                               mask=torch.ones(3, 5), eps_low=0.2, eps_high=0.3, **kw)
         loss.backward()
         results.append((loss.item(), x.grad, m["clip_frac"]))
+    # same float64 math two ways: rounding differences only (~1e-15)
     assert results[0][0] == pytest.approx(results[1][0], rel=1e-12)
     torch.testing.assert_close(results[0][1], results[1][1], **TOL)
     assert results[0][2] == results[1][2] > 0
@@ -178,6 +188,7 @@ def test_a3po_stale_tokens_hand_values():
     mu, pi = logp(0.2, 0.05), logp(0.8, 0.8)
     versions = torch.tensor([[8, 6]])
     loss, grad, m = run("a3po", pi, mu, [1.0, -1.0], versions=versions, current_version=10)
+    # float64, a few ops: rounding ~1e-15 relative; 1e-12 leaves room
     assert loss == pytest.approx((-2.4 + 16.0) / 2, rel=1e-12)
     expect_grad(grad, [0.0, 8.0])
     assert m["a3po/alpha_mean"] == pytest.approx(0.625)
@@ -185,10 +196,11 @@ def test_a3po_stale_tokens_hand_values():
     # equals decoupled PPO with the interpolated prox supplied
     prox = mu + torch.tensor([[0.5, 0.75]], dtype=torch.float64) * (pi - mu)
     loss2, grad2, _ = run("decoupled_ppo", pi, mu, [1.0, -1.0], prox_logprobs=prox)
-    assert loss2 == pytest.approx(loss, rel=1e-12)
+    assert loss2 == pytest.approx(loss, rel=1e-12)  # same float64 math two ways: rounding differences only (~1e-15)
     torch.testing.assert_close(grad2, grad, **TOL)
     # with dual clip c = 1.5 the A<0 token is capped at 8 * 1.5 with zero gradient
     loss, grad, _ = run("a3po", pi, mu, [1.0, -1.0], versions=versions, current_version=10, dual_clip_c=1.5)
+    # float64, a few ops: rounding ~1e-15 relative; 1e-12 leaves room
     assert loss == pytest.approx((-2.4 + 12.0) / 2, rel=1e-12)
     expect_grad(grad, [0.0, 0.0])
 
@@ -216,6 +228,7 @@ def test_vaco_tv_above_threshold_filters_tokens_that_increase_tv():
     assert m["vaco/tv"] == pytest.approx(0.15)
     assert m["vaco/filter_active"] == 1.0
     assert m["vaco/filter_frac"] == m["clip_frac"] == pytest.approx(0.5)
+    # float64, a few ops: rounding ~1e-15 relative; 1e-12 leaves room
     assert loss == pytest.approx((-0.5 + 1.0) / 4, rel=1e-12)
     expect_grad(grad, [0.0, -0.5 / 4, 1.0 / 4, 0.0])
 
@@ -224,6 +237,7 @@ def test_vaco_tv_below_threshold_keeps_every_token():
     # delta/2 = 0.2 > TV = 0.15: the plain IS surrogate -A r on all tokens.
     loss, grad, m = run("vaco", VACO_PI, VACO_MU, VACO_ADV, tv_delta=0.4)
     assert m["vaco/filter_active"] == 0.0 and m["clip_frac"] == 0.0
+    # float64, a few ops: rounding ~1e-15 relative; 1e-12 leaves room
     assert loss == pytest.approx((-1.5 - 0.5 + 1.0 + 0.8) / 4, rel=1e-12)
     expect_grad(grad, [-1.5 / 4, -0.5 / 4, 1.0 / 4, 0.8 / 4])
 
@@ -273,11 +287,13 @@ def test_all_masked_row_is_ignored_even_with_garbage(name):
     loss0, m0 = policy_loss(name, logprobs=y, behav_logprobs=mu[:1, :3], advantages=adv[:1],
                             mask=torch.ones(1, 3), **kw0)
     loss0.backward()
+    # same float64 math two ways: rounding differences only (~1e-15)
     assert loss.item() == pytest.approx(loss0.item(), rel=1e-12)
     assert torch.isfinite(x.grad).all()
     torch.testing.assert_close(x.grad[:1, :3], y.grad, **TOL)
     assert torch.equal(x.grad[1], torch.zeros(4, dtype=torch.float64)) and x.grad[0, 3] == 0
     for key in ("clip_frac", "is_weight/max", "ess", "kl_mu_pi", "mismatch"):
+        # float64 means of the same few tokens (masked zeros added): rounding only; abs for metrics that are 0
         assert m[key] == pytest.approx(m0[key], rel=1e-9, abs=1e-12), key
 
 
@@ -314,4 +330,5 @@ def test_aggregation_through_policy_loss():
     for mode, expected in (("token-mean", (l2 + l4 + 2 * l2) / 3), ("seq-mean-token-sum", ((l2 + l4) + 2 * l2) / 2),
                            ("seq-mean-token-mean", ((l2 + l4) / 2 + 2 * l2) / 2)):
         loss, _ = policy_loss("aipo", logprobs=lp, behav_logprobs=lp, advantages=adv, mask=mask, aggregation=mode)
+        # float64, a few ops: rounding ~1e-15 relative; 1e-12 leaves room
         assert loss.item() == pytest.approx(expected, rel=1e-12), mode

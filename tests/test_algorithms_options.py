@@ -14,6 +14,7 @@ from megarl.algorithms import (AlgorithmConfig, advantage_params, compute_advant
                                policy_loss, register_loss, to_floats)
 from megarl.algorithms.config import ADVANTAGE_NAMES, LOSS_NAMES
 
+# float64 hand values via a few exp/log ops: ~1e-15 relative error; rtol 1e-9 ample, atol 1e-12 for exact-0 grads
 TOL = dict(rtol=1e-9, atol=1e-12)
 
 
@@ -37,6 +38,7 @@ def test_tis_token_level():
     # token 1: w = .4/.5 = .8; ratio vs prox = .6/.4 = 1.5, A=-1: -.8 * 1.5 * -1 * log .6
     mu, prox, pi = logp(0.2, 0.5), logp(0.5, 0.4), logp(0.5, 0.6)
     loss, grad, m = run("aipo", pi, mu, [1.0, -1.0], prox_logprobs=prox, tis="token", tis_cap=2.0)
+    # float64, a few ops: rounding ~1e-15 relative; 1e-12 leaves room
     assert loss == pytest.approx((-2 * math.log(0.5) + 1.2 * math.log(0.6)) / 2, rel=1e-12)
     torch.testing.assert_close(grad, torch.tensor([[-2.0 / 2, 1.2 / 2]], dtype=torch.float64), **TOL)
     assert m["tis/clip_frac"] == pytest.approx(0.5)
@@ -47,6 +49,7 @@ def test_tis_sequence_level():
     # sequence weight = 2.5 * .8 = 2 -> cap 1.5 on both tokens
     mu, prox, pi = logp(0.2, 0.5), logp(0.5, 0.4), logp(0.5, 0.6)
     loss, grad, m = run("aipo", pi, mu, [1.0, -1.0], prox_logprobs=prox, tis="sequence", tis_cap=1.5)
+    # float64, a few ops: rounding ~1e-15 relative; 1e-12 leaves room
     assert loss == pytest.approx((-1.5 * math.log(0.5) + 1.5 * 1.5 * math.log(0.6)) / 2, rel=1e-12)
     torch.testing.assert_close(grad, torch.tensor([[-1.5 / 2, 1.5 * 1.5 / 2]], dtype=torch.float64), **TOL)
     assert m["tis/clip_frac"] == 1.0
@@ -56,6 +59,7 @@ def test_tis_with_ppo_clips_against_prox():
     # w = 2.5 -> 2; r = pi/prox = .65/.5 = 1.3 > 1.2 with A=1: clipped, 2 * -1.2, no gradient
     mu, prox, pi = logp(0.2), logp(0.5), logp(0.65)
     loss, grad, m = run("ppo", pi, mu, [1.0], prox_logprobs=prox, tis="token", tis_cap=2.0)
+    # float64, a few ops: rounding ~1e-15 relative; 1e-12 leaves room
     assert loss == pytest.approx(-2.4, rel=1e-12) and grad.item() == 0.0 and m["clip_frac"] == 1.0
 
 
@@ -86,6 +90,7 @@ def test_score_centering_exact_with_full_vocab():
                           behav_full_logprobs=mu_full)
     loss.backward()
     # w = .5/.2 = 2.5; value unchanged: -2.5 log .5; grad_z = -w A (e_y - mu) = -2.5 [.8, -.5, -.3]
+    # float64, a few ops: rounding ~1e-15 relative; 1e-12 leaves room
     assert loss.item() == pytest.approx(-2.5 * math.log(0.5), rel=1e-12)
     torch.testing.assert_close(z.grad, torch.tensor([[[-2.0, 1.25, 0.75]]], dtype=torch.float64), **TOL)
 
@@ -98,6 +103,7 @@ def test_score_centering_token_approximation():
     loss, m = policy_loss("aipo", logprobs=full[..., 0], behav_logprobs=torch.tensor([[math.log(0.2)]], dtype=torch.float64),
                           advantages=torch.ones(1), mask=torch.ones(1, 1), score_centering=True)
     loss.backward()
+    # float64, a few ops: rounding ~1e-15 relative; 1e-12 leaves room
     assert loss.item() == pytest.approx(-2.5 * math.log(0.5), rel=1e-12)
     torch.testing.assert_close(z.grad, torch.tensor([[[-2.0, 1.2, 0.8]]], dtype=torch.float64), **TOL)
     assert m["score_center/factor_mean"] == pytest.approx(1.6)
@@ -127,8 +133,11 @@ def test_score_centering_needs_both_full_vocab_tensors():
 def test_kl_penalty_estimators(estimator, value, grad):
     pi, ref = logp(0.5), logp(0.25)
     loss, g, m = run("aipo", pi, pi, [0.0], ref_logprobs=ref, kl_coef=0.1, kl_estimator=estimator)
+    # float64, a few ops: rounding ~1e-15 relative; 1e-12 leaves room
     assert m["kl_ref"] == pytest.approx(value, rel=1e-12)
+    # float64, a few ops: rounding ~1e-15 relative; 1e-12 leaves room
     assert loss == pytest.approx(0.1 * value, rel=1e-12)
+    # float64, a few ops: rounding ~1e-15 relative; 1e-12 leaves room
     assert g.item() == pytest.approx(0.1 * grad, rel=1e-12)
 
 
@@ -254,4 +263,5 @@ def test_extreme_weights_keep_metrics_finite():
                           advantages=torch.ones(1), mask=torch.ones(1, 2))
     assert loss.item() == pytest.approx(0.7)
     assert m["ess"] == pytest.approx(0.5) and m["clip_frac"] == 0.5
+    # fp32 input -0.1 is off by 1.5e-9, log w in float64: ~1.5e-9 relative; 1e-5 is loose (admits an fp32 log w, ~4e-6)
     assert m["is_weight/max"] == pytest.approx(math.exp(59.9), rel=1e-5)

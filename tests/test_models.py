@@ -34,7 +34,7 @@ def test_tiny_checkpoint_loads_offline_with_spread_logits(fixture, request):
         logits = model(ids).logits[0].float()
     assert torch.isfinite(logits).all()
     # Not near-uniform: logits spread by ~1 over the vocabulary at every position...
-    assert (logits.std(dim=-1) > 0.5).all()
+    assert (logits.std(dim=-1) > 0.5).all()  # tiny.py init: logit std ~ 0.1 * sqrt(hidden 128) ~ 1.1; 0.5 is half of it
     # ...and the prediction depends on the context (not one token everywhere).
     assert logits.argmax(dim=-1).unique().numel() > ids.shape[1] // 2
 
@@ -51,9 +51,11 @@ def test_tiny_checkpoint_layouts(tiny_llama_dir, tiny_llama_tied_dir, tiny_qwen2
     # Qwen2's q/k/v biases are present and random, so a mis-sliced bias changes the output.
     for proj, rows in (("q_proj", 128), ("k_proj", 64), ("v_proj", 64)):
         bias = qwen2[f"model.layers.1.self_attn.{proj}.bias"]
+        # bias = 0.1 * N(0,1): sample std 0.1 +- ~0.009 over 64-128 values; 0.05 is > 5 sigma below
         assert bias.shape == (rows,) and bias.abs().min() > 0 and bias.std() > 0.05
     # Norm weights vary around 1 so swapping two norms is visible.
     norm = llama["model.layers.0.input_layernorm.weight"]
+    # 1 + 0.1 * N(0,1) over 128 values: mean 1 +- 0.009, std 0.1 +- 0.006; bounds are > 8 sigma away
     assert 0.9 < norm.mean() < 1.1 and norm.std() > 0.05
     assert not torch.equal(norm, llama["model.layers.0.post_attention_layernorm.weight"])
 
@@ -132,6 +134,7 @@ def test_smollm2_converted_loads_and_answers(smollm2_dir):
     reader = GGUFReader(smollm2.smollm2_gguf_path())
     (raw,) = [t for t in reader.tensors if t.name == "token_embd.weight"]
     expected = torch.from_numpy(dequantize(raw.data, raw.tensor_type).copy())
+    # the converter casts gguf's dequantized fp32 values to bf16 once, as here: bit-identical
     torch.testing.assert_close(
         model.model.embed_tokens.weight.float(), expected.to(torch.bfloat16).float(), rtol=0, atol=0
     )

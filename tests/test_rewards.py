@@ -208,6 +208,7 @@ def test_truncated_reply_scores_the_truncated_score_whatever_it_says():
                                          (120, 1.0)])
 def test_overlong_penalty_ramp(length, want):
     # max_new_tokens M=100, buffer B=20: 0 up to 80 tokens, (L - 80) / 20 after, full at 100.
+    # float64 (L - 80) / 20 of small ints: one rounding, <= 1.1e-16; abs since some wants are 0
     assert overlong_penalty(length, 100, 20, 1.0) == pytest.approx(want, abs=1e-12)
 
 

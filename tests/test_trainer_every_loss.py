@@ -68,20 +68,26 @@ def test_local_trainer_step_trains(tiny_llama_dir, tmp_path, loss, options):
         mask = batch.loss_mask
         w = (before.logprobs - batch.behav_logprobs).exp()  # prox / mu with prox = pi before the update
         if loss == "decoupled_ppo":  # prox was filled with the pre-update policy's logprobs
+            # prox recomputed in micro-batches of 2 (here 8): fp32 GEMM order, ~1e-6 per logprob; w ~ 1 -> 1e-5 abs
             assert m["loss/decoupled_ppo/behav_weight_mean"] == pytest.approx(_masked_mean(w, mask), abs=1e-5)
         if options.get("tis") == "token":
+            # as above (prox vs this test's pass: ~1e-6 per logprob, w ~ 1)
             assert m["loss/tis/weight_mean"] == pytest.approx(_masked_mean(w.clamp(max=2.0), mask), abs=1e-5)
         if options.get("tis") == "sequence":
             seq = (((before.logprobs - batch.behav_logprobs) * mask).sum(-1, keepdim=True)).exp().clamp(max=2.0)
+            # <= 8 tokens' ~1e-6 logprob noise add in the exponent: ~8e-6 worst case, typical far less; w ~ 1
             assert m["loss/tis/weight_mean"] == pytest.approx(_masked_mean(seq.expand_as(mask), mask), abs=1e-5)
         if "entropy_coef" in options:  # the with-grad entropy equals the no-grad one of the same weights
+            # with-grad (micro-batch 2) vs no-grad (8) pass: fp32 reorder, a few ulps of H ~ 10 + vocab sum; 1e-5 rel
             assert m["loss/entropy"] == pytest.approx(_masked_mean(before.entropy, mask), rel=1e-5)
         if "kl_coef" in options:
+            # fp32 reorder noise d ~ 1e-6: k3 ~ d^2/2 plus e^d's rounding near 1 (2^-24 ~ 6e-8); 1e-6 leaves room
             assert abs(m["loss/kl_ref"]) < 1e-6  # the first step: policy == reference
             after = compute_logprobs(trainer.model, batch).logprobs  # the policy step 2 starts from
             m2 = trainer.step(batch)  # the policy moved, the reference did not
             d = before.logprobs - after  # log ref - log pi
             k3 = d.clamp(-20, 20).exp() - 1 - d
+            # fp32 k3 = e^d-1-d cancels: ~2^-24/(d^2/2) ~ 1e-4 relative at d ~ 0.03, plus ~1e-6 logprob noise x 2/d
             assert m2["loss/kl_ref"] == pytest.approx(_masked_mean(k3, mask), rel=1e-3) and m2["loss/kl_ref"] > 0
     finally:
         trainer.close()

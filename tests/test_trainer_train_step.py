@@ -59,7 +59,9 @@ def test_loss_decreases_and_matches_across_tp(tiny_llama_tied_dir):
     losses = [m["loss"] for m in tp2]
     assert all(b < a for a, b in zip(losses, losses[1:])) and losses[-1] < 0.8 * losses[0], losses
     for a, b in [*zip(tp2, tp1), *zip(tp2, pp2)]:
+        # fp32 reorder noise ~1e-6, grown by 4 Adam sign-like steps (g ~ 0 can flip); 1e-4 relative leaves room
         assert abs(a["loss"] - b["loss"]) < 1e-4 * max(1.0, abs(a["loss"])), (a["loss"], b["loss"])
+        # grads carry that step-grown noise; the norm sums ~6.3M squares (49152 x 128) in layout order; 1e-3 rel
         assert abs(a["grad_norm"] - b["grad_norm"]) < 1e-3 * a["grad_norm"]
         assert a["tokens"] == b["tokens"] == float(batch.loss_mask.sum())
         assert a["update_successful"] and a["lr"] == 1e-3
