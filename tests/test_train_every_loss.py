@@ -84,8 +84,9 @@ def test_train_one_step(loss, tiny_llama_dir, tmp_path):
         # fp32 reorder noise d ~ 1e-6: k2 ~ d^2/2, k3 adds e^d's rounding near 1 (2^-24 ~ 6e-8); 1e-6 leaves room
         assert abs(row["train/loss/kl_ref"]) < 1e-6  # step 1: the policy is still the reference
     if loss == "decoupled_ppo":  # prox (trainer, fp32) over mu (engine, fp32 per quickstart.yaml), same weights: ~1
-        # tiny_test -> quickstart engine is fp32: ~1e-4 would do (test_controller.py); 0.1 would pass bf16 too
-        assert abs(row["train/loss/decoupled_ppo/behav_weight_mean"] - 1.0) < 0.1
+        # fp32 vs fp32 differ by summation order (~1e-6 nats a token, so the weight by ~1e-6); 1e-3
+        # leaves room and still fails a bf16 engine (~0.03 nats a token) or stale weights
+        assert abs(row["train/loss/decoupled_ppo/behav_weight_mean"] - 1.0) < 1e-3
 
     # the step changed the weights: the checkpoint after step 1 differs from the initial HF model
     from safetensors.torch import load_file
