@@ -9,7 +9,7 @@ of a reply that finished; nothing evaluated).
     .venv/bin/python tools/eval_hf.py --hf runs/quickstart/hf --config runs/quickstart/config.yaml
     .venv/bin/python tools/eval_hf.py --hf runs/quickstart/hf --config runs/quickstart/config.yaml \\
         --fresh 200 --seed 98765
-Writes <hf>/eval_hf.json (accuracy, format rate, truncated fraction, a few replies).
+--out FILE writes a JSON report (accuracy, format rate, truncated fraction, a few replies).
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ import torch
 
 def held_out(cfg, hf_dir: Path, fresh: int, seed: int):
     from megarl.controller.prompts import PromptSource, question_key
-    from megarl.data import arithmetic_tasks, format_prompt
+    from megarl.data import format_prompt
+    from megarl.data.tasks import arithmetic_tasks
 
     source = PromptSource(cfg, hf_dir)
     if not fresh:
@@ -57,7 +58,7 @@ def greedy(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, batc
 
 
 def main() -> None:
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from megarl.config import load_config
     from megarl.controller.evaluation import score_replies
@@ -67,13 +68,11 @@ def main() -> None:
     ap.add_argument("--config", required=True, help="the run's config.yaml (its data and reply budget)")
     ap.add_argument("--fresh", type=int, default=0, help="N fresh arithmetic problems instead of the run's held-out set")
     ap.add_argument("--seed", type=int, default=98765, help="seed of the fresh problems")
+    ap.add_argument("--out", type=Path, default=None, help="write the JSON report here (default: print only)")
     args = ap.parse_args()
-    torch.set_num_threads(max(1, torch.get_num_threads()))
     cfg = load_config(args.config, [f"model.path={args.hf}"])
     tasks, prompts = held_out(cfg, args.hf, args.fresh, args.seed)
     model = AutoModelForCausalLM.from_pretrained(args.hf, dtype=torch.float32).eval()
-    from transformers import AutoTokenizer
-
     tokenizer = AutoTokenizer.from_pretrained(args.hf)
     t0 = time.monotonic()
     replies = greedy(model, tokenizer, prompts, cfg.generator.max_new_tokens)
@@ -82,7 +81,9 @@ def main() -> None:
     report = {**result.metrics(), "seconds": time.monotonic() - t0, "source": "fresh" if args.fresh else "run held-out",
               "examples": [{"question": t.question, "gold": t.answer, "reply": r, "correct": c}
                            for t, (r, _, _), c in list(zip(tasks, replies, correct))[:8]]}
-    (args.hf / "eval_hf.json").write_text(json.dumps(report, indent=1))
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=1))
     print(f"{args.hf}: strict greedy accuracy {result.accuracy:.3f} on {result.n} {report['source']} prompts | "
           f"format {result.format_rate:.3f} | truncated {result.truncated_frac:.3f}")
 
