@@ -102,8 +102,12 @@ def plot_metrics(jsonl_path: str | Path, png_path: str | Path,
     except ImportError:
         log.warning("matplotlib is not installed: no plot (metrics are in %s)", jsonl_path)
         return None
-    fig, axes = plt.subplots(1, len(keys), figsize=(4 * len(keys), 3), squeeze=False)
-    for ax, key in zip(axes[0], keys):
+    cols = min(len(keys), 4)
+    rows_n = -(-len(keys) // cols)
+    fig, axes = plt.subplots(rows_n, cols, figsize=(4 * cols, 3 * rows_n), squeeze=False)
+    for ax in axes.flat[len(keys):]:
+        ax.set_visible(False)
+    for ax, key in zip(axes.flat, keys):
         pts = [(r["step"], r[key]) for r in rows if key in r]
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", markersize=3)
         ax.set_title(key)
