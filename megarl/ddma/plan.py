@@ -1,0 +1,214 @@
+"""DDMA reference planner (pure Python): which flat element runs every trainer rank sends to every
+vLLM worker so each worker's parameters become the trainer's weights.
+
+:func:`plan_sync` walks the source and destination layouts (:mod:`megarl.ddma.layouts`) in HF
+coordinates and emits, for every (source rank, destination rank) pair, :class:`Copy` runs over the
+*row-major flattened local tensors*: ``dst[dst_param].view(-1)[dst_offset:+numel] =
+src[src_param].view(-1)[src_offset:+numel]``. Runs are merged when contiguous on both sides
+(:func:`megarl.ddma.runs.merge_contiguous_runs_ref`), per (hf_name, src_param, dst_param), so a
+copy never spans two HF tensors.
+
+Guarantees (checked while planning; a violation raises ValueError): every destination element
+that holds HF data is written exactly once; vLLM vocab padding rows are never written.
+
+Choice of sender (load balance): source pieces with identical HF coordinates are replicas (DP
+replicas hold every piece; norms are also replicated over TP). For each destination piece, each
+overlap with a source piece is one unit; units are assigned in a fixed order (destination ranks,
+then parameters, then pieces) to the replica that has sent the fewest elements so far (ties: the
+lowest ``SrcRank``). Greedy least-loaded: within a DP group the bytes sent differ by at most one
+unit (at most one HF tensor's slice).
+
+Plans are cached per ``(dims, src topology, dst topology)`` (``functools.lru_cache``); treat the
+returned plan as read-only.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import functools
+import math
+from types import MappingProxyType
+from typing import Mapping
+
+import torch
+
+from megarl.ddma.layouts import (DstRank, GeneratorTopology, SrcRank, TrainerTopology, destination_layouts,
+                                 source_layouts)
+from megarl.ddma.runs import merge_contiguous_runs_ref
+from megarl.trainer.layouts import ModelDims, ParamLayout
+
+
+@dataclasses.dataclass(frozen=True)
+class Copy:
+    """``dst[dst_param].view(-1)[dst_offset:dst_offset+numel] = src[src_param].view(-1)[src_offset:...]``."""
+
+    hf_name: str
+    src_param: str
+    src_offset: int
+    dst_param: str
+    dst_offset: int
+    numel: int
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class SyncPlan:
+    src: TrainerTopology
+    dst: GeneratorTopology
+    pairs: Mapping[tuple[SrcRank, DstRank], tuple[Copy, ...]]  # only pairs with at least one copy
+    src_shapes: Mapping[SrcRank, Mapping[str, tuple[int, ...]]]
+    dst_shapes: Mapping[DstRank, Mapping[str, tuple[int, ...]]]
+
+    def elements_sent(self) -> dict[SrcRank, int]:
+        out = {r: 0 for r in self.src_shapes}
+        for (s, _), copies in self.pairs.items():
+            out[s] += sum(c.numel for c in copies)
+        return out
+
+    def elements_received(self) -> dict[DstRank, int]:
+        out = {r: 0 for r in self.dst_shapes}
+        for (_, d), copies in self.pairs.items():
+            out[d] += sum(c.numel for c in copies)
+        return out
+
+    def bytes_sent(self, bytes_per_element: int = 2) -> dict[SrcRank, int]:
+        return {r: n * bytes_per_element for r, n in self.elements_sent().items()}
+
+    def bytes_received(self, bytes_per_element: int = 2) -> dict[DstRank, int]:
+        return {r: n * bytes_per_element for r, n in self.elements_received().items()}
+
+    def messages_sent(self) -> dict[SrcRank, int]:
+        """Peers each source rank sends to (one message per (src, dst) pair before bucketing)."""
+        out = {r: 0 for r in self.src_shapes}
+        for s, _ in self.pairs:
+            out[s] += 1
+        return out
+
+    def messages_received(self) -> dict[DstRank, int]:
+        out = {r: 0 for r in self.dst_shapes}
+        for _, d in self.pairs:
+            out[d] += 1
+        return out
+
+    def copies_sent(self) -> dict[SrcRank, int]:
+        out = {r: 0 for r in self.src_shapes}
+        for (s, _), copies in self.pairs.items():
+            out[s] += len(copies)
+        return out
+
+    def num_copies(self) -> int:
+        return sum(len(c) for c in self.pairs.values())
+
+    def summary(self, bytes_per_element: int = 2) -> dict:
+        sent, recv = self.bytes_sent(bytes_per_element), self.bytes_received(bytes_per_element)
+        return {"pairs": len(self.pairs), "copies": self.num_copies(), "bytes_total": sum(sent.values()),
+                "bytes_sent_max": max(sent.values(), default=0), "bytes_sent_min": min(sent.values(), default=0),
+                "bytes_received_max": max(recv.values(), default=0),
+                "messages_sent_max": max(self.messages_sent().values(), default=0),
+                "messages_received_max": max(self.messages_received().values(), default=0)}
+
+
+@dataclasses.dataclass
+class _SrcGroup:
+    """Source pieces with identical HF coordinates (replicas)."""
+
+    dim: int
+    hf_start: int
+    length: int
+    holders: list[tuple[SrcRank, str, int, tuple[int, ...]]]  # (rank, param, local_start, local_shape)
+
+
+def _index_sources(src_lay: Mapping[SrcRank, Mapping[str, ParamLayout]]) -> dict[str, tuple[list[int], list[_SrcGroup]]]:
+    groups: dict[str, dict[tuple[int, int, int], _SrcGroup]] = {}
+    for rank in sorted(src_lay):
+        for param, layout in src_lay[rank].items():
+            for p in layout.pieces:
+                key = (p.dim, p.hf_start, p.length)
+                g = groups.setdefault(p.hf_name, {}).setdefault(key, _SrcGroup(p.dim, p.hf_start, p.length, []))
+                g.holders.append((rank, param, p.local_start, layout.local_shape))
+    index = {}
+    for hf_name, by_key in groups.items():
+        ordered = sorted(by_key.values(), key=lambda g: g.hf_start)
+        for a, b in zip(ordered, ordered[1:]):
+            if a.dim != b.dim or a.hf_start + a.length > b.hf_start:
+                raise ValueError(f"source pieces of {hf_name} overlap without being replicas: "
+                                 f"dim {a.dim} [{a.hf_start}, +{a.length}) and dim {b.dim} [{b.hf_start}, +{b.length})")
+        index[hf_name] = ([g.hf_start for g in ordered], ordered)
+    return index
+
+
+def _runs(outer: int, inner: int, src_row: int, src_start: int, dst_row: int, dst_start: int, n: int):
+    """Flat runs of rows ``[start, start+n)`` along the split dim of a tensor viewed as
+    (outer, row, inner): one run per outer index, or one run in all when they are contiguous."""
+    if outer == 1 or (n == src_row == dst_row):  # then src_start == dst_start == 0 for outer > 1
+        return [(src_start * inner, dst_start * inner, outer * n * inner)]
+    return [(o * src_row * inner + src_start * inner, o * dst_row * inner + dst_start * inner, n * inner)
+            for o in range(outer)]
+
+
+def _build(dims: ModelDims, src: TrainerTopology, dst: GeneratorTopology) -> SyncPlan:
+    src_lay, dst_lay = source_layouts(dims, src), destination_layouts(dims, dst)
+    index = _index_sources(src_lay)
+    load = {r: 0 for r in src_lay}
+    # (src_rank, dst_rank) -> (hf_name, src_param, dst_param) -> list of (src_off, dst_off, n)
+    raw: dict[tuple[SrcRank, DstRank], dict[tuple[str, str, str], list[tuple[int, int, int]]]] = {}
+    for drank in sorted(dst_lay):
+        for dparam, dlayout in dst_lay[drank].items():
+            for piece in dlayout.pieces:
+                if piece.hf_name not in index:
+                    raise ValueError(f"no trainer rank holds {piece.hf_name} (needed by {drank} {dparam})")
+                starts, groups = index[piece.hf_name]
+                lo, hi = piece.hf_start, piece.hf_start + piece.length
+                shape = piece.hf_shape
+                outer, inner = math.prod(shape[:piece.dim]), math.prod(shape[piece.dim + 1:])
+                covered = 0
+                i = max(0, bisect.bisect_right(starts, lo) - 1)
+                while i < len(groups) and groups[i].hf_start < hi:
+                    g = groups[i]
+                    i += 1
+                    a, b = max(lo, g.hf_start), min(hi, g.hf_start + g.length)
+                    if a >= b:
+                        continue
+                    if g.dim != piece.dim:
+                        raise ValueError(f"{piece.hf_name}: source split on dim {g.dim}, destination on dim "
+                                         f"{piece.dim}; mixed-dim planning is not implemented")
+                    covered += b - a
+                    srank, sparam, s_local, s_shape = min(g.holders, key=lambda h: (load[h[0]], h[0]))
+                    load[srank] += (b - a) * outer * inner
+                    runs = _runs(outer, inner, s_shape[g.dim], s_local + a - g.hf_start,
+                                 dlayout.local_shape[piece.dim], piece.local_start + a - piece.hf_start, b - a)
+                    raw.setdefault((srank, drank), {}).setdefault((piece.hf_name, sparam, dparam), []).extend(runs)
+                if covered != piece.length:
+                    raise ValueError(f"{drank} {dparam}: {piece.hf_name} rows [{lo}, {hi}) are covered "
+                                     f"{covered}/{piece.length} by the trainer's pieces")
+    pairs = {}
+    for pair in sorted(raw):
+        copies = []
+        for (hf_name, sparam, dparam), runs in raw[pair].items():
+            runs.sort()
+            s, d, n = merge_contiguous_runs_ref(*zip(*runs))
+            copies.extend(Copy(hf_name, sparam, so, dparam, do, k)
+                          for so, do, k in zip(s.tolist(), d.tolist(), n.tolist()))
+        pairs[pair] = tuple(copies)
+    shapes = lambda lay: MappingProxyType(  # noqa: E731
+        {r: MappingProxyType({n: l.local_shape for n, l in params.items()}) for r, params in lay.items()})
+    return SyncPlan(src, dst, MappingProxyType(pairs), shapes(src_lay), shapes(dst_lay))
+
+
+@functools.lru_cache(maxsize=32)
+def plan_sync(dims: ModelDims, src: TrainerTopology, dst: GeneratorTopology) -> SyncPlan:
+    """The (cached) copy plan from a trainer topology to a generator topology; see module docstring."""
+    return _build(dims, src, dst)
+
+
+def execute_plan_ref(plan: SyncPlan, src_tensors: Mapping[SrcRank, Mapping[str, torch.Tensor]],
+                     dst_tensors: Mapping[DstRank, Mapping[str, torch.Tensor]]) -> None:
+    """Run every copy in-process (reference executor; contiguous tensors, any dtypes)."""
+    for (s, d), copies in plan.pairs.items():
+        for c in copies:
+            src_flat = src_tensors[s][c.src_param].view(-1)
+            dst_flat = dst_tensors[d][c.dst_param].view(-1)
+            dst_flat[c.dst_offset:c.dst_offset + c.numel].copy_(src_flat[c.src_offset:c.src_offset + c.numel])
+
+
+__all__ = ["Copy", "SyncPlan", "plan_sync", "execute_plan_ref"]
