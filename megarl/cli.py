@@ -91,8 +91,20 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to tools/bench_<which>.py")
     b.set_defaults(func=_cmd_bench)
 
-    s = sub.add_parser("plan-sync", help="print the DDMA weight-sync plan for a trainer/generator layout")
-    s.add_argument("config", nargs="?")
+    s = sub.add_parser("plan-sync", help="project the DDMA weight sync for a trainer/generator layout",
+                       description="Plan the shard-to-shard weight sync (trainer -> vLLM workers) from an HF "
+                                   "config alone (no weights) and project its time over one NIC per rank, "
+                                   "beside the gather-to-rank-0-then-broadcast baseline. Example: `megarl "
+                                   "plan-sync --model configs/models/llama-3.1-8b.json --trainer 2x1x2 "
+                                   "--generator 2x2`.")
+    s.add_argument("--model", required=True, help="HF config.json file, or an HF model folder holding one")
+    s.add_argument("--trainer", required=True, metavar="TPxPPxDP", help="trainer topology, e.g. 8x2x4")
+    s.add_argument("--generator", required=True, metavar="TPxREPLICAS", help="vLLM topology, e.g. 8x16")
+    s.add_argument("--dtype", default="bf16", choices=("bf16", "fp8"),
+                   help="bytes on the wire: bf16 = 2 B/element, fp8 = 1 B/element (fp8 scales ignored)")
+    s.add_argument("--link-gbps", type=float, default=400.0,
+                   help="one duplex NIC per rank, in Gb/s (default 400)")
+    s.add_argument("--json", default=None, metavar="OUT", help="also write the numbers as JSON to OUT")
     s.set_defaults(func=_cmd_plan_sync)
     return p
 
@@ -221,9 +233,77 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return subprocess.call([sys.executable, str(script), *args.args], env=env)
 
 
+def _parse_topology(flag: str, text: str, names: tuple[str, ...]) -> tuple[int, ...]:
+    parts = text.lower().split("x")
+    if len(parts) != len(names) or not all(p.isdigit() and int(p) >= 1 for p in parts):
+        raise ValueError(f"{flag} {text!r}: expected {'x'.join(names)} with positive integers, "
+                         f"e.g. {'x'.join(['2'] * len(names))}")
+    return tuple(int(p) for p in parts)
+
+
+def _load_hf_config(path: str) -> dict:
+    import json
+
+    from megarl.config.validate import model_shape
+
+    p = Path(path)
+    if p.is_dir():
+        cfg = model_shape(path)
+        if cfg is None:
+            raise ValueError(f"--model {path}: folder has no config.json; pass an HF config.json or model folder")
+        return cfg
+    if not p.is_file():
+        raise ValueError(f"--model {path}: no such file or folder; pass an HF config.json or model folder")
+    try:
+        cfg = json.loads(p.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--model {path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"--model {path}: not an HF config (expected a JSON object)")
+    return cfg
+
+
 def _cmd_plan_sync(args: argparse.Namespace) -> int:
-    print("megarl plan-sync: not implemented yet (arrives with the DDMA issue)", file=sys.stderr)
-    return 3
+    """Plan a trainer -> generator weight sync from dims alone and print its projection.
+
+    Link model (megarl.ddma.project): one duplex NIC of --link-gbps per rank; the sync takes the
+    busiest link's bytes (max over ranks of max(sent, received)) / bandwidth. Baseline: trainer rank 0
+    receives the whole model minus its own shard (gather), then sends every generator worker its
+    shard (broadcast), sequentially over its one link: (gather + broadcast bytes) / bandwidth.
+    fp8 = 1 byte per element with scales ignored. Bad input: one line on stderr, exit 2.
+    """
+    import json
+
+    try:
+        ttp, tpp, tdp = _parse_topology("--trainer", args.trainer, ("TP", "PP", "DP"))
+        gtp, reps = _parse_topology("--generator", args.generator, ("TP", "REPLICAS"))
+        if not args.link_gbps > 0:
+            raise ValueError(f"--link-gbps {args.link_gbps:g}: must be > 0")
+        cfg = dict(_load_hf_config(args.model))
+        # The plan depends on tensor shapes only: RoPE scaling (e.g. Llama 3.1's "llama3") is irrelevant.
+        cfg.pop("rope_scaling", None)
+        cfg.pop("rope_parameters", None)
+        from megarl.ddma.layouts import GeneratorTopology, TrainerTopology, validate_vllm_tp
+        from megarl.ddma.project import format_projection, project_sync
+        from megarl.trainer.layouts import ModelDims, validate_parallel
+
+        try:
+            dims = ModelDims.from_hf_config(cfg)
+        except KeyError as exc:
+            raise ValueError(f"--model {args.model}: HF config lacks {exc}") from None
+        validate_parallel(dims, ttp, tpp)
+        validate_vllm_tp(dims, gtp)
+        result = project_sync(dims, TrainerTopology(ttp, tpp, tdp), GeneratorTopology(gtp, reps),
+                              dtype=args.dtype, link_gbps=args.link_gbps)
+    except ValueError as exc:
+        print(f"megarl plan-sync: {_one_line(exc)}", file=sys.stderr)
+        return 2
+    result = {"model": args.model, **result}
+    print(format_projection(result))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+        print(f"JSON: {args.json}")
+    return 0
 
 
 if __name__ == "__main__":
