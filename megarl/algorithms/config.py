@@ -117,11 +117,6 @@ def needs_ref(cfg: AlgorithmConfig) -> bool:
     return cfg.kl_coef > 0
 
 
-def needs_entropy(cfg: AlgorithmConfig) -> bool:
-    """Whether the train step computes the per-token entropy with grad (entropy bonus on)."""
-    return cfg.entropy_coef > 0
-
-
 def advantage_params(cfg: AlgorithmConfig) -> Dict[str, Any]:
     """Keyword arguments for ``compute_advantages(cfg.advantage, ...)`` (besides the grouping)."""
     from megarl.algorithms.advantages import advantage_knobs
