@@ -15,7 +15,8 @@ from setuptools import find_packages, setup
 
 ROOT = Path(__file__).resolve().parent
 EXTENSION_NAME = "megarl._C"
-EXTENSION_SOURCES = ["csrc/merge_runs.cpp"]
+EXTENSION_SOURCES = ["csrc/bindings.cpp", "csrc/merge_runs.cpp", "csrc/plan.cpp", "csrc/fp8_quant_cpu.cpp",
+                     "csrc/ddma_transport.cpp"]
 
 
 def _warn(message: str) -> None:

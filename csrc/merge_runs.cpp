@@ -64,8 +64,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> merge_contiguous_runs(
 
 }  // namespace
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "megarl native helpers (C++): DDMA copy-plan utilities";
+void register_merge_runs(pybind11::module_& m) {
   m.def("merge_contiguous_runs", &merge_contiguous_runs, pybind11::arg("src_offsets"),
         pybind11::arg("dst_offsets"), pybind11::arg("lengths"),
         "Merge consecutive copies that are contiguous in both source and destination.\n"
