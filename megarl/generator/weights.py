@@ -18,6 +18,7 @@ pairs (see DESIGN §5).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import tempfile
@@ -141,9 +142,19 @@ class MegarlWorkerExtension:
                 count += 1
                 yield item
 
-        self.reload_weights(weights_iterator=counted(), is_checkpoint_format=True)
+        loading = contextlib.nullcontext()
+        if source.get("layout") == "local":  # tensors already in this worker's layout (DDMA)
+            from megarl.generator.ddma_source import local_layout_loading
+
+            loading = local_layout_loading(self.model_runner.model)
+        with loading:
+            self.reload_weights(weights_iterator=counted(), is_checkpoint_format=True)
         _refresh_tied_lm_head(self.model_runner.model)
         return count
+
+    def megarl_ddma_stats(self) -> dict:
+        """Phase seconds and bytes of this worker's last DDMA receive (empty before the first)."""
+        return dict(self.__dict__.get("_megarl_ddma_stats", {}))
 
     def megarl_dequantized_weight(self, param_name: str) -> torch.Tensor:
         """This rank's parameter as float32 ``[out, in]`` (FP8 weights times their scales).

@@ -1,0 +1,100 @@
+"""DDMA verification: position-weighted checksums in HF coordinates, computed on both sides.
+
+A checksum of a set of elements of one HF tensor is ``sum(bits(value) * w(hf_flat_index)) mod
+2**64`` with ``w(i) = (i * 2654435761 + 97) mod 2**32``: integer arithmetic, so the result does
+not depend on summation order, and a value that lands at a wrong position changes it (unlike a
+plain sum of bytes).
+
+The sender computes it for every (destination rank, HF tensor) from the values it sends and the
+HF positions its *trainer* layout says they have; the receiver computes it from the staging
+tensor it hands to the engine and the positions its *vLLM* layout says they have. The two
+layouts are derived independently (megarl/trainer/layouts.py and megarl/ddma/layouts.py), so a
+wrong plan, a wrong offset or a corrupted transfer shows up as a mismatch that names the tensor,
+the ranks and the byte range. (A wrong vLLM layout that both the plan and the receiver share is
+what the logprob probe catches.)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+
+import torch
+
+from megarl.trainer.layouts import ParamLayout
+
+_W_MUL, _W_ADD, _MASK32 = 2654435761, 97, 0xFFFFFFFF
+
+
+class DdmaVerifyError(RuntimeError):
+    """The generator does not hold the trainer's weights after a sync."""
+
+
+def value_bits(t: torch.Tensor) -> torch.Tensor:
+    """The raw bits of every element as non-negative int64 (1-, 2- or 4-byte dtypes)."""
+    flat = t.reshape(-1)
+    size = flat.element_size()
+    if size == 1:
+        return flat.view(torch.uint8).to(torch.int64)
+    if size == 2:
+        return flat.view(torch.int16).to(torch.int64) & 0xFFFF
+    if size == 4:
+        return flat.view(torch.int32).to(torch.int64) & _MASK32
+    raise ValueError(f"checksums take 1/2/4-byte dtypes, got {t.dtype}")
+
+
+def weighted_checksum(bits: torch.Tensor, hf_index: torch.Tensor) -> int:
+    """``sum(bits * w(hf_index)) mod 2**64`` as a Python int in [0, 2**64)."""
+    w = (hf_index * _W_MUL + _W_ADD) & _MASK32
+    return int((bits * w).sum()) & 0xFFFFFFFFFFFFFFFF
+
+
+def hf_flat_index(layout: ParamLayout, hf_name: str, local_flat: torch.Tensor) -> torch.Tensor:
+    """HF flat (row-major) index of each local flat element of ``layout`` that belongs to
+    ``hf_name``; raises ValueError for an element no piece of that tensor covers."""
+    shape = layout.local_shape
+    out = torch.full_like(local_flat, -1)
+    for p in layout.pieces:
+        if p.hf_name != hf_name:
+            continue
+        outer, inner = math.prod(shape[:p.dim]), math.prod(shape[p.dim + 1:])
+        rows, hf_rows = shape[p.dim], p.hf_shape[p.dim]
+        o, rem = local_flat // (rows * inner), local_flat % (rows * inner)
+        r, c = rem // inner, rem % inner
+        mine = (r >= p.local_start) & (r < p.local_start + p.length)
+        hf = o * (hf_rows * inner) + (p.hf_start + r - p.local_start) * inner + c
+        out = torch.where(mine, hf, out)
+    if bool((out < 0).any()):
+        bad = int(local_flat[out < 0][0])
+        raise ValueError(f"local element {bad} of a {shape} tensor is not part of {hf_name}")
+    return out
+
+
+def run_indices(offsets: list[int], lengths: list[int]) -> torch.Tensor:
+    """Concatenated ``arange(offset, offset + length)`` for every run, as one int64 tensor."""
+    if not offsets:
+        return torch.empty(0, dtype=torch.int64)
+    lengths_t = torch.tensor(lengths, dtype=torch.int64)
+    starts = torch.tensor(offsets, dtype=torch.int64)
+    base = torch.repeat_interleave(starts - torch.cumsum(lengths_t, 0) + lengths_t, lengths_t)
+    return base + torch.arange(int(lengths_t.sum()), dtype=torch.int64)
+
+
+@dataclasses.dataclass(frozen=True)
+class Mismatch:
+    hf_name: str
+    expected: int
+    got: int
+    dst_param: str
+    byte_range: tuple[int, int]
+    senders: tuple[str, ...]
+
+
+def compare(expected: Mapping[str, int], got: Mapping[str, int]) -> list[str]:
+    """HF tensor names whose checksums differ (or are missing on one side)."""
+    return sorted(n for n in set(expected) | set(got) if expected.get(n) != got.get(n))
+
+
+__all__ = ["DdmaVerifyError", "value_bits", "weighted_checksum", "hf_flat_index", "run_indices", "compare",
+           "Mismatch"]

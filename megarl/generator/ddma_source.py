@@ -1,0 +1,89 @@
+"""The ``ddma`` weight source: a vLLM worker receives only its own shard, straight from the trainer
+ranks (megarl/ddma/sync.py), one parameter at a time, in vLLM's local layout.
+
+vLLM's weight loaders take checkpoint tensors (HF names, full shape) and narrow them to the
+worker's TP shard. DDMA already delivers the shard, laid out as the worker's parameter is before
+vLLM processes it (fused ``qkv_proj = [q_r; k_r; v_r]``, ``gate_up_proj``, padded vocab rows):
+so for the duration of the reload, :func:`local_layout_loading` makes every parameter's loader a
+plain shape-checked copy. The layerwise reload still runs around it (it restores the
+pre-processing parameters, then re-quantizes FP8 and repacks for the CPU kernels layer by layer),
+so the engine ends up exactly as if it had loaded the checkpoint, while the bytes on the wire and
+the memory held are one shard's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from megarl.generator.weights import register_weight_source
+
+_MISSING = object()
+
+
+def _copy_local(param: torch.Tensor, loaded_weight: torch.Tensor) -> None:
+    """Load a tensor already in the worker's local layout (the DDMA staging tensor)."""
+    if tuple(param.shape) != tuple(loaded_weight.shape):
+        raise ValueError(f"ddma landing: staging tensor {tuple(loaded_weight.shape)} does not match the "
+                         f"worker's parameter {tuple(param.shape)}")
+    param.data.copy_(loaded_weight)
+
+
+@contextlib.contextmanager
+def local_layout_loading(model: torch.nn.Module) -> Iterator[None]:
+    """Within this context every parameter of ``model`` loads a local-layout tensor by plain copy.
+
+    The layerwise reload rebuilds parameters from metadata recorded at load time
+    (``LAYERWISE_INFO[layer].restore_metadata``) and wraps their ``weight_loader``, so the override
+    goes into that metadata (and the live parameters), and is undone afterwards.
+    """
+    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+
+    saved: list[tuple[dict, str, Any]] = []
+
+    def override(t: torch.Tensor) -> None:
+        d = t.__dict__
+        key = "_weight_loader" if "_weight_loader" in d else "weight_loader"
+        saved.append((d, key, d.get(key, _MISSING)))
+        d[key] = _copy_local
+
+    for layer in model.modules():
+        info = LAYERWISE_INFO.get(layer)
+        if info is not None:
+            for meta in info.restore_metadata[0].values():
+                override(meta)
+        for p in layer.parameters(recurse=False):
+            override(p)
+    try:
+        yield
+    finally:
+        for d, key, old in reversed(saved):
+            if old is _MISSING:
+                d.pop(key, None)
+            else:
+                d[key] = old
+
+
+def _open_ddma(source: dict, worker: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    from vllm.distributed import get_tensor_model_parallel_rank
+
+    from megarl.ddma.layouts import DstRank
+    from megarl.ddma.sync import DdmaReceiver
+
+    spec = source["spec"]
+    rank = DstRank(int(source.get("replica", 0)), get_tensor_model_parallel_rank())
+    cache = worker.__dict__.setdefault("_megarl_ddma", {})
+    if spec not in cache:
+        cache.clear()  # a new topology or store: one receiver at a time
+        cache[spec] = DdmaReceiver(spec, rank)
+    receiver = cache[spec]
+    yield from receiver.receive(int(source["version"]))
+    worker.__dict__["_megarl_ddma_stats"] = receiver.last_stats
+
+
+register_weight_source("ddma", _open_ddma)
+
+__all__ = ["local_layout_loading"]
