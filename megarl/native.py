@@ -8,6 +8,7 @@ Python reference, after one warning that says how to build the fast path.
 from __future__ import annotations
 
 import warnings
+from typing import Callable
 
 import torch
 
@@ -36,6 +37,11 @@ def _warn_fallback_once() -> None:
             RuntimeWarning,
             stacklevel=3,
         )
+
+
+def native_function(name: str) -> Callable | None:
+    """``megarl._C.<name>``, or None when the extension is missing or was built without it."""
+    return getattr(_C, name, None) if _C is not None else None
 
 
 def merge_contiguous_runs(

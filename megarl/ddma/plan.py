@@ -18,8 +18,10 @@ then parameters, then pieces) to the replica that has sent the fewest elements s
 lowest ``SrcRank``). Greedy least-loaded: within a DP group the bytes sent differ by at most one
 unit (at most one HF tensor's slice).
 
-Plans are cached per ``(dims, src topology, dst topology)`` (``functools.lru_cache``); treat the
-returned plan as read-only.
+Plans are cached per ``(dims, src topology, dst topology, impl)`` (``functools.lru_cache``); treat
+the returned plan as read-only. ``plan_sync(..., impl="auto")`` uses the C++ planner
+(:mod:`megarl.ddma.plan_native`, csrc/plan.cpp) when the extension is built: the same plan, copy for
+copy, much faster at 405B scale; the Python code here stays the reference it is tested against.
 """
 
 from __future__ import annotations
@@ -146,8 +148,19 @@ def _runs(outer: int, inner: int, src_row: int, src_start: int, dst_row: int, ds
             for o in range(outer)]
 
 
+def local_shapes(lay: Mapping[object, Mapping[str, ParamLayout]]) -> Mapping[object, Mapping[str, tuple[int, ...]]]:
+    """Every rank's ``{param: local_shape}`` (read-only), as :class:`SyncPlan` stores it."""
+    return MappingProxyType(
+        {r: MappingProxyType({n: l.local_shape for n, l in params.items()}) for r, params in lay.items()})
+
+
 def _build(dims: ModelDims, src: TrainerTopology, dst: GeneratorTopology) -> SyncPlan:
-    src_lay, dst_lay = source_layouts(dims, src), destination_layouts(dims, dst)
+    return _plan_layouts(src, dst, source_layouts(dims, src), destination_layouts(dims, dst))
+
+
+def _plan_layouts(src: TrainerTopology, dst: GeneratorTopology, src_lay: Mapping[SrcRank, Mapping[str, ParamLayout]],
+                  dst_lay: Mapping[DstRank, Mapping[str, ParamLayout]]) -> SyncPlan:
+    """The reference plan over given layouts (split from :func:`_build` so tests can feed odd layouts)."""
     index = _index_sources(src_lay)
     load = {r: 0 for r in src_lay}
     # (src_rank, dst_rank) -> (hf_name, src_param, dst_param) -> list of (src_off, dst_off, n)
@@ -190,15 +203,33 @@ def _build(dims: ModelDims, src: TrainerTopology, dst: GeneratorTopology) -> Syn
             copies.extend(Copy(hf_name, sparam, so, dparam, do, k)
                           for so, do, k in zip(s.tolist(), d.tolist(), n.tolist()))
         pairs[pair] = tuple(copies)
-    shapes = lambda lay: MappingProxyType(  # noqa: E731
-        {r: MappingProxyType({n: l.local_shape for n, l in params.items()}) for r, params in lay.items()})
-    return SyncPlan(src, dst, MappingProxyType(pairs), shapes(src_lay), shapes(dst_lay))
+    return SyncPlan(src, dst, MappingProxyType(pairs), local_shapes(src_lay), local_shapes(dst_lay))
+
+
+IMPLS = ("auto", "native", "ref")
+
+
+def plan_sync(dims: ModelDims, src: TrainerTopology, dst: GeneratorTopology, impl: str = "auto") -> SyncPlan:
+    """The (cached) copy plan from a trainer topology to a generator topology; see module docstring.
+
+    ``impl``: ``"ref"`` this module's Python planner, ``"native"`` the C++ one (csrc/plan.cpp; the
+    same plan, copy for copy), ``"auto"`` native when the extension has it, else ref."""
+    if impl not in IMPLS:
+        raise ValueError(f"impl={impl!r}; expected one of {IMPLS}")
+    from megarl.ddma import plan_native  # lazy: plan_native imports this module
+
+    if impl == "auto":
+        impl = "native" if plan_native.available() else "ref"
+    return _plan_cached(dims, src, dst, impl)  # key on the resolved impl: "auto" shares its entry
 
 
 @functools.lru_cache(maxsize=32)
-def plan_sync(dims: ModelDims, src: TrainerTopology, dst: GeneratorTopology) -> SyncPlan:
-    """The (cached) copy plan from a trainer topology to a generator topology; see module docstring."""
-    return _build(dims, src, dst)
+def _plan_cached(dims: ModelDims, src: TrainerTopology, dst: GeneratorTopology, impl: str) -> SyncPlan:
+    if impl == "ref":
+        return _build(dims, src, dst)
+    from megarl.ddma.plan_native import plan_layouts_native
+
+    return plan_layouts_native(src, dst, source_layouts(dims, src), destination_layouts(dims, dst))
 
 
 def execute_plan_ref(plan: SyncPlan, src_tensors: Mapping[SrcRank, Mapping[str, torch.Tensor]],
