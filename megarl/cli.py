@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from megarl.config import ConfigError
+from megarl.utils.procs import JobInterrupted
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 BENCHES = ("generator", "trainer")
@@ -26,6 +27,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"megarl: {exc}", file=sys.stderr)
         return 2
+    except JobInterrupted as exc:  # a job's signal handlers (megarl.utils.procs.signals_raise)
+        print(f"megarl: {exc}; every process of the job was stopped", file=sys.stderr)
+        return exc.exit_code
     except KeyboardInterrupt:
         print("megarl: interrupted", file=sys.stderr)
         return 130

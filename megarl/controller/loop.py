@@ -19,6 +19,7 @@ from pathlib import Path
 from megarl.config import ConfigError
 from megarl.config.schema import BUILTIN_SMOLLM2, MegaRLConfig
 from megarl.controller.run import RunFolder
+from megarl.utils.procs import signals_raise
 
 log = logging.getLogger("megarl")
 
@@ -41,6 +42,9 @@ def run_job(cfg: MegaRLConfig) -> int:
     prompts = PromptSource(cfg, model_dir)
     steps, every = cfg.controller.steps, cfg.controller.eval_every
     with ExitStack() as stack:
+        # First in, last out: SIGTERM/SIGINT/SIGHUP raise JobInterrupted here, the stack closes
+        # every executor below, then the handlers are restored (megarl.utils.procs).
+        stack.enter_context(signals_raise())
         run = stack.enter_context(RunFolder(cfg, n_eval=len(prompts.held)))
         log.info("starting the trainer (Megatron, tp=pp=dp=1) from %s", model_dir)
         trainer = LocalTrainer(cfg.trainer, cfg.algorithm, model_dir, total_steps=steps, run_dir=run.path)

@@ -243,8 +243,13 @@ def _dist_ident(worker=None) -> str:
 
 
 def replica_main(conn, cfg: GeneratorConfig, model_dir: str, replica: int, threads_bind: str | None,
-                 on_cpu: bool, log_path: str, cuda_devices: str | None) -> None:
-    """Entry point of a replica process (spawned by the executor)."""
+                 on_cpu: bool, log_path: str, cuda_devices: str | None, parent_pid: int | None = None,
+                 pdeathsig: bool = True) -> None:
+    """Entry point of a replica process (spawned by the executor). ``parent_pid`` / ``pdeathsig``:
+    see :func:`megarl.utils.procs.watch_parent` (the replica dies with the executor's process)."""
+    from megarl.utils.procs import watch_parent
+
+    watch_parent(parent_pid, pdeathsig=pdeathsig)  # first: no replica outlives its controller
     log = open(log_path, "ab", buffering=0)
     os.dup2(log.fileno(), 1)  # vLLM, its C++ kernels and its TP workers all log here
     os.dup2(log.fileno(), 2)
@@ -253,7 +258,9 @@ def replica_main(conn, cfg: GeneratorConfig, model_dir: str, replica: int, threa
     os.environ.update(replica_env(cfg, threads_bind, on_cpu))
     if cuda_devices is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = cuda_devices
-    os.setpgrp()  # its own process group: the executor can kill it with its TP workers
+    # Its own process group: the executor (and the parent watch) kill it with its TP workers, and a
+    # terminal's Ctrl-C reaches only the controller, which then shuts the replica down in order.
+    os.setpgrp()
     if on_cpu and os.environ.get(FORCE_CPU_ATTN_KERNEL_ENV):
         force_cpu_attention_kernel(os.environ[FORCE_CPU_ATTN_KERNEL_ENV])
     replica_obj = None

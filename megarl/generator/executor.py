@@ -40,6 +40,7 @@ from megarl.generator.config import GeneratorConfig
 from megarl.generator.engine import replica_main
 from megarl.generator.weights import pack_to_shm
 from megarl.rollout import Sample
+from megarl.utils.procs import spawned_from_main_thread
 
 log = logging.getLogger(__name__)
 
@@ -174,26 +175,32 @@ class GeneratorExecutor:
         self._log_dir.mkdir(parents=True, exist_ok=True)
         binds = threads_binds(cfg) if self.on_cpu else [None] * cfg.replicas
         ctx = mp.get_context("spawn")
-        for r in range(cfg.replicas):
-            parent_conn, child_conn = ctx.Pipe(duplex=True)
-            cuda = None
-            if self.cuda_devices is not None:
-                cuda = ",".join(str(d) for d in self.cuda_devices[r * cfg.tp:(r + 1) * cfg.tp])
-            log_path = self._log_dir / f"generator_replica{r}.log"
-            proc = ctx.Process(target=replica_main, name=f"megarl-gen-{r}",
-                               args=(child_conn, cfg, self.model_dir, r, binds[r], self.on_cpu,
-                                     str(log_path), cuda), daemon=False)
-            proc.start()
-            child_conn.close()
-            handle = _ReplicaHandle(r, proc, parent_conn, log_path)
-            self._replicas.append(handle)
-            threading.Thread(target=self._reader, args=(handle,), daemon=True,
-                             name=f"megarl-gen-reader-{r}").start()
         # Runs on shutdown(), on garbage collection and at interpreter exit: no engine outlives us.
-        self._finalizer = weakref.finalize(self, _kill_all, [h.process for h in self._replicas])
-        log.info("generator: waiting up to %.0fs for %d replica(s) to start (logs in %s)",
-                 cfg.start_timeout_s, cfg.replicas, self._log_dir)
+        # Armed before the first spawn (the list fills as replicas start), so an interruption in
+        # the middle of start() still kills those already running. Each replica also watches this
+        # process (megarl.utils.procs.watch_parent), for the deaths that run no finalizer.
+        procs: list = []
+        self._finalizer = weakref.finalize(self, _kill_all, procs)
+        pdeathsig = spawned_from_main_thread()
         try:
+            for r in range(cfg.replicas):
+                parent_conn, child_conn = ctx.Pipe(duplex=True)
+                cuda = None
+                if self.cuda_devices is not None:
+                    cuda = ",".join(str(d) for d in self.cuda_devices[r * cfg.tp:(r + 1) * cfg.tp])
+                log_path = self._log_dir / f"generator_replica{r}.log"
+                proc = ctx.Process(target=replica_main, name=f"megarl-gen-{r}",
+                                   args=(child_conn, cfg, self.model_dir, r, binds[r], self.on_cpu,
+                                         str(log_path), cuda, os.getpid(), pdeathsig), daemon=False)
+                proc.start()
+                procs.append(proc)
+                child_conn.close()
+                handle = _ReplicaHandle(r, proc, parent_conn, log_path)
+                self._replicas.append(handle)
+                threading.Thread(target=self._reader, args=(handle,), daemon=True,
+                                 name=f"megarl-gen-reader-{r}").start()
+            log.info("generator: waiting up to %.0fs for %d replica(s) to start (logs in %s)",
+                     cfg.start_timeout_s, cfg.replicas, self._log_dir)
             self._wait(lambda: all(h.info for h in self._replicas), cfg.start_timeout_s,
                        f"{cfg.replicas} generator replica(s) to start", progress_resets=False)
         except BaseException:
@@ -202,7 +209,9 @@ class GeneratorExecutor:
         return self
 
     def shutdown(self) -> None:
-        """Ask every replica to exit; kill those that do not within shutdown_timeout_s."""
+        """Ask every replica to exit; kill those that do not within shutdown_timeout_s. A replica
+        still starting (loading vLLM, not yet reading its pipe) is killed at once: waiting for it
+        would only delay a job that is being stopped, e.g. by a signal during start-up."""
         for h in self._replicas:
             try:
                 h.conn.send(("shutdown",))
@@ -210,7 +219,8 @@ class GeneratorExecutor:
                 pass
         deadline = time.monotonic() + self.cfg.shutdown_timeout_s
         for h in self._replicas:
-            h.process.join(max(0.0, deadline - time.monotonic()))
+            if h.info:  # started: it reads the pipe between engine steps
+                h.process.join(max(0.0, deadline - time.monotonic()))
         if self._finalizer is not None:
             self._finalizer()  # kills stragglers (and their TP workers), idempotent
         for h in self._replicas:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import multiprocessing as mp
+import os
 import time
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -21,6 +22,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 from megarl.reward.config import RewardConfig
 from megarl.reward.registry import get_reward, reward_meta
+from megarl.utils.procs import spawned_from_main_thread, watch_parent
 
 log = logging.getLogger(__name__)
 
@@ -122,8 +124,11 @@ class RewardPool:
 
     def _ensure_pool(self) -> ProcessPoolExecutor:
         if self._pool is None:
+            # Workers are spawned by submit() in this thread; each watches this process and dies
+            # with it (megarl.utils.procs.watch_parent), so no scorer outlives the job.
             self._pool = ProcessPoolExecutor(self.cfg.workers, mp_context=mp.get_context("spawn"),
-                                             initializer=_init_worker, initargs=(self.cfg.timeout_s,))
+                                             initializer=_init_worker,
+                                             initargs=(self.cfg.timeout_s, os.getpid(), spawned_from_main_thread()))
         return self._pool
 
     def close(self) -> None:
@@ -153,7 +158,8 @@ def _safe_call(fn: Callable, completion: str, gold: str, strict: bool) -> bool:
 _WORKER_FNS: Dict[str, Callable] = {}
 
 
-def _init_worker(timeout_s: float) -> None:
+def _init_worker(timeout_s: float, parent_pid: Optional[int] = None, pdeathsig: bool = True) -> None:
+    watch_parent(parent_pid, pdeathsig=pdeathsig)  # first: a worker dies with the job's controller
     from megarl.reward import rewards
 
     rewards.MATH_TIMEOUT_S = max(1, int(timeout_s))

@@ -1,0 +1,168 @@
+"""Process supervision: a job's processes end when the job ends, however it ends.
+
+Two halves, one per side of a parent/child pair:
+
+* **Child side** -- :func:`watch_parent`, called first thing in every process a job spawns (the
+  generator's replica processes, the reward pool's workers). The child dies when its parent does:
+  Linux ``prctl(PR_SET_PDEATHSIG, SIGKILL)`` kills it the moment the parent goes, and a daemon
+  thread polling ``os.getppid()`` against the parent's pid (about once a second) covers what
+  PDEATHSIG does not: it fires on the exit of the parent *thread* that spawned the child (so it is
+  only armed when that thread is the parent's main thread, see :func:`spawned_from_main_thread`),
+  and it does not exist off Linux. A child that leads its own process group (a generator replica:
+  its vLLM TP workers are in that group) takes the whole group down with it.
+
+* **Controller side** -- :func:`signals_raise`, a context manager that turns SIGTERM, SIGINT and
+  SIGHUP into :class:`JobInterrupted` raised in the main thread, so ``run_job``'s ``ExitStack``
+  unwinds and closes every executor (the generator's shutdown kills its replicas' process groups);
+  ``megarl``'s command line then exits with ``128 + signum``. A second signal while unwinding
+  exits at once (``os._exit``): the children's parent watch ends them within about a second.
+
+Slurm: ``scancel`` (and a preemption or requeue) sends SIGTERM to the job step's processes, then
+SIGKILL after ``KillWait`` (30 s by default). SIGTERM takes the graceful path above; the SIGKILL,
+or any other death of the controller (OOM killer, ``kill -9``), is caught by the children's parent
+watch. The exception is raised between Python bytecodes, so a long native call in the main thread
+(one huge trainer step) delays the unwinding until it returns; KillWait bounds that, and the
+parent watch covers the rest.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import logging
+import multiprocessing
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Iterator, Sequence
+
+log = logging.getLogger(__name__)
+
+PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+POLL_S = 1.0  # how often the watch thread re-checks its parent
+DEFAULT_SIGNALS: tuple[int, ...] = tuple(
+    s for s in (getattr(signal, n, None) for n in ("SIGTERM", "SIGINT", "SIGHUP")) if s is not None)
+
+
+# ---------------------------------------------------------------------------------- child side
+def spawned_from_main_thread() -> bool:
+    """Whether the calling thread is the main thread: pass it to the child as ``pdeathsig``.
+
+    PDEATHSIG fires when the *thread* that forked the child exits, so a child started from a
+    short-lived thread would be killed while its parent is healthy; the main thread lives as long
+    as the process."""
+    return threading.current_thread() is threading.main_thread()
+
+
+def set_pdeathsig(sig: int = signal.SIGKILL) -> bool:
+    """Ask the kernel to send ``sig`` to this process when its parent (thread) dies. Returns
+    whether it was armed (False off Linux or where prctl is unavailable)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        return libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def watch_parent(parent_pid: int | None = None, *, pdeathsig: bool = True,
+                 poll_s: float = POLL_S) -> int:
+    """Make this (child) process exit hard when its parent dies; returns the watched pid.
+
+    ``parent_pid``: the parent's pid as the parent knew it (``os.getpid()`` there), which closes
+    the race of a parent dying before the child gets here; default: multiprocessing's record of
+    the parent, else ``os.getppid()``. ``pdeathsig``: also arm PR_SET_PDEATHSIG (pass
+    :func:`spawned_from_main_thread` evaluated in the parent). Call it first thing in the child."""
+    if parent_pid is None:
+        parent = multiprocessing.parent_process()
+        parent_pid = parent.pid if parent is not None and parent.pid else os.getppid()
+    if pdeathsig:
+        set_pdeathsig(signal.SIGKILL)
+    if os.getppid() != parent_pid:  # the parent died before PDEATHSIG was armed
+        _die(parent_pid)
+    threading.Thread(target=_poll_parent, args=(parent_pid, poll_s), daemon=True,
+                     name="megarl-watch-parent").start()
+    return parent_pid
+
+
+def _poll_parent(parent_pid: int, poll_s: float) -> None:
+    while True:
+        time.sleep(poll_s)
+        if os.getppid() != parent_pid:  # reparented: to init or a subreaper
+            _die(parent_pid)
+
+
+def _die(parent_pid: int) -> None:
+    """End this process now (no interpreter teardown: its other threads may be stuck in native
+    code), and its process group with it when it leads one (its own children, e.g. TP workers)."""
+    try:
+        os.write(2, f"megarl: parent process {parent_pid} is gone; pid {os.getpid()} exits\n".encode())
+    except OSError:
+        pass
+    if os.getpgrp() == os.getpid():
+        try:
+            os.killpg(os.getpid(), signal.SIGKILL)  # includes this process
+        except OSError:
+            pass
+    os._exit(1)
+
+
+# ---------------------------------------------------------------------------- controller side
+class JobInterrupted(BaseException):
+    """The job received a termination signal. A BaseException (like KeyboardInterrupt) so that
+    ``except Exception`` blocks in the loop do not swallow it on its way to the ExitStack."""
+
+    def __init__(self, signum: int):
+        self.signum = int(signum)
+        super().__init__(f"interrupted by {signal_name(signum)}")
+
+    @property
+    def exit_code(self) -> int:
+        """The shell's convention for a process ended by a signal."""
+        return 128 + self.signum
+
+
+def signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+@contextlib.contextmanager
+def signals_raise(signals: Sequence[int] = DEFAULT_SIGNALS) -> Iterator[None]:
+    """While inside, each of ``signals`` raises :class:`JobInterrupted` in the main thread; a
+    second one (while the first unwinds) exits the process at once with ``128 + signum``. The
+    previous handlers are restored on exit. Off the main thread (where Python cannot install
+    handlers) it does nothing and says so."""
+    if not spawned_from_main_thread():
+        log.warning("signal handlers can only be installed from the main thread; %s keep their "
+                    "current handlers", ", ".join(signal_name(s) for s in signals))
+        yield
+        return
+    fired: list[int] = []
+
+    def handler(signum: int, frame) -> None:
+        if fired:  # already unwinding: do not interrupt the cleanup with a second exception
+            try:
+                os.write(2, f"megarl: second signal ({signal_name(signum)}) while shutting down; "
+                            f"exiting now\n".encode())
+            except OSError:
+                pass
+            os._exit(128 + signum)
+        fired.append(signum)
+        log.warning("received %s: stopping the job (closing every executor)", signal_name(signum))
+        raise JobInterrupted(signum)
+
+    previous = {}
+    try:
+        for s in signals:
+            previous[s] = signal.signal(s, handler)
+        yield
+    finally:
+        for s, old in previous.items():
+            signal.signal(s, old if old is not None else signal.SIG_DFL)
