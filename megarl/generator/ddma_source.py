@@ -24,8 +24,12 @@ from megarl.generator.weights import register_weight_source
 _MISSING = object()
 
 
-def _copy_local(param: torch.Tensor, loaded_weight: torch.Tensor) -> None:
-    """Load a tensor already in the worker's local layout (the DDMA staging tensor)."""
+def _copy_local(param: torch.Tensor, loaded_weight: torch.Tensor, shard_id: Any = None) -> None:
+    """Load a tensor already in the worker's local layout (the DDMA staging tensor). Fused layers'
+    own ``load_weights`` pass ``shard_id`` (None for a whole fused parameter, as DDMA sends)."""
+    if shard_id is not None:
+        raise ValueError(f"ddma landing got shard {shard_id!r} of a fused parameter; it sends whole "
+                         f"local parameters (vLLM names such as qkv_proj), never q/k/v pieces")
     if tuple(param.shape) != tuple(loaded_weight.shape):
         raise ValueError(f"ddma landing: staging tensor {tuple(loaded_weight.shape)} does not match the "
                          f"worker's parameter {tuple(param.shape)}")

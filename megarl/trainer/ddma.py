@@ -1,0 +1,46 @@
+"""The trainer's side of a DDMA sync: this rank's place in the plan and its live parameters.
+
+:func:`trainer_topology` describes a built Megatron model's TP x PP x DP layout the way the planner
+does (norm style and vocab padding from the model), :func:`this_rank` names this process's
+``SrcRank``, and :func:`make_sender` wraps the model's parameters (live storage: after an optimizer
+step the sender sends the new weights, no copy in between) in a :class:`megarl.ddma.sync.DdmaSender`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from megarl.ddma.layouts import SrcRank, TrainerTopology
+from megarl.ddma.sync import DdmaSender, SyncSpec
+
+
+def trainer_topology(model) -> TrainerTopology:
+    """The planner's description of this (built) model's parallel layout."""
+    from megatron.core import parallel_state as ps
+
+    from megarl.trainer.model import unwrap
+
+    m = unwrap(model)
+    return TrainerTopology(ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
+                           ps.get_data_parallel_world_size(), norm_style=m.megarl_norm_style,
+                           vocab_divisible_by=m.megarl_vocab_divisible_by)
+
+
+def this_rank() -> SrcRank:
+    from megatron.core import parallel_state as ps
+
+    return SrcRank(ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
+                   ps.get_data_parallel_rank())
+
+
+def make_sender(model, spec: SyncSpec) -> DdmaSender:
+    """This rank's sender; ``spec.src`` must describe ``model`` (raises ValueError naming both)."""
+    from megarl.trainer.convert import model_local_params
+
+    topo = trainer_topology(model)
+    if dataclasses.astuple(topo) != dataclasses.astuple(spec.src):
+        raise ValueError(f"ddma: the sync spec's trainer topology {spec.src} does not describe this model ({topo})")
+    return DdmaSender(spec, this_rank(), {n: p.data for n, p in model_local_params(model).items()})
+
+
+__all__ = ["trainer_topology", "this_rank", "make_sender"]
