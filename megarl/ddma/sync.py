@@ -12,8 +12,8 @@ topologies, where the rendezvous store is), so no plan travels. Per sync (one ``
   (process_vm_readv, :mod:`megarl.ddma.zero_copy`). ``p2p``: it sends one message per
   (destination, parameter) over a gloo group of its own (a bounded window of messages in flight).
 - **Receiver** (:class:`DdmaReceiver`, one per vLLM worker): yields ``(vllm_param_name, staging)``
-  one parameter at a time in vLLM's local layout (the loader copies it and it is freed: peak extra
-  memory is one parameter's staging), then checks its checksums against the senders' and raises
+  one parameter at a time in vLLM's local layout; the staging tensor is one reused buffer, valid
+  until the next item (the loader copies it: peak extra memory is the largest parameter), then checks its checksums against the senders' and raises
   :class:`DdmaVerifyError` naming the tensor, the ranks and the byte range on a mismatch.
 
 Rendezvous: a TCPStore (the controller hosts it: :func:`host_store`). The p2p group is a
@@ -110,11 +110,11 @@ def _dequant(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.
     return (q.view(FP8).float() * scale).to(dtype)
 
 
-def _gloo_group(store, rank: int, size: int, timeout_s: float):
+def gloo_group(store, rank: int, size: int, timeout_s: float, prefix: str = "ddma/gloo"):
+    """A gloo process group of its own, built directly on ``store`` (no global world touched)."""
     from torch.distributed.distributed_c10d import ProcessGroupGloo
 
-    return ProcessGroupGloo(torch.distributed.PrefixStore("ddma/gloo", store), rank, size,
-                            timedelta(seconds=timeout_s))
+    return ProcessGroupGloo(torch.distributed.PrefixStore(prefix, store), rank, size, timedelta(seconds=timeout_s))
 
 
 def _wait_keys(store, keys: list[str], what: str, timeout_s: float) -> None:
@@ -149,7 +149,7 @@ class _Side:
 
     def pg(self, me: int):
         if self._pg is None:
-            self._pg = _gloo_group(self.store, me, len(self.src_ranks) + len(self.dst_ranks), self.spec.timeout_s)
+            self._pg = gloo_group(self.store, me, len(self.src_ranks) + len(self.dst_ranks), self.spec.timeout_s)
         return self._pg
 
 
@@ -311,8 +311,10 @@ class DdmaReceiver(_Side):
             shape = layout.local_shape
             numel = math.prod(shape)
             padded = sum(c.numel for _, cs in self.incoming[dparam] for c in cs) < numel
-            staging = (torch.zeros if padded else torch.empty)(shape, dtype=dtype)
-            held = staging.numel() * staging.element_size()
+            staging = self._staging(numel, dtype).view(shape)
+            if padded:  # vocab padding rows: no sender writes them
+                staging.zero_()
+            held = self._staging_buf.numel() * self._staging_buf.element_size()
             for s, copies in self.incoming[dparam]:
                 held += self._land(staging.view(-1), s, copies, tables[s], scale_cache)
                 received += sum(c.numel for c in copies)
@@ -338,6 +340,15 @@ class DdmaReceiver(_Side):
         self.last_stats = {"transfer_s": transfer, "verify_s": verify_s, "land_s": land,
                            "total_s": time.perf_counter() - t0, "elements_received": received,
                            "peak_extra_bytes": peak}
+
+    def _staging(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """One reusable staging buffer (the largest parameter): memory stays one tensor, and its
+        pages are faulted in once, not on every sync."""
+        buf = getattr(self, "_staging_buf", None)
+        if buf is None or buf.dtype != dtype or buf.numel() < numel:
+            buf = self._staging_buf = torch.empty(max(math.prod(l.local_shape) for l in self.layouts.values()),
+                                                  dtype=dtype)
+        return buf[:numel]
 
     def _land(self, flat: torch.Tensor, s: SrcRank, copies: list[Copy], table: dict,
               scale_cache: dict) -> int:
@@ -372,8 +383,10 @@ class DdmaReceiver(_Side):
             buf = torch.empty(n, dtype=torch.uint8 if fp8 else flat.dtype)
             pg.recv([buf], self.group_rank(s), 0).wait()
             if not fp8:
-                dst_idx = run_indices([c.dst_offset for c in copies], [c.numel for c in copies])
-                flat[dst_idx] = buf
+                off = 0
+                for c in copies:
+                    flat[c.dst_offset:c.dst_offset + c.numel].copy_(buf[off:off + c.numel])
+                    off += c.numel
                 return buf.numel() * es
             cols = src_shape[1]
             spans = [_rows(c, cols) for c in copies]
@@ -443,4 +456,4 @@ class DdmaReceiver(_Side):
             + (f" (and {len(bad) - 1} more tensor(s): {bad[1:4]})" if len(bad) > 1 else ""))
 
 
-__all__ = ["SyncSpec", "DdmaSender", "DdmaReceiver", "DdmaVerifyError", "host_store", "TRANSPORTS", "WIRES"]
+__all__ = ["SyncSpec", "DdmaSender", "DdmaReceiver", "DdmaVerifyError", "host_store", "gloo_group", "TRANSPORTS", "WIRES"]

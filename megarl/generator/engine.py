@@ -169,7 +169,8 @@ class _Replica:
     def update(self, source: dict, version: int) -> None:
         """Apply new weights between two steps (in-flight requests are kept and continue)."""
         t0 = time.monotonic()
-        self.engine.collective_rpc("megarl_reload_weights", args=(source,))
+        # Sources addressed per worker (DDMA) need to know which replica this is.
+        self.engine.collective_rpc("megarl_reload_weights", args=({**source, "replica": self.replica},))
         # Drop every KV block computed with the old weights: running requests are preempted and
         # recompute their prefix under the new weights; the prefix cache starts empty.
         if not self.engine.reset_prefix_cache(reset_running_requests=True):
