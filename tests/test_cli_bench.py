@@ -25,7 +25,7 @@ def _ok(r: subprocess.CompletedProcess) -> None:
     assert r.returncode == 0, f"rc={r.returncode}\nstdout:\n{r.stdout[-3000:]}\nstderr:\n{r.stderr[-3000:]}"
 
 
-@pytest.mark.parametrize("which", ["trainer", "generator"])
+@pytest.mark.parametrize("which", ["trainer", "generator", "sync"])
 def test_bench_help(which):
     r = _cli(which, "--help", timeout=120)
     _ok(r)
@@ -59,3 +59,13 @@ def test_bench_generator_quick(tiny_llama_dir, tmp_path):
     assert result["prompts"] == 2 and result["new_tokens"] == 8 and result["target"] == 3.0
     assert len(result["generator_tok_s"]) == 1 and list(result["transformers_tok_s"]) == ["float32"]
     assert (tmp_path / "bench_generator.png").stat().st_size > 1000
+
+
+def test_bench_sync_quick(tmp_path):
+    # every method must land identical bytes (the bench exits non-zero otherwise)
+    _ok(_cli("sync", "--quick", "--trials", "1", "--trainer", "2,1,1", "--out", tmp_path))
+    result = json.loads((tmp_path / "sync.json").read_text())
+    assert set(result["best_seconds"]) == {"ddma_zero_copy", "ddma_zero_copy_verify", "ddma_p2p",
+                                           "gather_broadcast", "shm_push", "memcpy"}
+    assert result["bytes_landed_per_worker"] > 0
+    assert (tmp_path / "sync.png").stat().st_size > 1000

@@ -47,6 +47,8 @@ METHODS = ("ddma_zero_copy", "ddma_zero_copy_verify", "ddma_p2p", "gather_broadc
 BENCH_DIMS = dict(model_type="llama", num_hidden_layers=12, hidden_size=768, num_attention_heads=12,
                   num_key_value_heads=4, head_dim=64, intermediate_size=2048, vocab_size=16000,
                   rms_norm_eps=1e-5, tie_word_embeddings=False)
+QUICK_DIMS = dict(BENCH_DIMS, num_hidden_layers=2, hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=32, intermediate_size=256, vocab_size=1000)  # --quick: a smoke run in seconds
 TIMEOUT_S = 600.0
 
 
@@ -212,8 +214,7 @@ def _memcpy_seconds(nbytes: int, trials: int) -> float:
 
 
 def run(args) -> dict:
-    cfg = dict(BENCH_DIMS)
-    dims = ModelDims.from_hf_config(cfg)
+    dims = ModelDims.from_hf_config(QUICK_DIMS if args.quick else BENCH_DIMS)
     src = TrainerTopology(*args.trainer)
     dst = GeneratorTopology(*args.generator)
     params = sum(math.prod(s) for s in hf_tensor_shapes(dims).values())
@@ -326,6 +327,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--generator", type=lambda t: _topology(t, 2), default=(1, 1), help="tp,replicas (default 1,1)")
     p.add_argument("--trials", type=int, default=3, help="timed trials per method (best kept)")
     p.add_argument("--out", default="runs/bench", help="folder for sync.json and sync.png")
+    p.add_argument("--quick", action="store_true", help="a ~1M-parameter model, for a smoke run")
     args = p.parse_args(argv)
     summary = run(args)
     out = Path(args.out)
