@@ -341,6 +341,15 @@ class DdmaReceiver(_Side):
                            "total_s": time.perf_counter() - t0, "elements_received": received,
                            "peak_extra_bytes": peak}
 
+    def _byte_runs(self, s: SrcRank, copies: list[Copy], es: int) -> tuple[torch.Tensor, ...]:
+        """(src byte offsets, dst byte offsets, byte counts) of these copies, computed once."""
+        cache = self.__dict__.setdefault("_byte_runs_cache", {})
+        key = (s, copies[0].dst_param, es)
+        if key not in cache:
+            cache[key] = tuple(torch.tensor([getattr(c, f) * es for c in copies], dtype=torch.int64)
+                               for f in ("src_offset", "dst_offset", "numel"))
+        return cache[key]
+
     def _staging(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """One reusable staging buffer (the largest parameter): memory stays one tensor, and its
         pages are faulted in once, not on every sync."""
@@ -362,9 +371,8 @@ class DdmaReceiver(_Side):
         if spec.transport == "zero_copy":
             addr, _ = table["params"][copies[0].src_param]
             if not fp8:
-                base = flat.data_ptr()
-                read_runs(table["pid"], [addr + c.src_offset * es for c in copies],
-                          [base + c.dst_offset * es for c in copies], [c.numel * es for c in copies])
+                src_b, dst_b, n_b = self._byte_runs(s, copies, es)
+                read_runs(table["pid"], src_b + addr, dst_b + flat.data_ptr(), n_b)
                 return 0
             buf = torch.empty(n, dtype=torch.uint8)
             offs = torch.cumsum(torch.tensor([0] + [c.numel for c in copies[:-1]]), 0).tolist()
