@@ -80,7 +80,10 @@ def _run(dims, src: TrainerTopology, dst: GeneratorTopology, *, transport="zero_
     store = host_store()
     spec = SyncSpec(dims, src, dst, "127.0.0.1", store.port, transport=transport, wire=wire,
                     engine_dtype=engine_dtype, timeout_s=TIMEOUT_S)
-    ctx = mp.get_context("fork")
+    # forkserver, not fork: a process that already ran OpenMP-parallel torch ops (any earlier test)
+    # must not fork (libgomp hangs in the child); the fork server is a fresh process.
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "megarl.ddma.sync", "tests.test_ddma_sync"])
     q = ctx.Queue()
     procs = [ctx.Process(target=_sender_main, args=(spec, r, list(versions), trainer_dtype, q)) for r in src.ranks()]
     procs += [ctx.Process(target=_receiver_main, args=(spec, r, list(versions), corrupt, q)) for r in dst.ranks()]
