@@ -17,6 +17,8 @@ ROOT = Path(__file__).resolve().parent
 EXTENSION_NAME = "megarl._C"
 EXTENSION_SOURCES = ["csrc/bindings.cpp", "csrc/merge_runs.cpp", "csrc/plan.cpp", "csrc/fp8_quant_cpu.cpp",
                      "csrc/ddma_transport.cpp"]
+# Added only when _extension_setup builds the CUDA kernels; they are MEGARL_WITH_CUDA code.
+CUDA_EXTENSION_SOURCES = ["csrc/cuda/fp8_quant.cu", "csrc/cuda/fp8_quant_binding.cpp"]
 
 
 def _warn(message: str) -> None:
@@ -25,7 +27,12 @@ def _warn(message: str) -> None:
 
 
 def _extension_setup() -> dict:
-    """ext_modules/cmdclass for the C++ extension, or {} when torch is not importable."""
+    """ext_modules/cmdclass for the C++ extension, or {} when torch is not importable.
+
+    With a CUDA toolkit (torch built with CUDA and nvcc at CUDA_HOME; a visible GPU is neither
+    needed nor enough) the extension also gets the CUDA FP8 kernels (CUDA_EXTENSION_SOURCES, sm_90,
+    MEGARL_WITH_CUDA). MEGARL_CUDA=0 forces the CPU-only build, which is the same CppExtension as
+    without a toolkit. If the CUDA build fails, the CPU-only extension is built instead."""
     try:
         from torch.utils.cpp_extension import BuildExtension, CppExtension
     except Exception as error:  # noqa: BLE001 - any failure just means "no extension"
@@ -42,17 +49,74 @@ def _extension_setup() -> dict:
             try:
                 super().build_extension(ext)
             except Exception as error:  # noqa: BLE001 - compiler errors come in many types
+                if getattr(ext, "megarl_cpu_only", None) is not None:
+                    raise  # the CUDA build: build_extensions retries without the CUDA kernels
                 _warn(
                     f"building {ext.name} failed ({type(error).__name__}: {error}). megarl will use "
                     "its pure-Python fallbacks. Fix the compiler error above and rerun "
                     "`pip install --no-build-isolation --no-deps -e .`."
                 )
 
+        def build_extensions(self):
+            cpu_only = next((e.megarl_cpu_only for e in self.extensions if hasattr(e, "megarl_cpu_only")), None)
+            if cpu_only is None:
+                return super().build_extensions()
+            # torch's build_extensions rewires the compiler; undo that before a CPU-only retry.
+            saved = {name: getattr(self.compiler, name) for name in ("compile", "_compile", "spawn")
+                     if hasattr(self.compiler, name)}
+            extensions = list(self.compiler.src_extensions)
+            try:
+                return super().build_extensions()
+            except Exception as error:  # noqa: BLE001 - version checks and compiler errors alike
+                _warn(f"building {EXTENSION_NAME} with its CUDA kernels failed ({type(error).__name__}: "
+                      f"{error}); building it without them (CPU kernels only)")
+            for name, value in saved.items():
+                setattr(self.compiler, name, value)
+            self.compiler.src_extensions = extensions
+            self.extensions = [cpu_only]
+            super().build_extensions()
+
+    def cuda_toolkit() -> bool:
+        import os
+
+        if os.environ.get("MEGARL_CUDA", "1") == "0":
+            return False
+        try:
+            import torch
+            from torch.utils.cpp_extension import CUDA_HOME
+        except Exception:  # noqa: BLE001 - no CUDA-enabled torch, no CUDA build
+            return False
+        if torch.version.cuda is None or CUDA_HOME is None:
+            return False
+        if not (Path(CUDA_HOME) / "bin" / "nvcc").exists():
+            _warn(f"torch has CUDA {torch.version.cuda} but {CUDA_HOME}/bin/nvcc is missing: building "
+                  f"{EXTENSION_NAME} without its CUDA kernels")
+            return False
+        return True
+
     extension = CppExtension(
         name=EXTENSION_NAME,
         sources=EXTENSION_SOURCES,
         extra_compile_args={"cxx": ["-O3", "-std=c++17"]},
     )
+    if cuda_toolkit():
+        from torch.utils.cpp_extension import CUDAExtension
+
+        try:
+            cuda_extension = CUDAExtension(
+                name=EXTENSION_NAME,
+                sources=EXTENSION_SOURCES + CUDA_EXTENSION_SOURCES,
+                # An explicit -gencode also keeps torch from adding its TORCH_CUDA_ARCH_LIST guesses.
+                extra_compile_args={
+                    "cxx": ["-O3", "-std=c++17", "-DMEGARL_WITH_CUDA"],
+                    "nvcc": ["-O3", "-std=c++17", "-DMEGARL_WITH_CUDA", "-gencode=arch=compute_90,code=sm_90"],
+                },
+            )
+        except Exception as error:  # noqa: BLE001 - e.g. CUDA library paths not found
+            _warn(f"cannot set up the CUDA build of {EXTENSION_NAME} ({error}); building it CPU-only")
+        else:
+            cuda_extension.megarl_cpu_only = extension
+            extension = cuda_extension
     return {"ext_modules": [extension], "cmdclass": {"build_ext": BuildExtensionOrWarn}}
 
 

@@ -14,4 +14,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_plan(m);
   register_fp8_quant_cpu(m);
   register_ddma_transport(m);
+#ifdef MEGARL_WITH_CUDA
+  void register_fp8_quant_cuda(pybind11::module_& m);  // csrc/cuda/fp8_quant_binding.cpp
+  register_fp8_quant_cuda(m);
+#endif
 }
