@@ -58,8 +58,8 @@ def _extension_setup() -> dict:
                 )
 
         def build_extensions(self):
-            cpu_only = next((e.megarl_cpu_only for e in self.extensions if hasattr(e, "megarl_cpu_only")), None)
-            if cpu_only is None:
+            cuda = next((e for e in self.extensions if hasattr(e, "megarl_cpu_only")), None)
+            if cuda is None:
                 return super().build_extensions()
             # torch's build_extensions rewires the compiler; undo that before a CPU-only retry.
             saved = {name: getattr(self.compiler, name) for name in ("compile", "_compile", "spawn")
@@ -73,7 +73,14 @@ def _extension_setup() -> dict:
             for name, value in saved.items():
                 setattr(self.compiler, name, value)
             self.compiler.src_extensions = extensions
-            self.extensions = [cpu_only]
+            # Turn the extension into the CPU-only one in place: setuptools has already annotated
+            # this object (output names, stubs) and its build step expects those annotations.
+            cpu_only = cuda.megarl_cpu_only
+            del cuda.megarl_cpu_only
+            for name in ("sources", "include_dirs", "define_macros", "undef_macros", "library_dirs",
+                         "libraries", "runtime_library_dirs", "extra_objects", "extra_compile_args",
+                         "extra_link_args", "language"):
+                setattr(cuda, name, getattr(cpu_only, name))
             super().build_extensions()
 
     def cuda_toolkit() -> bool:

@@ -1,6 +1,6 @@
 // Row-wise (per output channel) absmax FP8 e4m3 quantization on the CPU.
 //
-// The same scheme as csrc/cuda/fp8_quant.cu, for DDMA senders and receivers without a GPU:
+// The scheme of csrc/cuda/fp8_quant.cu, for DDMA senders and receivers without a GPU:
 //   scale[r] = max(absmax(x[r, :]) / 448, min_scale)                    (float32, true division)
 //   q[r, c]  = e4m3(clamp(float(x[r, c]) / scale[r], -448, 448))        (round to nearest even)
 // Bit-exact with the pure-torch reference megarl/ddma/quantize.py:quantize_per_channel_ref, i.e.
@@ -8,11 +8,13 @@
 // a tensor and by a Python float are both IEEE true division; tests/test_fp8_quantize.py checks).
 // The element step divides rather than multiplying by 1/scale: x * fl(1/s) can land one float32
 // ulp away from x / s, which flips the e4m3 rounding of a quotient sitting on a midpoint; vLLM's
-// own per-channel weight quantizer divides too (see megarl/ddma/quantize.py).
+// own per-channel weight quantizer divides too (see megarl/ddma/quantize.py). The CUDA kernel
+// multiplies by the reciprocal today, so its codes can differ by one step (~3e-4 of bf16 codes).
 //
 // Policy for special values: a row whose absmax is inf or NaN is rejected (ValueError naming the
-// row) instead of being sent as garbage; -0.0 stays -0.0 (bits 0x80); values below half the
-// smallest e4m3 subnormal (2^-10 in scaled units) become a signed zero.
+// row) instead of being sent as garbage; -0.0 stays -0.0 (bits 0x80); scaled values at or below
+// half the smallest e4m3 subnormal (2^-10; the tie goes to even, i.e. zero) become a signed zero.
+// An all-zero row (or one with no columns) gets scale = min_scale and zero codes.
 //
 // q is returned as uint8 holding the e4m3 bit patterns: gloo (DDMA's CPU transport) cannot send
 // float8 tensors, and `q.view(torch.float8_e4m3fn)` recovers the float8 view for free.

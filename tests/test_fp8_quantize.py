@@ -308,7 +308,17 @@ def test_cuda_path(dtype):
     assert q.is_cuda and q.dtype == torch.uint8
     ref_q, ref_scales = quantize_per_channel_ref(x)
     assert torch.equal(scales.cpu(), ref_scales)
-    assert (q.cpu() != ref_q).float().mean() < 1e-4
+    differ = q.cpu() != ref_q
+    # about 3e-4 for bf16 when x * (1 / scale) is used (module docstring): allow 10x that, and
+    # only ever a one-step difference (neighbouring codes of the same sign)
+    assert differ.float().mean() < 3e-3
+    assert ((q.cpu()[differ].int() - ref_q[differ].int()).abs() == 1).all()
+    out = dequantize_per_channel(q, scales, torch.bfloat16)
+    assert torch.equal(out.cpu(), dequantize_per_channel_ref(q.cpu(), scales.cpu(), torch.bfloat16))
+    bad = x.cuda()
+    bad[7, 3] = float("nan")
+    with pytest.raises(ValueError, match="row 7 contains inf or NaN"):
+        quantize_per_channel(bad)
 
 
 # -------------------------------------------------------------------- vLLM's re-quantization
