@@ -1,7 +1,11 @@
-// DDMA same-host zero-copy transport: a receiver copies byte runs straight out of a sender
-// process's memory with process_vm_readv(2). One copy, no shared-memory setup, no serialization:
-// the sender publishes the addresses of its (already resident) shard tensors and the receiver
-// pulls exactly the runs its plan names into its staging buffer.
+// DDMA same-host runtime helpers.
+//
+// read_runs: a receiver copies byte runs straight out of a sender process's memory with
+// process_vm_readv(2) (the fallback when the sender's tensors are not in shared memory).
+// copy_runs: the same runs between two mapped regions of this process (the sender's shared-memory
+// tensors mapped here), one memcpy per run, single thread.
+// weighted_checksum_segments: the verification checksum of megarl/ddma/verify.py over segments
+// whose HF indices are affine (hf_start + k), in one pass.
 //
 // The kernel allows it when the reader may ptrace the sender: same uid, and under Yama
 // ptrace_scope=1 only if the sender opted in with prctl(PR_SET_PTRACER) (allow_zero_copy_readers).
@@ -11,6 +15,7 @@
 #include <torch/extension.h>
 
 #include <cerrno>
+#include <cstdint>
 #include <cstring>
 #include <vector>
 
@@ -110,6 +115,70 @@ bool allow_zero_copy_readers() {
 #endif
 }
 
+// memcpy(dst[i], src[i], nbytes[i]) for all i, addresses in this process. Single thread: the
+// benchmark's ceiling is a single-thread memcpy, and a vLLM worker's threads belong to vLLM.
+int64_t copy_runs(const at::Tensor& src, const at::Tensor& dst, const at::Tensor& nbytes) {
+  const int64_t n = src.numel();
+  check_runs(src, "src", n);
+  check_runs(dst, "dst", n);
+  check_runs(nbytes, "nbytes", n);
+  const at::Tensor s = src.contiguous(), d = dst.contiguous(), b = nbytes.contiguous();
+  const int64_t* sp = s.data_ptr<int64_t>();
+  const int64_t* dp = d.data_ptr<int64_t>();
+  const int64_t* bp = b.data_ptr<int64_t>();
+  int64_t total = 0;
+  for (int64_t i = 0; i < n; ++i) TORCH_CHECK_VALUE(bp[i] >= 0, "nbytes[", i, "] is negative");
+  pybind11::gil_scoped_release no_gil;
+  for (int64_t i = 0; i < n; ++i) {
+    std::memcpy(reinterpret_cast<void*>(dp[i]), reinterpret_cast<const void*>(sp[i]),
+                static_cast<size_t>(bp[i]));
+    total += bp[i];
+  }
+  return total;
+}
+
+template <typename T>
+uint64_t checksum_typed(const T* data, const int64_t* off, const int64_t* len, const int64_t* hf,
+                        int64_t n) {
+  uint64_t sum = 0;  // wraps mod 2^64, as the torch reference does
+  for (int64_t i = 0; i < n; ++i) {
+    const T* p = data + off[i];
+    uint64_t h = static_cast<uint64_t>(hf[i]);
+    for (int64_t k = 0; k < len[i]; ++k, ++h) {
+      const uint64_t w = (h * 2654435761ULL + 97ULL) & 0xFFFFFFFFULL;
+      sum += static_cast<uint64_t>(p[k]) * w;
+    }
+  }
+  return sum;
+}
+
+// sum over segments i, k < lengths[i] of bits(flat[offsets[i] + k]) * w(hf_starts[i] + k) mod 2^64,
+// w(x) = (x * 2654435761 + 97) mod 2^32; bits are the raw 1/2/4-byte patterns, zero-extended.
+uint64_t weighted_checksum_segments(const at::Tensor& flat, const at::Tensor& offsets,
+                                    const at::Tensor& lengths, const at::Tensor& hf_starts) {
+  TORCH_CHECK_VALUE(flat.device().is_cpu() && flat.is_contiguous(), "flat must be a contiguous CPU tensor");
+  const int64_t n = offsets.numel();
+  check_runs(offsets, "offsets", n);
+  check_runs(lengths, "lengths", n);
+  check_runs(hf_starts, "hf_starts", n);
+  const int64_t* off = offsets.data_ptr<int64_t>();
+  const int64_t* len = lengths.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK_VALUE(off[i] >= 0 && len[i] >= 0 && off[i] + len[i] <= flat.numel(), "segment ", i,
+                      " [", off[i], ", +", len[i], ") is outside the tensor of ", flat.numel(), " elements");
+  }
+  const int64_t* hf = hf_starts.data_ptr<int64_t>();
+  const void* data = flat.data_ptr();
+  pybind11::gil_scoped_release no_gil;
+  switch (flat.element_size()) {
+    case 1: return checksum_typed(static_cast<const uint8_t*>(data), off, len, hf, n);
+    case 2: return checksum_typed(static_cast<const uint16_t*>(data), off, len, hf, n);
+    case 4: return checksum_typed(static_cast<const uint32_t*>(data), off, len, hf, n);
+    default: TORCH_CHECK_VALUE(false, "checksums take 1/2/4-byte dtypes, got ", flat.scalar_type());
+  }
+  return 0;
+}
+
 }  // namespace
 
 void register_ddma_transport(pybind11::module_& m) {
@@ -118,6 +187,12 @@ void register_ddma_transport(pybind11::module_& m) {
         "Copy byte runs straight out of process `pid`'s memory (process_vm_readv): for each i,\n"
         "nbytes[i] bytes from its address remote[i] to this process's address local[i]. Three\n"
         "equal-length 1-D int64 CPU tensors. Releases the GIL. Returns the bytes copied.");
+  m.def("copy_runs", &copy_runs, pybind11::arg("src"), pybind11::arg("dst"), pybind11::arg("nbytes"),
+        "memcpy(dst[i], src[i], nbytes[i]) for every i (addresses in this process; single thread,\n"
+        "GIL released). Returns the bytes copied.");
+  m.def("weighted_checksum_segments", &weighted_checksum_segments, pybind11::arg("flat"),
+        pybind11::arg("offsets"), pybind11::arg("lengths"), pybind11::arg("hf_starts"),
+        "DDMA verification checksum (megarl/ddma/verify.py) over segments with affine HF indices.");
   m.def("allow_zero_copy_readers", &allow_zero_copy_readers,
         "prctl(PR_SET_PTRACER, ANY): let same-user processes read_runs from this one.");
 }

@@ -39,8 +39,8 @@ import torch
 from megarl.ddma.layouts import (DstRank, GeneratorTopology, SrcRank, TrainerTopology, source_rank_layouts,
                                  vllm_param_layouts)
 from megarl.ddma.plan import Copy, SyncPlan, plan_sync
-from megarl.ddma.verify import DdmaVerifyError, hf_flat_index, run_indices, value_bits, weighted_checksum
-from megarl.ddma.zero_copy import allow_readers, read_runs
+from megarl.ddma.verify import DdmaVerifyError, Segments, checksum_segments, hf_segments, run_indices
+from megarl.ddma.zero_copy import allow_readers, copy_runs, map_shared, read_runs, share
 from megarl.trainer.layouts import ModelDims
 
 log = logging.getLogger(__name__)
@@ -189,9 +189,9 @@ class DdmaSender(_Side):
         sums = self._checksums(wire, scales) if spec.verifies(version) else {}
         t2 = time.perf_counter()
         table: dict = {"sums": sums, "pid": os.getpid()}
-        if spec.transport == "zero_copy":
-            table["params"] = {n: (t.data_ptr(), t.element_size()) for n, t in wire.items()}
-            table["scales"] = {n: s.data_ptr() for n, s in scales.items()}
+        if spec.transport == "zero_copy":  # where each wire tensor lives (shared memory + address)
+            table["params"] = {n: share(t) for n, t in wire.items()}
+            table["scales"] = {n: share(sc) for n, sc in scales.items()}
         self.store.set(_key(spec, version, f"src{self.group_rank(self.rank)}"), pickle.dumps(table))
         sent = sum(c.numel * wire[c.src_param].element_size() for _, _, cs in self.outgoing for c in cs)
         if spec.transport == "zero_copy":
@@ -208,22 +208,34 @@ class DdmaSender(_Side):
 
     def _wire_tensors(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], int]:
         """Flat wire tensors (views of the parameters when no conversion is needed), FP8 scales,
-        and the bytes of the conversion copies."""
+        and the bytes of the conversion buffers (kept across syncs: with zero-copy they sit in
+        shared memory, set up once)."""
         dtype, wire, scales, extra = _engine_dtype(self.spec), {}, {}, 0
+        bufs = self.__dict__.setdefault("_wire_bufs", {})
         for name, p in self.params.items():
             p = p.detach()
             if _is_fp8(self.spec, tuple(p.shape)):
-                from megarl.ddma.quantize import quantize_per_channel
+                from megarl.ddma.quantize import VLLM_FP8_MIN_SCALE, quantize_per_channel
 
-                q, s = quantize_per_channel(p)
-                wire[name], scales[name] = q.reshape(-1), s.float().contiguous()
-                extra += q.numel() + 4 * s.numel()
+                # vLLM's own scale floor: its re-quantization on arrival then reproduces our codes
+                q, sc = quantize_per_channel(p, min_scale=VLLM_FP8_MIN_SCALE)
+                wire[name] = self._buffer(bufs, name, q.reshape(-1))
+                scales[name] = self._buffer(bufs, name + "/scale", sc.float().reshape(-1))
+                extra += q.numel() + 4 * sc.numel()
             elif p.dtype == dtype and p.is_contiguous():
                 wire[name] = p.view(-1)
             else:
-                wire[name] = p.to(dtype).contiguous().view(-1)
+                wire[name] = self._buffer(bufs, name, p.reshape(-1), dtype)
                 extra += wire[name].numel() * wire[name].element_size()
         return wire, scales, extra
+
+    @staticmethod
+    def _buffer(bufs: dict, key: str, values: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        dtype = dtype or values.dtype
+        buf = bufs.get(key)
+        if buf is None or buf.numel() != values.numel() or buf.dtype != dtype:
+            buf = bufs[key] = torch.empty(values.numel(), dtype=dtype)
+        return buf.copy_(values)
 
     def _landed(self, name: str, wire: torch.Tensor, scales: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """The values a receiver lands for this parameter (FP8 dequantized as the receiver does)."""
@@ -232,20 +244,26 @@ class DdmaSender(_Side):
         rows = self.params[name].shape[0]
         return _dequant(wire.view(rows, -1), scales[name][:, None], _engine_dtype(self.spec)).view(-1)
 
+    def _segments(self) -> dict[tuple[int, str, str], Segments]:
+        """Per (destination, HF tensor, source parameter): the HF-affine segments this rank sends
+        (from the trainer layout; computed once)."""
+        if getattr(self, "_segs", None) is None:
+            groups: dict[tuple[int, str, str], list[Copy]] = collections.defaultdict(list)
+            for d, _, copies in self.outgoing:
+                for c in copies:
+                    groups[(self.group_rank(d), c.hf_name, c.src_param)].append(c)
+            self._segs = {k: hf_segments(self.layouts[k[2]], k[1], [c.src_offset for c in cs], [c.numel for c in cs])
+                          for k, cs in groups.items()}
+        return self._segs
+
     def _checksums(self, wire, scales) -> dict[tuple[int, str], int]:
         sums: dict[tuple[int, str], int] = collections.defaultdict(int)
-        groups: dict[tuple[int, str, str], list[Copy]] = collections.defaultdict(list)
-        for d, _, copies in self.outgoing:
-            for c in copies:
-                groups[(self.group_rank(d), c.hf_name, c.src_param)].append(c)
         landed_cache: dict[str, torch.Tensor] = {}
-        for (j, hf_name, sparam), copies in groups.items():
+        for (j, hf_name, sparam), segs in sorted(self._segments().items(), key=lambda kv: kv[0][2]):
             if sparam not in landed_cache:
                 landed_cache.clear()  # one dequantized parameter at a time
                 landed_cache[sparam] = self._landed(sparam, wire[sparam], scales)
-            idx = run_indices([c.src_offset for c in copies], [c.numel for c in copies])
-            hf = hf_flat_index(self.layouts[sparam], hf_name, idx)
-            s = weighted_checksum(value_bits(landed_cache[sparam][idx]), hf)
+            s = checksum_segments(landed_cache[sparam], segs)
             sums[(j, hf_name)] = (sums[(j, hf_name)] + s) & 0xFFFFFFFFFFFFFFFF
         return dict(sums)
 
@@ -341,6 +359,21 @@ class DdmaReceiver(_Side):
                            "total_s": time.perf_counter() - t0, "elements_received": received,
                            "peak_extra_bytes": peak}
 
+    def _pull(self, pid: int, entry: dict, src_off: torch.Tensor, dst_addr: torch.Tensor, nbytes: torch.Tensor) -> None:
+        """Copy runs (byte offsets in the sender's tensor ``entry``) to local addresses: memcpy out of
+        the sender's shared memory mapped here, or process_vm_readv where mapping is not allowed."""
+        maps = self.__dict__.setdefault("_maps", {})
+        key = (pid, entry["fd"], entry["key"])
+        if key not in maps:
+            maps[key] = map_shared(pid, entry["fd"], entry["size"])
+            if maps[key] is None:
+                log.warning("ddma: cannot map trainer pid %d's shared memory; reading with process_vm_readv", pid)
+        mapped = maps[key]
+        if mapped is not None:
+            copy_runs(src_off + (mapped.data_ptr() + entry["offset"]), dst_addr, nbytes)
+        else:
+            read_runs(pid, src_off + entry["ptr"], dst_addr, nbytes)
+
     def _byte_runs(self, s: SrcRank, copies: list[Copy], es: int) -> tuple[torch.Tensor, ...]:
         """(src byte offsets, dst byte offsets, byte counts) of these copies, computed once."""
         cache = self.__dict__.setdefault("_byte_runs_cache", {})
@@ -369,20 +402,21 @@ class DdmaReceiver(_Side):
         n = sum(c.numel for c in copies)
         dst_idx = None
         if spec.transport == "zero_copy":
-            addr, _ = table["params"][copies[0].src_param]
+            entry = table["params"][copies[0].src_param]
             if not fp8:
                 src_b, dst_b, n_b = self._byte_runs(s, copies, es)
-                read_runs(table["pid"], src_b + addr, dst_b + flat.data_ptr(), n_b)
+                self._pull(table["pid"], entry, src_b, dst_b + flat.data_ptr(), n_b)
                 return 0
             buf = torch.empty(n, dtype=torch.uint8)
-            offs = torch.cumsum(torch.tensor([0] + [c.numel for c in copies[:-1]]), 0).tolist()
-            read_runs(table["pid"], [addr + c.src_offset for c in copies],
-                      [buf.data_ptr() + o for o in offs], [c.numel for c in copies])
+            offs = torch.cumsum(torch.tensor([0] + [c.numel for c in copies[:-1]]), 0)
+            self._pull(table["pid"], entry, torch.tensor([c.src_offset for c in copies]), offs + buf.data_ptr(),
+                       torch.tensor([c.numel for c in copies]))
             key = (s, copies[0].src_param)
             if key not in scale_cache:
                 rows = src_shape[0]
                 sc = torch.empty(rows, dtype=torch.float32)
-                read_runs(table["pid"], [table["scales"][key[1]]], [sc.data_ptr()], [4 * rows])
+                self._pull(table["pid"], table["scales"][key[1]], torch.zeros(1, dtype=torch.int64),
+                           torch.tensor([sc.data_ptr()]), torch.tensor([4 * rows]))
                 scale_cache[key] = sc
             src_idx = run_indices([c.src_offset for c in copies], [c.numel for c in copies])
             scale = scale_cache[key][src_idx // src_shape[1]]
@@ -412,27 +446,17 @@ class DdmaReceiver(_Side):
         return buf.numel() + 4 * scale.numel() + 8 * dst_idx.numel()
 
     def _checksum(self, flat: torch.Tensor, dparam: str, layout, sums: dict[str, int]) -> None:
-        inner_cache = {}
-        for p in layout.pieces:
-            if p.hf_name in inner_cache:
-                continue
-            inner_cache[p.hf_name] = True
-            idx = self._piece_indices(layout, p.hf_name)
-            s = weighted_checksum(value_bits(flat[idx]), hf_flat_index(layout, p.hf_name, idx))
-            sums[p.hf_name] = (sums[p.hf_name] + s) & 0xFFFFFFFFFFFFFFFF
-
-    @staticmethod
-    def _piece_indices(layout, hf_name: str) -> torch.Tensor:
-        shape = layout.local_shape
-        out = []
-        for p in layout.pieces:
-            if p.hf_name != hf_name:
-                continue
-            outer, inner = math.prod(shape[:p.dim]), math.prod(shape[p.dim + 1:])
-            rows = shape[p.dim]
-            for o in range(outer):
-                out.append(torch.arange((o * rows + p.local_start) * inner, (o * rows + p.local_start + p.length) * inner))
-        return torch.cat(out)
+        cache = self.__dict__.setdefault("_segs", {})
+        if dparam not in cache:  # every element each HF tensor has in this parameter (vLLM layout)
+            shape, segs = layout.local_shape, {}
+            for name in dict.fromkeys(p.hf_name for p in layout.pieces):
+                runs = [((o * shape[p.dim] + p.local_start) * math.prod(shape[p.dim + 1:]),
+                         p.length * math.prod(shape[p.dim + 1:]))
+                        for p in layout.pieces if p.hf_name == name for o in range(math.prod(shape[:p.dim]))]
+                segs[name] = hf_segments(layout, name, [a for a, _ in runs], [n for _, n in runs])
+            cache[dparam] = segs
+        for name, segs in cache[dparam].items():
+            sums[name] = (sums[name] + checksum_segments(flat, segs)) & 0xFFFFFFFFFFFFFFFF
 
     def _compare(self, sums: Mapping[str, int], tables: Mapping[SrcRank, dict]) -> None:
         me = self.group_rank(self.rank)

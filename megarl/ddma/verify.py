@@ -16,13 +16,17 @@ what the logprob probe catches.)
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Mapping
 
 import torch
 
 from megarl.trainer.layouts import ParamLayout
+
+try:
+    from megarl import _C  # type: ignore[attr-defined]
+except ImportError:
+    _C = None
 
 _W_MUL, _W_ADD, _MASK32 = 2654435761, 97, 0xFFFFFFFF
 
@@ -81,14 +85,45 @@ def run_indices(offsets: list[int], lengths: list[int]) -> torch.Tensor:
     return base + torch.arange(int(lengths_t.sum()), dtype=torch.int64)
 
 
-@dataclasses.dataclass(frozen=True)
-class Mismatch:
-    hf_name: str
-    expected: int
-    got: int
-    dst_param: str
-    byte_range: tuple[int, int]
-    senders: tuple[str, ...]
+Segments = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (local offsets, lengths, HF start indices)
+
+
+def hf_segments(layout: ParamLayout, hf_name: str, offsets: list[int], lengths: list[int]) -> Segments:
+    """Split local element runs of ``hf_name`` into segments whose HF flat indices are affine
+    (``hf_start + k``): a run is cut wherever it leaves one outer index's block of piece rows."""
+    shape = layout.local_shape
+    pieces = [p for p in layout.pieces if p.hf_name == hf_name]
+    out_off, out_len, out_hf = [], [], []
+    for start, n in zip(offsets, lengths):
+        pos, end = start, start + n
+        while pos < end:
+            for p in pieces:
+                inner = math.prod(shape[p.dim + 1:])
+                block = shape[p.dim] * inner
+                o, r = divmod(pos, block)
+                r //= inner
+                if p.local_start <= r < p.local_start + p.length:
+                    break
+            else:
+                raise ValueError(f"local element {pos} of a {shape} tensor is not part of {hf_name}")
+            seg_end = min(end, o * block + (p.local_start + p.length) * inner)
+            hf = o * p.hf_shape[p.dim] * inner + (p.hf_start - p.local_start) * inner + (pos - o * block)
+            out_off.append(pos)
+            out_len.append(seg_end - pos)
+            out_hf.append(hf)
+            pos = seg_end
+    as_t = lambda v: torch.tensor(v, dtype=torch.int64)  # noqa: E731
+    return as_t(out_off), as_t(out_len), as_t(out_hf)
+
+
+def checksum_segments(flat: torch.Tensor, segments: Segments) -> int:
+    """:func:`weighted_checksum` of ``flat``'s elements over ``segments`` (C++ when built)."""
+    offs, lens, hfs = segments
+    if _C is not None and hasattr(_C, "weighted_checksum_segments"):
+        return int(_C.weighted_checksum_segments(flat.contiguous(), offs, lens, hfs))
+    idx = run_indices(offs.tolist(), lens.tolist())
+    hf = run_indices(hfs.tolist(), lens.tolist())
+    return weighted_checksum(value_bits(flat.reshape(-1)[idx]), hf)
 
 
 def compare(expected: Mapping[str, int], got: Mapping[str, int]) -> list[str]:
@@ -97,4 +132,4 @@ def compare(expected: Mapping[str, int], got: Mapping[str, int]) -> list[str]:
 
 
 __all__ = ["DdmaVerifyError", "value_bits", "weighted_checksum", "hf_flat_index", "run_indices", "compare",
-           "Mismatch"]
+           "hf_segments", "checksum_segments"]

@@ -1,9 +1,13 @@
 """Same-host zero-copy reads: copy byte runs straight out of another process's memory.
 
-The C++ ``megarl._C.read_runs`` (csrc/ddma_transport.cpp, ``process_vm_readv``, GIL released) is
-used when built; otherwise the same syscall through ctypes. :func:`zero_copy_available` probes
-whether this host lets one process read another's memory (same uid; Yama ``ptrace_scope`` allows
-it, or the sender called :func:`allow_readers`); where it does not, DDMA uses point-to-point sends.
+Two ways, both one copy with no serialization:
+- the sender's tensors live in shared memory (:func:`share` moves a storage there in place, once)
+  and the receiver maps the sender's file (``/proc/<pid>/fd/<fd>``, :func:`map_shared`) and copies
+  its runs with :func:`copy_runs` (plain memcpy);
+- otherwise :func:`read_runs` copies them with ``process_vm_readv``.
+Both need the receiver to be allowed to inspect the sender (same uid; under Yama ``ptrace_scope=1``
+the sender calls :func:`allow_readers`). The C++ versions (csrc/ddma_transport.cpp, GIL released)
+are used when built, ctypes otherwise. Where neither is allowed, use the p2p transport.
 """
 
 from __future__ import annotations
@@ -69,6 +73,36 @@ def _read_runs_ctypes(pid: int, remote: list[int], local: list[int], nbytes: lis
     return total
 
 
+def copy_runs(src: torch.Tensor | list[int], dst: torch.Tensor | list[int], nbytes: torch.Tensor | list[int]) -> int:
+    """``memcpy(dst[i], src[i], nbytes[i])`` for every i, addresses in this process."""
+    src, dst, nbytes = _as_long(src), _as_long(dst), _as_long(nbytes)
+    if _C is not None and hasattr(_C, "copy_runs"):
+        return int(_C.copy_runs(src, dst, nbytes))
+    for s, d, n in zip(src.tolist(), dst.tolist(), nbytes.tolist()):
+        ctypes.memmove(d, s, n)
+    return int(nbytes.sum())
+
+
+def share(t: torch.Tensor) -> dict:
+    """Put ``t``'s storage in shared memory (in place, once: views keep working) and describe it
+    for :func:`map_shared`: the file descriptor, its size, and ``t``'s byte offset in it."""
+    storage = t.untyped_storage()
+    if not storage.is_shared():
+        storage.share_memory_()
+    fd, size = storage._share_fd_cpu_()
+    return {"fd": int(fd), "size": int(size), "offset": t.data_ptr() - storage.data_ptr(),
+            "key": (storage.data_ptr(), int(size)), "ptr": t.data_ptr()}
+
+
+def map_shared(pid: int, fd: int, size: int) -> torch.Tensor | None:
+    """Map another process's shared-memory file (``/proc/pid/fd/fd``) here, read-write shared;
+    None when this host does not let us (then read with :func:`read_runs`)."""
+    try:
+        return torch.from_file(f"/proc/{pid}/fd/{fd}", shared=True, size=size, dtype=torch.uint8)
+    except (OSError, RuntimeError):
+        return None
+
+
 def allow_readers() -> bool:
     """Let same-user processes read this process's memory (needed under Yama ptrace_scope=1)."""
     if _C is not None and hasattr(_C, "allow_zero_copy_readers"):
@@ -76,15 +110,4 @@ def allow_readers() -> bool:
     return _libc.prctl(PR_SET_PTRACER, ctypes.c_ulong(PR_SET_PTRACER_ANY), 0, 0, 0) == 0
 
 
-def zero_copy_available(pid: int) -> bool:
-    """Whether this process can read process ``pid``'s memory (probes 8 bytes of a live buffer is
-    not possible without its cooperation, so it reads its own ``/proc/pid/stat`` permission: a
-    failed read of a known-mapped address of ``pid`` is the authoritative answer at sync time)."""
-    try:
-        with open(f"/proc/{pid}/mem", "rb"):
-            return True
-    except OSError:
-        return False
-
-
-__all__ = ["read_runs", "allow_readers", "zero_copy_available"]
+__all__ = ["read_runs", "copy_runs", "share", "map_shared", "allow_readers"]
