@@ -76,10 +76,10 @@ def _receiver_main(spec: SyncSpec, rank, versions: list[int], corrupt: bool, out
 
 
 def _run(dims, src: TrainerTopology, dst: GeneratorTopology, *, transport="zero_copy", wire="engine",
-         engine_dtype="bfloat16", trainer_dtype=torch.float32, versions=(1, 2), corrupt=False):
+         engine_dtype="bfloat16", trainer_dtype=torch.float32, versions=(1, 2), corrupt=False, via="map"):
     store = host_store()
     spec = SyncSpec(dims, src, dst, "127.0.0.1", store.port, transport=transport, wire=wire,
-                    engine_dtype=engine_dtype, timeout_s=TIMEOUT_S)
+                    engine_dtype=engine_dtype, timeout_s=TIMEOUT_S, zero_copy_via=via)
     # forkserver, not fork: a process that already ran OpenMP-parallel torch ops (any earlier test)
     # must not fork (libgomp hangs in the child); the fork server is a fresh process.
     ctx = mp.get_context("forkserver")
@@ -118,6 +118,7 @@ CASES = [
     ("qwen2_kv2", 1, 1, 2, 2, 2, "p2p"),            # DP senders share, 2 replicas, biases
     ("llama_kv4_untied", 2, 1, 1, 1, 1, "p2p"),
     ("qwen2_mha_tied", 1, 2, 1, 2, 1, "zero_copy"),
+    ("qwen2_kv2", 2, 1, 1, 4, 1, "zero_copy_read"),  # process_vm_readv instead of mapping shared memory
 ]
 
 
@@ -125,7 +126,8 @@ CASES = [
 def test_sync_lands_exact_shards(name, ttp, pp, dp, gtp, reps, transport):
     dims = _dims(name)
     src, dst = TrainerTopology(ttp, pp, dp), GeneratorTopology(gtp, reps)
-    _, res = _run(dims, src, dst, transport=transport)
+    via = "read" if transport == "zero_copy_read" else "map"
+    _, res = _run(dims, src, dst, transport=transport.removesuffix("_read"), via=via)
     assert len(res["got"]) == len(dst.ranks()) * 2
     for rank, v, (got, stats) in res["got"]:
         want = _expected(dims, dst, v, torch.float32, torch.bfloat16)[rank.tp]
@@ -139,11 +141,12 @@ def test_sync_lands_exact_shards(name, ttp, pp, dp, gtp, reps, transport):
         assert stats["bytes_sent"] > 0 or dp > 1
 
 
-@pytest.mark.parametrize("transport", ["zero_copy", "p2p"])
+@pytest.mark.parametrize("transport", ["zero_copy", "zero_copy_read", "p2p"])
 def test_sync_fp8_before_send(transport):
     dims = _dims("llama_kv4_untied")
     src, dst = TrainerTopology(2, 1, 1), GeneratorTopology(2, 1)
-    _, res = _run(dims, src, dst, transport=transport, wire="fp8", versions=(1,))
+    via = "read" if transport == "zero_copy_read" else "map"
+    _, res = _run(dims, src, dst, transport=transport.removesuffix("_read"), wire="fp8", versions=(1,), via=via)
     from megarl.ddma.quantize import dequantize_per_channel, quantize_per_channel_ref
 
     hf = _hf(dims, 1, torch.float32)

@@ -65,12 +65,16 @@ class SyncSpec:
     verify_every: int = 1          # checksum every k-th sync (version % k == 0); 0 = never
     timeout_s: float = 300.0       # every wait of a sync (store keys, peers)
     window: int = 4                # p2p: messages in flight per sender (bounds its pack buffers)
+    zero_copy_via: str = "map"     # zero_copy: "map" the senders' shared memory (memcpy), falling back to
+                                   # "read" (process_vm_readv, no shared memory needed) per sender
 
     def __post_init__(self):
         if self.transport not in TRANSPORTS:
             raise ValueError(f"ddma transport {self.transport!r}: choose one of {TRANSPORTS}")
         if self.wire not in WIRES:
             raise ValueError(f"ddma wire {self.wire!r}: choose one of {WIRES}")
+        if self.zero_copy_via not in ("map", "read"):
+            raise ValueError(f"ddma zero_copy_via {self.zero_copy_via!r}: choose 'map' or 'read'")
         if self.verify_every < 0 or self.window < 1 or self.timeout_s <= 0:
             raise ValueError("ddma verify_every must be >= 0, window >= 1 and timeout_s > 0")
 
@@ -365,8 +369,8 @@ class DdmaReceiver(_Side):
         maps = self.__dict__.setdefault("_maps", {})
         key = (pid, entry["fd"], entry["key"])
         if key not in maps:
-            maps[key] = map_shared(pid, entry["fd"], entry["size"])
-            if maps[key] is None:
+            maps[key] = map_shared(pid, entry["fd"], entry["size"]) if self.spec.zero_copy_via == "map" else None
+            if maps[key] is None and self.spec.zero_copy_via == "map":
                 log.warning("ddma: cannot map trainer pid %d's shared memory; reading with process_vm_readv", pid)
         mapped = maps[key]
         if mapped is not None:
