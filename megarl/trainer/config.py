@@ -75,6 +75,22 @@ class TrainerConfig:
                                       "checkpoint_dir (its 'latest'), 'auto' (checkpoint_dir's "
                                       "latest if any) or null = start fresh. Default null.")
 
+    # --- supervision of the rank processes (megarl.executors.trainer.TrainerExecutor) ---
+    start_timeout_s: float = knob(300.0, help="Seconds every trainer rank may take to start: spawn, "
+                                  "import, join the process group, build model + optimizer and "
+                                  "resume (s). Default 300.")
+    step_timeout_s: float = knob(600.0, help="Seconds every trainer rank may take to answer one step "
+                                 "command (the logprob passes and the optimizer step) before the job "
+                                 "stops naming the silent rank (s). Default 600.")
+    save_timeout_s: float = knob(600.0, help="Seconds every trainer rank may take to write (or "
+                                 "load) a checkpoint, and to answer other commands (s). Default 600.")
+    heartbeat_timeout_s: float = knob(60.0, help="A started trainer rank sends a heartbeat every "
+                                      "second from a thread of its own (it keeps beating while it "
+                                      "waits in a collective); one silent this long is frozen, and "
+                                      "the job stops naming it (s). Default 60.")
+    shutdown_timeout_s: float = knob(30.0, help="Seconds trainer ranks get to exit after close() "
+                                     "asks them; the rest are killed (s). Default 30.")
+
     def problems(self) -> list[str]:
         """Problems this section alone can see, each naming the key and what to change."""
         out = []
@@ -92,6 +108,10 @@ class TrainerConfig:
                        f"in [0, 1)")
         if self.adam_eps <= 0 or self.weight_decay < 0 or self.grad_clip < 0:
             out.append("trainer.adam_eps must be > 0, weight_decay and grad_clip >= 0")
+        for key in ("start_timeout_s", "step_timeout_s", "save_timeout_s", "heartbeat_timeout_s",
+                    "shutdown_timeout_s"):
+            if getattr(self, key) <= 0:
+                out.append(f"trainer.{key}={getattr(self, key)}: must be > 0 (seconds)")
         if self.logprob_temperature <= 0:
             out.append(f"trainer.logprob_temperature={self.logprob_temperature}: must be > 0")
         return out

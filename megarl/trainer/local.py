@@ -1,9 +1,15 @@
-"""The trainer executor in the controller's own process (one rank: TP = PP = DP = 1).
+"""The trainer's rank-local learner, and the single-rank trainer in the controller's own process.
 
-It bundles what a training job needs around the Megatron model: process group, model from the HF
-folder, DDP + optimizer + LR schedule, the training step, checkpoints, and the HF-named view of
-its weights that the generator loads. Multi-rank trainers (TP x PP x DP worker processes) keep the
-same interface; they arrive with the controller issue.
+:class:`RankTrainer` bundles what one trainer rank holds around the Megatron model, at any TP x PP
+x DP layout: the model from the HF folder, DDP + optimizer + LR schedule, the reference model when
+the loss needs one, the training step, checkpoints and resume. It is built inside an initialised
+process group (``megarl.utils.dist``); every rank of a group calls the same methods with the same
+arguments (they are collective).
+
+:class:`LocalTrainer` is that learner at TP = PP = DP = 1 in the caller's process (it creates the
+one-rank process group itself). Multi-rank trainers run one :class:`RankTrainer` per rank process
+(``megarl.trainer.worker``), driven by ``megarl.executors.trainer.TrainerExecutor``, which offers
+the same interface as ``LocalTrainer``.
 """
 
 from __future__ import annotations
@@ -21,8 +27,38 @@ from megarl.trainer.config import TrainerConfig
 log = logging.getLogger(__name__)
 
 
-class LocalTrainer:
-    """Single-rank Megatron learner: ``step(batch)``, ``hf_weights()``, ``save()`` / resume."""
+def set_tp_attributes(model) -> int:
+    """Mark the TP-sharded weights of a model built with ``init_weights=False``; returns how many.
+
+    megatron (0.16.1) sets ``tensor_model_parallel`` / ``partition_dim`` / ``partition_stride`` on a
+    weight only inside its random init, so with ``perform_initialization=False`` every weight looks
+    TP-replicated: the grad norm then counts the shards of tp rank 0 only (measured: TP2 grad_norm
+    36.3 vs 48.3 at TP1 on the tiny model) and clipping scales by the wrong norm. Values as that
+    init sets them (tests/test_trainer_executor.py compares them). TODO: move into build_gpt_model.
+    """
+    from megatron.core.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear,
+                                                      VocabParallelEmbedding, set_tensor_model_parallel_attributes)
+
+    glu = bool(getattr(getattr(model, "config", None), "gated_linear_unit", False))
+    n = 0
+    for name, module in model.named_modules():
+        if isinstance(module, VocabParallelEmbedding):
+            dim, stride = 0, 1
+        elif isinstance(module, ColumnParallelLinear):  # fc1 of a GLU holds [gate_r; up_r]: stride 2
+            dim, stride = 0, 2 if glu and name.endswith("linear_fc1") else 1
+        elif isinstance(module, RowParallelLinear):
+            dim, stride = 1, 1
+        else:
+            continue
+        weight = getattr(module, "weight", None)
+        if weight is not None and not hasattr(weight, "tensor_model_parallel"):
+            set_tensor_model_parallel_attributes(weight, True, dim, stride)
+            n += 1
+    return n
+
+
+class RankTrainer:
+    """One trainer rank's Megatron learner: ``step(batch)``, ``save()`` / resume (collective)."""
 
     def __init__(self, cfg: TrainerConfig, algo: AlgorithmConfig, model_dir: str | Path, *,
                  total_steps: int, run_dir: str | Path):
@@ -31,18 +67,14 @@ class LocalTrainer:
         from megarl.trainer.layouts import ModelDims
         from megarl.trainer.model import build_gpt_model, read_hf_config
         from megarl.trainer.optimizer import build_training, params_dtype
-        from megarl.utils.dist import free_tcp_port, init_distributed, init_model_parallel
 
-        if cfg.tp * cfg.pp * cfg.dp != 1:
-            raise ValueError(f"LocalTrainer runs one rank; got trainer tp={cfg.tp} pp={cfg.pp} dp={cfg.dp}")
         self.cfg, self.algo = cfg, algo
         self.run_dir = Path(run_dir)
         self.model_dir = Path(model_dir)  # its config.json + tokenizer go into checkpoints (export)
-        init_distributed(0, 1, master_port=free_tcp_port())
-        init_model_parallel(1, 1, seed=cfg.seed)
         dims = ModelDims.from_hf_config(read_hf_config(model_dir))
         # Every element comes from the checkpoint: skip the random init (minutes for big models on CPU).
         self.model = build_gpt_model(dims, params_dtype=params_dtype(cfg), init_weights=False)
+        set_tp_attributes(self.model)
         load_pretrained(self.model, model_dir)
         self.objs = build_training(cfg, self.model, total_steps)
         # The KL reference: the initial policy (from model_dir even on resume), frozen, built only if used.
@@ -65,8 +97,9 @@ class LocalTrainer:
         return self.progress.step
 
     def step(self, batch: RolloutBatch) -> dict:
-        """One optimizer step on ``batch`` (after the no-grad passes its loss needs: proximal and
-        reference logprobs); returns the step's metrics."""
+        """One optimizer step on ``batch`` (the whole global batch; each DP rank trains on its
+        share), after the no-grad passes its loss needs (proximal and reference logprobs);
+        returns the step's metrics (the same on every rank)."""
         from megarl.trainer.train_step import prepare_batch, train_step
 
         batch, prep = prepare_batch(self.objs, self.ref_model, batch, self.algo, self.cfg.micro_batch_size,
@@ -79,6 +112,31 @@ class LocalTrainer:
         self.progress.consumed_samples += batch.batch_size
         return metrics
 
+    def save(self) -> Path:
+        """Atomic checkpoint of model, optimizer, scheduler, RNG and progress, plus the HF config and
+        tokenizer files of ``model_dir`` so ``megarl convert mcore-to-hf`` can export it."""
+        from megarl.trainer.checkpoint import save_checkpoint
+        from megarl.trainer.model import read_hf_config
+
+        return save_checkpoint(self.checkpoint_dir, model=self.objs.model, optimizer=self.objs.optimizer,
+                               scheduler=self.objs.scheduler, progress=self.progress,
+                               keep_last=self.cfg.checkpoint_keep_last,
+                               hf_config=read_hf_config(self.model_dir), hf_extra_from=self.model_dir)
+
+
+class LocalTrainer(RankTrainer):
+    """Single-rank Megatron learner in this process: ``step(batch)``, ``hf_weights()``, ``save()``."""
+
+    def __init__(self, cfg: TrainerConfig, algo: AlgorithmConfig, model_dir: str | Path, *,
+                 total_steps: int, run_dir: str | Path):
+        from megarl.utils.dist import free_tcp_port, init_distributed, init_model_parallel
+
+        if cfg.tp * cfg.pp * cfg.dp != 1:
+            raise ValueError(f"LocalTrainer runs one rank; got trainer tp={cfg.tp} pp={cfg.pp} dp={cfg.dp}")
+        init_distributed(0, 1, master_port=free_tcp_port())
+        init_model_parallel(1, 1, seed=cfg.seed)
+        super().__init__(cfg, algo, model_dir, total_steps=total_steps, run_dir=run_dir)
+
     def hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, full tensor) of every weight. One Megatron parameter at a time is assembled
         (a fused linear_qkv holds q, k and v interleaved per query group), so the extra memory is
@@ -90,17 +148,6 @@ class LocalTrainer:
         specs = [s for s in local_shard_specs(self.model) if not s.is_tied_copy]
         for _, pieces in groupby(specs, key=lambda s: s.mcore_name):
             yield from reassemble(pieces).items()
-
-    def save(self) -> Path:
-        """Atomic checkpoint of model, optimizer, scheduler, RNG and progress, plus the HF config and
-        tokenizer files of ``model_dir`` so ``megarl convert mcore-to-hf`` can export it."""
-        from megarl.trainer.checkpoint import save_checkpoint
-        from megarl.trainer.model import read_hf_config
-
-        return save_checkpoint(self.checkpoint_dir, model=self.objs.model, optimizer=self.objs.optimizer,
-                               scheduler=self.objs.scheduler, progress=self.progress,
-                               keep_last=self.cfg.checkpoint_keep_last,
-                               hf_config=read_hf_config(self.model_dir), hf_extra_from=self.model_dir)
 
     def close(self) -> None:
         from megarl.utils.dist import destroy_distributed

@@ -1,0 +1,439 @@
+"""Trainer executor: TP x PP x DP Megatron ranks, each in its own process, driven over a command channel.
+
+The executor lives in the controller's process and never trains itself. It spawns one process per
+rank (``megarl.trainer.worker.rank_main``; global rank ``r`` has ``tp = r % tp``, ``dp = (r // tp) %
+dp``, ``pp = r // (tp * dp)``, megatron's default order) and sends every command to every rank
+(commands are collective). Each rank builds exactly what the single-rank ``LocalTrainer`` builds
+(``megarl.trainer.local.RankTrainer``), so at TP = PP = DP = 1 a step is the same arithmetic.
+
+Interface (what the controller's loop uses; the same as ``LocalTrainer`` where they overlap)::
+
+    with TrainerExecutor(cfg.trainer, cfg.algorithm, model_dir, total_steps=n, run_dir=run) as tr:
+        tr.step_count                   # optimizer steps taken (= policy version), resume-aware
+        metrics = tr.step(batch)        # the whole RolloutBatch to every rank; DP ranks take their rows
+        tr.start_sync(spec, version)    # every rank starts DdmaSender.sync(version) ...
+        gen.update_weights_from_source(spec.weight_source(version), version)
+        stats = tr.finish_sync()        # ... and its per-rank phase stats come back
+        path = tr.save()                # collective megatron dist checkpoint; rank 0's step folder
+        tr.hf_weights()                 # full HF tensors (gathers the model here: checks, shm push)
+        tr.health(), tr.pids
+
+Supervision: every wait is bounded by a knob of ``TrainerConfig`` (``start_timeout_s``,
+``step_timeout_s``, ``save_timeout_s``, ``heartbeat_timeout_s``) and logs what it waits for. A rank
+that dies, raises, stops beating or does not answer in time raises :class:`TrainerRankFailed` /
+:class:`TrainerTimeout` naming the rank (global and tp/pp/dp), the cause and the exit code, and
+every rank process is killed at once (their collective state is unusable): later calls re-raise.
+Metrics come from the rank at tp 0, dp 0 on the last pipeline stage (where the loss is computed).
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import pickle
+import queue
+import threading
+import time
+import weakref
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megarl.algorithms.config import AlgorithmConfig
+from megarl.executors.base import ExecutorBase, ExecutorError, ExecutorTimeout, ProcessDied, exit_cause, kill_processes
+from megarl.trainer.batch import RolloutBatch
+from megarl.trainer.config import TrainerConfig
+
+log = logging.getLogger(__name__)
+
+_POLL_S = 0.25       # liveness and heartbeats are re-checked this often while waiting
+_LOG_EVERY_S = 30.0  # a long wait says it is still waiting this often
+_GRACE_S = 3.0       # after a rank raises: time for a dead peer (the likely cause) to show
+_SYNC_MARGIN_S = 60.0  # finish_sync waits the spec's own timeout plus this
+
+
+class TrainerError(ExecutorError):
+    """The trainer executor cannot continue."""
+
+
+class TrainerRankFailed(TrainerError, ProcessDied):
+    """A trainer rank died or raised. ``rank``/``tp``/``pp``/``dp``/``pid``/``exitcode``/``cause``."""
+
+    def __init__(self, message: str, *, rank: int, coords: dict, pid: int | None,
+                 exitcode: int | None, cause: str):
+        super().__init__(message)
+        self.rank, self.pid, self.exitcode, self.cause = rank, pid, exitcode, cause
+        self.tp, self.pp, self.dp = coords["tp"], coords["pp"], coords["dp"]
+
+
+class TrainerTimeout(TrainerError, ExecutorTimeout):
+    """Trainer ranks did not answer in time (``ranks``: the silent ones, frozen ones first)."""
+
+    def __init__(self, message: str, ranks: list[int]):
+        super().__init__(message)
+        self.ranks = ranks
+
+
+def rank_coords(rank: int, tp: int, pp: int, dp: int) -> dict:
+    """tp/pp/dp coordinates of a global trainer rank (megatron's tp-cp-ep-dp-pp order)."""
+    if not 0 <= rank < tp * pp * dp:
+        raise ValueError(f"rank {rank} outside a tp={tp} x pp={pp} x dp={dp} trainer")
+    return {"tp": rank % tp, "dp": (rank // tp) % dp, "pp": rank // (tp * dp)}
+
+
+def rank_cores(cpus: Sequence[int] | None, world: int) -> list[list[int] | None]:
+    """Each rank's cores: ``cpus`` split evenly in order (a remainder goes to the first ranks);
+    with fewer cores than ranks, ranks share them round-robin, one core each. None: no pinning."""
+    if cpus is None:
+        return [None] * world
+    cpus = list(cpus)
+    if not cpus:
+        raise ValueError("cpus=[]: give the trainer at least one core, or None for no pinning")
+    if len(cpus) < world:
+        return [[cpus[r % len(cpus)]] for r in range(world)]
+    return [cpus[r * len(cpus) // world:(r + 1) * len(cpus) // world] for r in range(world)]
+
+
+class _Rank:
+    def __init__(self, index: int, coords: dict, process, conn, log_path: Path):
+        self.index, self.coords, self.process, self.conn, self.log_path = index, coords, process, conn, log_path
+        self.info: dict = {}
+        self.last_beat = time.monotonic()
+
+    @property
+    def name(self) -> str:
+        c = self.coords
+        return f"trainer rank {self.index} (tp {c['tp']}, pp {c['pp']}, dp {c['dp']}; pid {self.process.pid})"
+
+    def log_tail(self, lines: int = 20) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+
+class TrainerExecutor(ExecutorBase):
+    """TP x PP x DP Megatron ranks in their own processes behind ``LocalTrainer``'s interface."""
+
+    def __init__(self, cfg: TrainerConfig, algo: AlgorithmConfig, model_dir: str | os.PathLike, *,
+                 total_steps: int, run_dir: str | os.PathLike, cpus: list[int] | None = None):
+        problems = cfg.problems()
+        if problems:
+            raise ValueError("invalid trainer config:\n  " + "\n  ".join(problems))
+        if not (Path(model_dir) / "config.json").is_file():
+            raise FileNotFoundError(f"trainer model folder {model_dir} has no config.json")
+        self.cfg, self.algo = cfg, algo
+        self.model_dir, self.run_dir = str(model_dir), Path(run_dir)
+        self.total_steps = int(total_steps)
+        self.world = cfg.tp * cfg.pp * cfg.dp
+        self.cores = rank_cores(cpus, self.world)
+        self.log_dir = self.run_dir / "logs"
+        self._ranks: list[_Rank] = []
+        self._procs: list = []  # every process spawned, for the finalizer
+        self._inbox: queue.Queue = queue.Queue()
+        self._seq = 0
+        self._step_count = 0
+        self._failure: TrainerError | None = None
+        self._pending: tuple[int, float, str] | None = None  # (seq, timeout, what) of an in-flight sync
+        self._finalizer = None
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> "TrainerExecutor":
+        """Spawn the ranks and wait (``start_timeout_s``) until each has built model + optimizer
+        and resumed; on any failure no rank is left running."""
+        if self._ranks:
+            return self
+        from megarl.utils.procs import spawned_from_main_thread
+
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        # Runs on close(), on garbage collection and at interpreter exit: no rank outlives us (each
+        # rank also watches this process for the deaths that run no finalizer).
+        self._finalizer = weakref.finalize(self, kill_processes, self._procs)
+        pdeathsig = spawned_from_main_thread()
+        try:
+            for attempt in range(3):
+                if self._launch(pdeathsig):
+                    break
+                log.warning("trainer: the rendezvous port was taken; relaunching the ranks (attempt %d)",
+                            attempt + 2)
+            else:
+                raise TrainerError("trainer: the rendezvous port was taken 3 times in a row")
+        except BaseException:
+            self.close()
+            raise
+        self._step_count = self._ranks[0].info["step"]
+        log.info("trainer: %d rank(s) ready (tp %d x pp %d x dp %d) at step %d; pids %s, logs in %s",
+                 self.world, self.cfg.tp, self.cfg.pp, self.cfg.dp, self._step_count, self.pids, self.log_dir)
+        return self
+
+    def _launch(self, pdeathsig: bool) -> bool:
+        from megarl.trainer.worker import rank_main
+        from megarl.utils.dist import free_tcp_port
+
+        self._kill_ranks()
+        ctx = mp.get_context("spawn")
+        port = free_tcp_port()
+        self._ranks = []
+        for r in range(self.world):
+            parent_conn, child_conn = ctx.Pipe(duplex=True)
+            log_path = self.log_dir / f"trainer_rank{r}.log"
+            proc = ctx.Process(target=rank_main, name=f"megarl-trainer-{r}", daemon=False,
+                               args=(child_conn, r, self.world, port, self.cfg, self.algo, self.model_dir,
+                                     self.total_steps, str(self.run_dir), self.cores[r], str(log_path),
+                                     os.getpid(), pdeathsig))
+            proc.start()
+            self._procs.append(proc)
+            child_conn.close()
+            rank = _Rank(r, rank_coords(r, self.cfg.tp, self.cfg.pp, self.cfg.dp), proc, parent_conn, log_path)
+            self._ranks.append(rank)
+            threading.Thread(target=self._reader, args=(rank,), daemon=True, name=f"megarl-trainer-reader-{r}").start()
+        self._wait(lambda: all(r.info for r in self._ranks), self.cfg.start_timeout_s,
+                   f"{self.world} trainer rank(s) to start (build model + optimizer, resume)")
+        if any(r.info.get("port_taken") for r in self._ranks):
+            return False
+        for r in self._ranks:
+            got = {k: r.info[k] for k in ("tp", "pp", "dp")}
+            if got != r.coords:
+                self._raise(TrainerError(f"{r.name} has megatron coordinates {got}, the executor expected "
+                                         f"{r.coords}: the rank order differs from rank_coords()"))
+        return True
+
+    def close(self) -> None:
+        """Ask every rank to exit (they tear down their process group), wait ``shutdown_timeout_s``,
+        kill the rest. A failed executor's ranks were killed already. Idempotent."""
+        if self._ranks and self._failure is None:
+            exiting = [r for r in self._ranks if r.info and not r.info.get("port_taken")]
+            for r in exiting:
+                self._post(r, ("exit", -1))
+            deadline = time.monotonic() + self.cfg.shutdown_timeout_s
+            log.info("trainer: waiting up to %.0fs for %d rank(s) to exit", self.cfg.shutdown_timeout_s, len(exiting))
+            for r in exiting:
+                r.process.join(max(0.0, deadline - time.monotonic()))
+            for r in self._ranks:
+                if r.process.exitcode is None:
+                    log.warning("trainer: %s did not exit within %.0fs; killing it", r.name,
+                                self.cfg.shutdown_timeout_s)
+        self._kill_ranks()
+        self._ranks = []
+        self._pending = None
+
+    def _kill_ranks(self) -> None:
+        if self._finalizer is not None:
+            kill_processes(self._procs)  # the finalizer's own call, without detaching it
+        for r in self._ranks:
+            r.conn.close()
+
+    # ------------------------------------------------------------------ commands
+    @property
+    def step_count(self) -> int:
+        """Optimizer steps taken so far (= the policy version the weights represent)."""
+        return self._step_count
+
+    @property
+    def pids(self) -> list[int]:
+        """The rank processes' pids, in global rank order."""
+        return [r.process.pid for r in self._ranks]
+
+    def step(self, batch: RolloutBatch) -> dict:
+        """One optimizer step on ``batch`` (every rank gets the whole batch; DP rank d trains on
+        its contiguous share of rows); returns ``LocalTrainer.step``'s metrics."""
+        if batch.batch_size % self.cfg.dp:
+            raise ValueError(f"a batch of {batch.batch_size} sequences does not split over trainer.dp="
+                             f"{self.cfg.dp} data-parallel ranks; make it a multiple of {self.cfg.dp}")
+        out = self._call("step", (batch,), self.cfg.step_timeout_s, f"train step {self._step_count + 1}")
+        self._step_count = out[0]["step"]
+        return next(o["metrics"] for o in out if o["metrics"] is not None)
+
+    def save(self) -> Path:
+        """Checkpoint (collective megatron dist checkpoint on every rank); rank 0's step folder."""
+        return Path(self._call("save", (), self.cfg.save_timeout_s, f"save step {self._step_count}")[0])
+
+    def start_sync(self, spec, version: int) -> None:
+        """Every rank starts ``DdmaSender.sync(version)`` for ``spec`` (a ``SyncSpec``; senders are
+        made once per spec); returns at once. Call :meth:`finish_sync` before any other command."""
+        self._check_idle()
+        seq = self._send("sync", (spec, int(version)))
+        self._pending = (seq, float(spec.timeout_s) + _SYNC_MARGIN_S, f"DDMA sync of weights v{version}")
+
+    def finish_sync(self) -> list[dict]:
+        """Wait for the sync started by :meth:`start_sync`; per-rank phase stats (quantize_s,
+        verify_s, transfer_s, bytes_sent, peak_extra_bytes) with rank, tp, pp, dp, in rank order."""
+        if self._pending is None:
+            raise RuntimeError("finish_sync() without start_sync()")
+        seq, timeout, what = self._pending
+        try:
+            out = self._collect(seq, timeout, what)
+        finally:
+            self._pending = None
+        return [{"rank": r.index, **r.coords, **stats} for r, stats in zip(self._ranks, out)]
+
+    def hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, full tensor) of every weight, reassembled here from the dp 0 ranks' shards.
+        Holds a whole copy of the model in this process: for checks and the shm weight push, not
+        for the DDMA path."""
+        from megarl.trainer.shards import ShardSpec, reassemble
+
+        pieces = self._call("shards", (), self.cfg.save_timeout_s, "their weight shards")
+        specs = [ShardSpec(**{k: v for k, v in d.items() if k != "dtype"}, local_view=t)
+                 for rank_pieces in pieces for d, t in rank_pieces]
+        return iter(reassemble(specs).items())
+
+    def health(self) -> list[dict]:
+        """Every rank's state (rank, tp, pp, dp, pid, cores, threads, step); raises if one is dead,
+        frozen or does not answer within ``save_timeout_s``. Ranks answer between commands."""
+        return self._call("health", (), self.cfg.save_timeout_s, "health replies")
+
+    # ------------------------------------------------------------------ channel
+    def _call(self, name: str, args: tuple, timeout: float, what: str) -> list:
+        self._check_idle()
+        return self._collect(self._send(name, args), timeout, what)
+
+    def _check_idle(self) -> None:
+        if self._failure is not None:
+            raise self._failure
+        if not self._ranks:
+            raise TrainerError("the trainer executor is not started (call start() or use `with`)")
+        if self._pending is not None:
+            raise RuntimeError(f"{self._pending[2]} is in flight: call finish_sync() first")
+
+    def _send(self, name: str, args: tuple) -> int:
+        self._check_alive(f"the ranks to take the {name!r} command")
+        self._seq += 1
+        data = pickle.dumps((name, self._seq, *args), protocol=pickle.HIGHEST_PROTOCOL)  # once for all ranks
+        for r in self._ranks:
+            try:
+                r.conn.send_bytes(data)
+            except OSError:  # its end is closed: it died (or is dying)
+                r.process.join(2.0)
+                self._rank_failed(r, exit_cause(r.process.exitcode), f"the ranks to take the {name!r} command")
+        return self._seq
+
+    def _post(self, r: _Rank, msg: tuple) -> None:
+        try:
+            r.conn.send_bytes(pickle.dumps(msg))
+        except OSError:
+            pass
+
+    def _reader(self, r: _Rank) -> None:
+        """Drain one rank's pipe (so a rank never blocks on a full pipe); heartbeats are noted here."""
+        while True:
+            try:
+                msg = pickle.loads(r.conn.recv_bytes())
+            except (EOFError, OSError):
+                self._inbox.put((r.index, ("eof",)))
+                return
+            r.last_beat = time.monotonic()
+            if msg[0] != "beat":
+                self._inbox.put((r.index, msg))
+
+    def _collect(self, seq: int, timeout: float, what: str) -> list:
+        replies: dict[int, Any] = {}
+
+        def on_reply(r: _Rank, msg: tuple) -> None:
+            if msg[0] == "ok" and msg[1] == seq:
+                replies[r.index] = msg[2]
+
+        self._wait(lambda: len(replies) == len(self._ranks), timeout, f"{len(self._ranks)} trainer rank(s) to "
+                   f"answer: {what}", on_reply, missing=lambda: [r for r in self._ranks if r.index not in replies])
+        return [replies[r.index] for r in self._ranks]
+
+    def _wait(self, done, timeout: float, what: str, on_reply=None, missing=None) -> None:
+        """Handle messages until ``done()``; raise (killing every rank) on a dead, failed or frozen
+        rank, or after ``timeout`` seconds."""
+        start = time.monotonic()
+        deadline, last_log = start + timeout, start
+        log.info("trainer: waiting up to %.0fs for %s", timeout, what)
+        while not done():
+            now = time.monotonic()
+            frozen = [r for r in self._ranks if r.info and now - r.last_beat > self.cfg.heartbeat_timeout_s]
+            if frozen or now >= deadline:
+                silent = frozen or (missing() if missing else [r for r in self._ranks if not r.info])
+                why = (f"sent no heartbeat for {self.cfg.heartbeat_timeout_s:.0f}s (frozen)" if frozen else
+                       f"did not answer within {timeout:.0f}s")
+                lines = "\n".join(f"  {r.name}: last heartbeat {now - r.last_beat:.1f}s ago; last lines of "
+                                  f"{r.log_path}:\n{r.log_tail(8)}" for r in silent)
+                self._raise(TrainerTimeout(f"trainer: {', '.join(r.name for r in silent)} {why} while waiting "
+                                           f"for {what}\n{lines}", [r.index for r in silent]))
+            if now - last_log > _LOG_EVERY_S:
+                log.info("trainer: still waiting for %s (%.0fs left)", what, deadline - now)
+                last_log = now
+            try:
+                index, msg = self._inbox.get(timeout=min(_POLL_S, max(deadline - now, 0.01)))
+            except queue.Empty:
+                self._check_alive(what, on_reply)  # a backstop: a death normally shows as its pipe's EOF
+                continue
+            self._handle(self._ranks[index] if index < len(self._ranks) else None, msg, what, on_reply)
+
+    def _handle(self, r: _Rank | None, msg: tuple, what: str, on_reply) -> None:
+        if r is None or r.conn.closed:
+            return
+        kind = msg[0]
+        if kind == "ready":
+            r.info = msg[1]
+        elif kind == "port_taken":
+            r.info = {"port_taken": True}
+            for other in self._ranks:  # the others wait for a rank 0 that will never listen
+                other.info = other.info or {"port_taken": True}
+        elif kind == "error":
+            self._rank_raised(r, msg[2], what)
+        elif kind == "eof":
+            if r.info.get("port_taken"):
+                return
+            r.process.join(2.0)
+            self._rank_failed(r, exit_cause(r.process.exitcode), what)
+        elif on_reply is not None:
+            on_reply(r, msg)
+
+    # ------------------------------------------------------------------ failures
+    def _check_alive(self, what: str, on_reply=None) -> None:
+        """Raise if a rank has exited; first handle what it sent before dying (its traceback, or
+        the EOF of its pipe), for at most 2 s, so the error names the root cause."""
+        dead = [r for r in self._ranks if r.process.exitcode is not None and not r.info.get("port_taken")]
+        if not dead:
+            return
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline:
+            try:
+                index, msg = self._inbox.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            self._handle(self._ranks[index] if index < len(self._ranks) else None, msg, what, on_reply)
+            if all(r.info.get("port_taken") for r in dead):
+                return
+        self._rank_failed(dead[0], exit_cause(dead[0].process.exitcode), what)
+
+    def _rank_raised(self, r: _Rank, tb: str, what: str) -> None:
+        # A peer's death makes the others' collectives fail: report the death, the root cause.
+        deadline = time.monotonic() + _GRACE_S
+        while time.monotonic() < deadline:
+            dead = [o for o in self._ranks if o is not r and o.process.exitcode not in (None, 0)]
+            if dead:
+                self._rank_failed(dead[0], exit_cause(dead[0].process.exitcode), what,
+                                  note=f"\n{r.name} then raised: {_last_line(tb)}")
+            time.sleep(0.1)
+        self._rank_failed(r, f"raised {_last_line(tb)}", what, detail=tb)
+
+    def _rank_failed(self, r: _Rank, cause: str, what: str, note: str = "", detail: str = "") -> None:
+        code = r.process.exitcode
+        if "exit" not in cause:
+            cause += f" (exit code {code})" if code is not None else " (still running)"
+        body = detail or f"--- last lines of {r.log_path} ---\n{r.log_tail()}"
+        self._raise(TrainerRankFailed(
+            f"trainer: {r.name} {cause} while waiting for {what}; every trainer rank was killed{note}\n"
+            f"{body}", rank=r.index, coords=r.coords, pid=r.process.pid, exitcode=code, cause=cause))
+
+    def _raise(self, exc: TrainerError) -> None:
+        """Record the failure, kill every rank (no orphans), raise."""
+        if self._failure is None:
+            self._failure = exc
+            log.error("%s", str(exc).splitlines()[0])
+            kill_processes(self._procs)
+        raise self._failure
+
+
+def _last_line(tb: str) -> str:
+    lines = tb.strip().splitlines()
+    return lines[-1] if lines else "an unknown error"
