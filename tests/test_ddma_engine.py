@@ -1,5 +1,5 @@
-"""DDMA into a real vLLM engine from a real multi-rank Megatron trainer (its ranks in their own
-processes), checked against the established full-tensor shared-memory path.
+"""DDMA into a real vLLM engine from a real multi-rank Megatron trainer (the TrainerExecutor: its
+ranks in their own processes), checked against the established full-tensor shared-memory path.
 
 The engine starts from checkpoint A; the trainer ranks hold checkpoint B. After a DDMA sync the
 engine's greedy generations and logprobs must be *bitwise* those it gives after loading B through
@@ -11,18 +11,20 @@ within a bound derived from e4m3 precision instead.
 
 from __future__ import annotations
 
-import multiprocessing as mp
-import traceback
+import os
 from pathlib import Path
 
 import pytest
 import torch
 
+from megarl.algorithms.config import AlgorithmConfig
 from megarl.config import load_config
 from megarl.ddma.layouts import GeneratorTopology, TrainerTopology
 from megarl.ddma.sync import SyncSpec, host_store
+from megarl.executors.trainer import TrainerExecutor
 from megarl.generator.executor import GeneratorExecutor
 from megarl.models.tiny import make_tiny_hf_checkpoint
+from megarl.trainer.config import TrainerConfig
 from megarl.trainer.convert import HFReader
 from megarl.trainer.layouts import ModelDims
 from megarl.trainer.model import read_hf_config
@@ -30,75 +32,6 @@ from megarl.trainer.model import read_hf_config
 REPO = Path(__file__).resolve().parents[1]
 PROMPTS = [[1, 504, 3180, 314], [1, 2683, 314, 253, 1345]]
 GREEDY = {"temperature": 0.0}
-
-
-def _trainer_rank(rank: int, world: int, tp: int, pp: int, port: int, model_dir: str, spec: SyncSpec,
-                  cmds, out) -> None:
-    try:
-        from megarl.trainer.convert import load_pretrained
-        from megarl.trainer.ddma import make_sender
-        from megarl.trainer.model import build_gpt_model
-        from megarl.utils.dist import destroy_distributed, init_distributed, init_model_parallel
-
-        torch.set_num_threads(1)
-        init_distributed(rank, world, master_port=port)
-        init_model_parallel(tp, pp)
-        model = build_gpt_model(spec.dims, params_dtype=torch.float32, init_weights=False)
-        load_pretrained(model, model_dir)
-        sender = make_sender(model, spec)
-        out.put(("ready", rank, None))
-        while True:
-            cmd = cmds.get(timeout=600)
-            if cmd[0] == "exit":
-                break
-            out.put(("sent", rank, sender.sync(cmd[1])))
-        destroy_distributed()
-    except BaseException:  # noqa: BLE001
-        out.put(("error", rank, traceback.format_exc()))
-
-
-class _Trainer:
-    """tp x pp Megatron ranks in their own (spawned) processes, each with a DDMA sender."""
-
-    def __init__(self, tp: int, pp: int, model_dir: Path, spec: SyncSpec):
-        from megarl.utils.dist import free_tcp_port
-
-        ctx = mp.get_context("spawn")
-        self.world = tp * pp
-        self.cmds = [ctx.Queue() for _ in range(self.world)]
-        self.out = ctx.Queue()
-        port = free_tcp_port()
-        self.procs = [ctx.Process(target=_trainer_rank, args=(r, self.world, tp, pp, port, str(model_dir), spec,
-                                                              self.cmds[r], self.out), daemon=True)
-                      for r in range(self.world)]
-        for p in self.procs:
-            p.start()
-        self._collect("ready")
-
-    def _collect(self, kind: str) -> list:
-        got = []
-        for _ in range(self.world):
-            k, rank, payload = self.out.get(timeout=300)
-            if k == "error":
-                raise AssertionError(f"trainer rank {rank} failed:\n{payload}")
-            assert k == kind
-            got.append(payload)
-        return got
-
-    def start_sync(self, version: int) -> None:
-        for q in self.cmds:
-            q.put(("sync", version))
-
-    def finish_sync(self) -> list[dict]:
-        return self._collect("sent")
-
-    def close(self) -> None:
-        for q in self.cmds:
-            q.put(("exit",))
-        for p in self.procs:
-            p.join(timeout=20)
-            if p.is_alive():
-                p.kill()
 
 
 def _run(gen, prompts=PROMPTS):
@@ -116,7 +49,7 @@ def checkpoint_b(tmp_path_factory):
     (2, 1, 1, "float32", "zero_copy"),
     (1, 2, 2, "bfloat16", "p2p"),
 ], ids=str)
-def test_ddma_sync_equals_shm_push(tiny_llama_dir, checkpoint_b, ttp, tpp, gtp, dtype, transport):
+def test_ddma_sync_equals_shm_push(tiny_llama_dir, checkpoint_b, tmp_path, ttp, tpp, gtp, dtype, transport):
     overrides = [f"model.path={tiny_llama_dir}", f"generator.dtype={dtype}", "generator.max_new_tokens=12",
                  f"generator.tp={gtp}"]
     if gtp == 2:
@@ -126,19 +59,18 @@ def test_ddma_sync_equals_shm_push(tiny_llama_dir, checkpoint_b, ttp, tpp, gtp, 
     store = host_store()
     spec = SyncSpec(dims, TrainerTopology(ttp, tpp, 1), GeneratorTopology(gtp, 1), "127.0.0.1", store.port,
                     transport=transport, engine_dtype=dtype, timeout_s=120)
-    trainer = _Trainer(ttp, tpp, checkpoint_b, spec)
-    try:
-        with GeneratorExecutor(cfg.generator, tiny_llama_dir) as gen:
-            ids_a, lps_a = _run(gen)
-            trainer.start_sync(1)
-            gen.update_weights_from_source(spec.weight_source(1), 1)
-            sent = trainer.finish_sync()
-            ids_ddma, lps_ddma = _run(gen)
-            reader = HFReader(checkpoint_b)
-            gen.update_weights(((n, reader(n)) for n in reader.names()), version=2)
-            ids_shm, lps_shm = _run(gen)
-    finally:
-        trainer.close()
+    cpus = [0, 1] if len(os.sched_getaffinity(0)) >= 2 else None
+    with TrainerExecutor(TrainerConfig(tp=ttp, pp=tpp), AlgorithmConfig(), checkpoint_b, total_steps=1,
+                         run_dir=tmp_path, cpus=cpus) as trainer, \
+            GeneratorExecutor(cfg.generator, tiny_llama_dir) as gen:
+        ids_a, lps_a = _run(gen)
+        trainer.start_sync(spec, 1)
+        gen.update_weights_from_source(spec.weight_source(1), 1)
+        sent = trainer.finish_sync()
+        ids_ddma, lps_ddma = _run(gen)
+        reader = HFReader(checkpoint_b)
+        gen.update_weights(((n, reader(n)) for n in reader.names()), version=2)
+        ids_shm, lps_shm = _run(gen)
     assert ids_ddma == ids_shm
     for a, b in zip(lps_ddma, lps_shm):
         assert torch.equal(a, b)

@@ -243,3 +243,13 @@ def test_ddma_sync_from_tp2_equals_shm_push_of_its_weights(tiny_llama_dir, tmp_p
     assert all(torch.equal(a, b) for a, b in zip(lps_ddma, lps_shm))
     # lr 1e-3 Adam moved every weight by ~1e-3: the engine's logprobs must have moved off A's
     assert any(not torch.equal(a, b) for a, b in zip(lps_a, lps_ddma))
+
+
+def test_failed_start_names_the_rank_and_leaves_no_process(tiny_llama_dir, tmp_path):
+    ex = _executor(tiny_llama_dir, tmp_path, (1, 2, 1), resume_from=str(tmp_path / "no_such_checkpoint"))
+    with pytest.raises(TrainerRankFailed) as err:
+        ex.start()
+    msg = str(err.value)
+    assert "raised" in msg and "CheckpointError" in msg and "no_such_checkpoint" in msg, msg
+    assert f"trainer rank {err.value.rank} (tp 0, pp {err.value.pp}, dp 0" in msg
+    assert ex.pids == [] and not any(_alive(p.pid) for p in ex._procs)

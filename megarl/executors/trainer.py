@@ -323,11 +323,11 @@ class TrainerExecutor(ExecutorBase):
             try:
                 msg = pickle.loads(r.conn.recv_bytes())
             except (EOFError, OSError):
-                self._inbox.put((r.index, ("eof",)))
+                self._inbox.put((r, ("eof",)))
                 return
             r.last_beat = time.monotonic()
             if msg[0] != "beat":
-                self._inbox.put((r.index, msg))
+                self._inbox.put((r, msg))
 
     def _collect(self, seq: int, timeout: float, what: str) -> list:
         replies: dict[int, Any] = {}
@@ -361,14 +361,14 @@ class TrainerExecutor(ExecutorBase):
                 log.info("trainer: still waiting for %s (%.0fs left)", what, deadline - now)
                 last_log = now
             try:
-                index, msg = self._inbox.get(timeout=min(_POLL_S, max(deadline - now, 0.01)))
+                r, msg = self._inbox.get(timeout=min(_POLL_S, max(deadline - now, 0.01)))
             except queue.Empty:
                 self._check_alive(what, on_reply)  # a backstop: a death normally shows as its pipe's EOF
                 continue
-            self._handle(self._ranks[index] if index < len(self._ranks) else None, msg, what, on_reply)
+            self._handle(r, msg, what, on_reply)
 
-    def _handle(self, r: _Rank | None, msg: tuple, what: str, on_reply) -> None:
-        if r is None or r.conn.closed:
+    def _handle(self, r: _Rank, msg: tuple, what: str, on_reply) -> None:
+        if r.conn.closed or not any(r is mine for mine in self._ranks):  # from an earlier launch
             return
         kind = msg[0]
         if kind == "ready":
@@ -397,10 +397,10 @@ class TrainerExecutor(ExecutorBase):
         deadline = time.monotonic() + 2.0
         while time.monotonic() < deadline:
             try:
-                index, msg = self._inbox.get(timeout=0.1)
+                r, msg = self._inbox.get(timeout=0.1)
             except queue.Empty:
                 continue
-            self._handle(self._ranks[index] if index < len(self._ranks) else None, msg, what, on_reply)
+            self._handle(r, msg, what, on_reply)
             if all(r.info.get("port_taken") for r in dead):
                 return
         self._rank_failed(dead[0], exit_cause(dead[0].process.exitcode), what)
@@ -414,12 +414,12 @@ class TrainerExecutor(ExecutorBase):
                 self._rank_failed(dead[0], exit_cause(dead[0].process.exitcode), what,
                                   note=f"\n{r.name} then raised: {_last_line(tb)}")
             time.sleep(0.1)
-        self._rank_failed(r, f"raised {_last_line(tb)}", what, detail=tb)
+        code = r.process.exitcode
+        self._rank_failed(r, f"raised {_last_line(tb)} ({'still running' if code is None else f'exit code {code}'})",
+                          what, detail=tb)
 
     def _rank_failed(self, r: _Rank, cause: str, what: str, note: str = "", detail: str = "") -> None:
         code = r.process.exitcode
-        if "exit" not in cause:
-            cause += f" (exit code {code})" if code is not None else " (still running)"
         body = detail or f"--- last lines of {r.log_path} ---\n{r.log_tail()}"
         self._raise(TrainerRankFailed(
             f"trainer: {r.name} {cause} while waiting for {what}; every trainer rank was killed{note}\n"
