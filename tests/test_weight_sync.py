@@ -49,3 +49,36 @@ def test_pushed_weights_reproduce_trainer_logprobs(tiny_llama_tied_dir, tmp_path
             assert _max_gap(trainer, batch) > 0.05  # the check sees stale weights
     finally:
         trainer.close()
+
+
+def test_ddma_push_verified_and_probe_catches_stale_weights(tiny_llama_tied_dir, tmp_path):
+    """The controller's sync call (controller/weight_sync.py) over DDMA: after pushing perturbed
+    weights the probe passes within the fp32 bound; perturb again without pushing and the probe
+    must stop the job (a lost update), naming the gap."""
+    import pytest
+
+    from megarl.controller.loop import model_dims
+    from megarl.controller.weight_sync import ProbeMismatch, WeightSync
+
+    cfg = load_config(REPO / "configs" / "tiny_test.yaml", [
+        f"model.path={tiny_llama_tied_dir}", "generator.dtype=float32", "generator.max_new_tokens=12",
+        "sync.probe_every=1"])
+    trainer = LocalTrainer(cfg.trainer, cfg.algorithm, tiny_llama_tied_dir, total_steps=1, run_dir=tmp_path)
+    try:
+        with GeneratorExecutor(cfg.generator, tiny_llama_tied_dir) as gen:
+            sync = WeightSync(cfg.sync, trainer, gen, dims=model_dims(tiny_llama_tied_dir), generator_cfg=cfg.generator,
+                              probe_prompt=[1, 504, 3180, 314])
+            g = torch.Generator().manual_seed(0)
+            with torch.no_grad():
+                for p in trainer.model.parameters():
+                    p.add_(torch.randn(p.shape, generator=g) * 0.05)
+            m = sync.push(1)
+            assert m["sync/verified"] == 1.0 and m["sync/bytes_sent"] > 0
+            assert m["sync/probe_gap"] < 1e-3  # the fp32 bound (weight_sync.py docstring)
+            with torch.no_grad():
+                for p in trainer.model.parameters():
+                    p.add_(torch.randn(p.shape, generator=g) * 0.05)
+            with pytest.raises(ProbeMismatch, match="probe prompt differ"):
+                sync.probe(2)  # weights changed, never pushed: ~0.6 nats (see above), far over 1e-3
+    finally:
+        trainer.close()

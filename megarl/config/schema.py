@@ -1,7 +1,7 @@
 """The whole job's configuration: one dataclass per section, composed here.
 
 Sections owned by an executor live next to it (`megarl/trainer/config.py`, `megarl/generator/config.py`,
-`megarl/algorithms/config.py`, `megarl/reward/config.py`); the job-level sections are defined below.
+`megarl/algorithms/config.py`, `megarl/reward/config.py`, `megarl/ddma/config.py`); the job-level sections are defined below.
 Every knob is declared with :func:`megarl.config.knobs.knob`, so `megarl config explain` prints its
 unit and default.
 """
@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from megarl.algorithms.config import AlgorithmConfig
 from megarl.config.knobs import knob
+from megarl.ddma.config import SyncConfig
 from megarl.generator.config import GeneratorConfig
 from megarl.reward.config import RewardConfig
 from megarl.trainer.config import TrainerConfig
@@ -79,6 +80,7 @@ class MegaRLConfig:
     generator: GeneratorConfig = field(default_factory=GeneratorConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    sync: SyncConfig = field(default_factory=SyncConfig)
     controller: ControllerConfig = field(default_factory=ControllerConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)

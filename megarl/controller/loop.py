@@ -1,8 +1,9 @@
 """The controller: the one place the RL loop is written.
 
 Today the loop runs synchronously (generate -> reward -> train -> sync, no overlap: what
-``max_policy_lag: 0`` means) with a single-rank trainer in this process and the generator's vLLM
-replicas in their own processes; weights travel as full HF tensors through host shared memory.
+``max_policy_lag: 0`` means) with the trainer's TP x PP x DP Megatron ranks and the generator's vLLM
+replicas each in their own processes; weights travel by DDMA (controller/weight_sync.py), each worker
+receiving only its shard, checksummed and probed.
 The asynchronous loop, multi-rank trainers and DDMA slot in below ``run_job`` without changing its
 shape.
 """
@@ -31,11 +32,12 @@ def run_job(cfg: MegaRLConfig) -> int:
     _select_device(cfg.cluster.device)
 
     from megarl.controller.prompts import PromptSource
+    from megarl.controller.weight_sync import WeightSync
+    from megarl.executors.trainer import TrainerExecutor
     from megarl.generator.executor import GeneratorExecutor
     from megarl.reward import RewardPool
     from megarl.trainer.batch import RolloutBatch
     from megarl.trainer.checkpoint import should_save
-    from megarl.trainer.local import LocalTrainer
     from megarl.utils.metrics import PhaseTimer
 
     model_dir = resolve_model(cfg.model.path)
@@ -46,13 +48,20 @@ def run_job(cfg: MegaRLConfig) -> int:
         # every executor below, then the handlers are restored (megarl.utils.procs).
         stack.enter_context(signals_raise())
         run = stack.enter_context(RunFolder(cfg, n_eval=len(prompts.held)))
-        log.info("starting the trainer (Megatron, tp=pp=dp=1) from %s", model_dir)
-        trainer = LocalTrainer(cfg.trainer, cfg.algorithm, model_dir, total_steps=steps, run_dir=run.path)
-        stack.callback(trainer.close)
+        t = cfg.trainer
+        log.info("starting the trainer (Megatron, tp=%d pp=%d dp=%d, one process per rank) from %s",
+                 t.tp, t.pp, t.dp, model_dir)
+        trainer = stack.enter_context(TrainerExecutor(t, cfg.algorithm, model_dir, total_steps=steps, run_dir=run.path))
+        if trainer.step_count:
+            log.info("trainer: resuming from the step-%d checkpoint (trainer.resume_from=%s)", trainer.step_count,
+                     t.resume_from)
         log.info("starting the generator (%d vLLM replica(s), tp=%d)", cfg.generator.replicas, cfg.generator.tp)
         generator = stack.enter_context(GeneratorExecutor(cfg.generator, model_dir).start())
         reward = stack.enter_context(RewardPool(cfg.reward, cfg.generator.max_new_tokens))
-        generator.update_weights(trainer.hf_weights(), version=trainer.step_count)  # resume-safe start
+        weights = WeightSync(cfg.sync, trainer, generator, dims=model_dims(model_dir), generator_cfg=cfg.generator,
+                             probe_prompt=prompts.eval_set()[1][0], pad_id=prompts.pad_id)
+        log.info("weight sync: %s", describe_sync(cfg))
+        weights.push(trainer.step_count)  # resume-safe start: the engines get the trainer's weights
         if every and trainer.step_count == 0:  # the baseline the run improves on
             run.log_eval(0, steps, evaluate(generator, prompts, run, step=0))
 
@@ -69,8 +78,8 @@ def run_job(cfg: MegaRLConfig) -> int:
             with timer.phase("train"):
                 train_metrics = trainer.step(RolloutBatch.from_samples(samples, advantages, pad_id=prompts.pad_id))
             with timer.phase("sync"):
-                generator.update_weights(trainer.hf_weights(), version=trainer.step_count)
-            metrics = {**{f"train/{k}": v for k, v in train_metrics.items()}, **timer.finish(),
+                sync_metrics = weights.push(trainer.step_count)
+            metrics = {**{f"train/{k}": v for k, v in train_metrics.items()}, **timer.finish(), **sync_metrics,
                        **rollout_metrics(samples, scored, timer.seconds["generate"]),
                        "data/prompts_crc32": prompts_fingerprint(prompt_ids)}
             if every and (step % every == 0 or step == steps):
@@ -129,6 +138,22 @@ def prompts_fingerprint(prompt_ids) -> int:
     return zlib.crc32(repr([list(p) for p in prompt_ids]).encode())
 
 
+def model_dims(model_dir: Path):
+    """The architecture facts the DDMA planner needs, from the HF config (no weights)."""
+    from megarl.trainer.layouts import ModelDims
+    from megarl.trainer.model import read_hf_config
+
+    return ModelDims.from_hf_config(read_hf_config(model_dir))
+
+
+def describe_sync(cfg: MegaRLConfig) -> str:
+    s = cfg.sync
+    if s.method == "shm":
+        return "full HF tensors through one shared-memory file (sync.method=shm)"
+    return (f"DDMA {s.transport}, wire {s.wire}, checksums every {s.verify_every or 'never'} sync(s), "
+            f"logprob probe every {s.probe_every or 'never'}")
+
+
 def resolve_model(path: str) -> Path:
     """An HF folder for ``model.path`` (the built-in SmolLM2 is converted once and cached)."""
     if path == BUILTIN_SMOLLM2:
@@ -140,11 +165,6 @@ def resolve_model(path: str) -> Path:
 
 
 def _check_supported(cfg: MegaRLConfig) -> None:
-    t = cfg.trainer
-    if t.tp * t.pp * t.dp != 1:
-        raise ConfigError([f"trainer.tp={t.tp}, trainer.pp={t.pp}, trainer.dp={t.dp}: `megarl train` runs a "
-                           f"single-rank trainer today (multi-rank trainers arrive with the controller); "
-                           f"set all three to 1. Multi-rank training steps are exercised in tests/test_trainer_*"])
     if cfg.controller.max_policy_lag:
         log.warning("controller.max_policy_lag=%d: the asynchronous loop is not in yet; running synchronously "
                     "(on-policy, max_policy_lag 0)", cfg.controller.max_policy_lag)

@@ -247,6 +247,16 @@ class TrainerExecutor(ExecutorBase):
         self._step_count = out[0]["step"]
         return next(o["metrics"] for o in out if o["metrics"] is not None)
 
+    def logprobs(self, batch: RolloutBatch, temperature: float | None = None) -> torch.Tensor:
+        """Per-token logprobs ``[b, s]`` of ``batch`` under the current weights (every rank runs the
+        forward; the reporting rank returns them). ``temperature``: default trainer.logprob_temperature."""
+        out = self._call("logprobs", (batch, temperature), self.cfg.step_timeout_s, "logprobs")
+        return next(o for o in out if o is not None)
+
+    def topology(self):
+        """The trainer's layout as the DDMA planner describes it (``TrainerTopology``, from rank 0)."""
+        return self._call("topology", (), self.cfg.save_timeout_s, "its topology")[0]
+
     def save(self) -> Path:
         """Checkpoint (collective megatron dist checkpoint on every rank); rank 0's step folder."""
         return Path(self._call("save", (), self.cfg.save_timeout_s, f"save step {self._step_count}")[0])

@@ -112,6 +112,20 @@ class RankTrainer:
         self.progress.consumed_samples += batch.batch_size
         return metrics
 
+    def logprobs(self, batch: RolloutBatch, temperature: float | None = None) -> torch.Tensor:
+        """Per-token logprobs ``[b, s]`` of ``batch`` under the current weights (collective; every rank
+        gets the whole result). ``temperature`` defaults to ``trainer.logprob_temperature``."""
+        from megarl.trainer.logprobs import compute_logprobs
+
+        t = self.cfg.logprob_temperature if temperature is None else float(temperature)
+        return compute_logprobs(self.model, batch, micro_batch_size=self.cfg.micro_batch_size, temperature=t).logprobs
+
+    def topology(self):
+        """This trainer's layout as the DDMA planner describes it (``TrainerTopology``)."""
+        from megarl.trainer.ddma import trainer_topology
+
+        return trainer_topology(self.model)
+
     def save(self) -> Path:
         """Atomic checkpoint of model, optimizer, scheduler, RNG and progress, plus the HF config and
         tokenizer files of ``model_dir`` so ``megarl convert mcore-to-hf`` can export it."""
@@ -148,6 +162,36 @@ class LocalTrainer(RankTrainer):
         specs = [s for s in local_shard_specs(self.model) if not s.is_tied_copy]
         for _, pieces in groupby(specs, key=lambda s: s.mcore_name):
             yield from reassemble(pieces).items()
+
+    def start_sync(self, spec, version: int) -> None:
+        """Start sending this rank's shards for weights ``version`` (DDMA ``spec``) in a background
+        thread (the controller meanwhile tells the generator to receive); :meth:`finish_sync` joins."""
+        import threading
+
+        from megarl.trainer.ddma import make_sender
+
+        if getattr(self, "_sender", None) is None or self._sender.spec != spec:
+            self._sender = make_sender(self.model, spec)
+        result: dict = {}
+
+        def run():
+            try:
+                result["stats"] = self._sender.sync(int(version))
+            except BaseException as e:  # noqa: BLE001 - re-raised in finish_sync
+                result["error"] = e
+
+        self._sync_thread = threading.Thread(target=run, name=f"ddma-send-v{version}", daemon=True)
+        self._sync_result, self._sync_timeout = result, float(spec.timeout_s) + 30.0
+        self._sync_thread.start()
+
+    def finish_sync(self) -> list[dict]:
+        """Wait for :meth:`start_sync`'s send; ``[stats]`` (one rank), as TrainerExecutor returns."""
+        self._sync_thread.join(self._sync_timeout)
+        if self._sync_thread.is_alive():
+            raise TimeoutError(f"DDMA send did not finish within {self._sync_timeout:.0f} s")
+        if "error" in self._sync_result:
+            raise self._sync_result["error"]
+        return [{"rank": 0, "tp": 0, "pp": 0, "dp": 0, **self._sync_result["stats"]}]
 
     def close(self) -> None:
         from megarl.utils.dist import destroy_distributed

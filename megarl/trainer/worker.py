@@ -34,7 +34,7 @@ from megarl.trainer.config import TrainerConfig
 log = logging.getLogger(__name__)
 
 HEARTBEAT_S = 1.0  # seconds between heartbeats (the executor's heartbeat_timeout_s is far longer)
-COMMANDS = ("step", "save", "sync", "shards", "health")  # plus "exit"
+COMMANDS = ("step", "save", "sync", "logprobs", "topology", "shards", "health")  # plus "exit"
 
 
 class _Channel:
@@ -122,6 +122,13 @@ class _Server:
             self._sender = make_sender(self.trainer.model, spec)
             self._sender_spec = spec
         return self._sender.sync(int(version))
+
+    def logprobs(self, batch, temperature) -> torch.Tensor | None:
+        lp = self.trainer.logprobs(batch, temperature)  # collective: every rank runs it
+        return lp if self.reports else None
+
+    def topology(self):
+        return self.trainer.topology()
 
     def shards(self) -> list:
         return _shards(self.trainer)
