@@ -76,3 +76,50 @@ def test_ddma_sync_equals_shm_push(tiny_llama_dir, checkpoint_b, tmp_path, ttp, 
         assert torch.equal(a, b)
     assert ids_a != ids_ddma or any(not torch.equal(a, b) for a, b in zip(lps_a, lps_ddma))
     assert sum(s["bytes_sent"] for s in sent) > 0
+
+
+
+def _trainer_gap(trainer, gen) -> float:
+    """Max |engine - trainer| logprob over the engine's own greedy tokens (teacher-forced on the
+    trainer: the same tokens on both sides, whatever the engine chose)."""
+    from megarl.trainer.batch import RolloutBatch
+
+    batch = RolloutBatch.from_samples(gen.generate(PROMPTS, n_samples=1, sampling=GREEDY))
+    lp = trainer.logprobs(batch, temperature=1.0)
+    return float(((lp - batch.behav_logprobs).abs() * batch.loss_mask).max())
+
+
+def test_ddma_fp8_before_send_into_an_fp8_engine(tiny_llama_dir, checkpoint_b, tmp_path):
+    """FP8 on the wire (per trainer row) into an FP8 engine (vLLM re-quantizes per its own row on
+    arrival) against the shm push of the same weights (vLLM quantizes the bf16 weights itself),
+    both measured against the trainer's exact fp32 logprobs on the engine's tokens.
+
+    Both engines hold per-channel e4m3 weights of the same tensors: each weight is within half an
+    e4m3 step (2^-4 relative) of the trainer's for the shm path; the DDMA path rounds twice (trainer
+    row, then the engine's row: the trainer's TP2 o_proj/down_proj rows are half rows), so within
+    2 x 2^-4. Logprob errors scale with the weight error, hence DDMA <= 2x shm (+ the bf16
+    activation noise both share, bounded by the bf16 probe bound 0.25 / 10). With the old
+    weights (no sync) the gap is the whole checkpoint change: it must be far larger."""
+    cfg = load_config(REPO / "configs" / "tiny_test.yaml", [
+        f"model.path={tiny_llama_dir}", "generator.dtype=bfloat16", "generator.quantization=fp8_per_channel",
+        "generator.max_new_tokens=12"])
+    dims = ModelDims.from_hf_config(read_hf_config(tiny_llama_dir))
+    store = host_store()
+    spec = SyncSpec(dims, TrainerTopology(2, 1, 1), GeneratorTopology(1, 1), "127.0.0.1", store.port,
+                    wire="fp8", engine_dtype="bfloat16", timeout_s=120)
+    with TrainerExecutor(TrainerConfig(tp=2), AlgorithmConfig(), checkpoint_b, total_steps=1,
+                         run_dir=tmp_path) as trainer, GeneratorExecutor(cfg.generator, tiny_llama_dir) as gen:
+        gap_old = _trainer_gap(trainer, gen)
+        trainer.start_sync(spec, 1)
+        gen.update_weights_from_source(spec.weight_source(1), 1)
+        sent = trainer.finish_sync()
+        gap_ddma = _trainer_gap(trainer, gen)
+        reader = HFReader(checkpoint_b)
+        gen.update_weights(((n, reader(n)) for n in reader.names()), version=2)
+        gap_shm = _trainer_gap(trainer, gen)
+    # half the bytes of a bf16 wire: one byte per weight element (+ 4 bytes per row scale, norms in bf16)
+    numel = sum(int(torch.Size(reader(n).shape).numel()) for n in reader.names())
+    assert sum(s["bytes_sent"] for s in sent) < 1.1 * numel
+    print(f"fp8 logprob gaps vs trainer: ddma {gap_ddma:.4f} shm {gap_shm:.4f} old weights {gap_old:.4f}")
+    assert gap_ddma <= 2 * gap_shm + 0.025, (gap_ddma, gap_shm)
+    assert gap_old > 4 * gap_ddma, (gap_old, gap_ddma)
