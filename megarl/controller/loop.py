@@ -1,9 +1,11 @@
 """The controller: the one place the RL loop is written.
 
-Today the loop runs synchronously (generate -> reward -> train -> sync, no overlap: what
-``max_policy_lag: 0`` means) with the trainer's TP x PP x DP Megatron ranks and the generator's vLLM
-replicas each in their own processes; weights travel by DDMA (controller/weight_sync.py), each worker
-receiving only its shard, checksummed and probed.
+Each step: keep up to ``max_policy_lag`` later batches generating (controller/rollouts.py), take this
+step's rollouts, score them, train, sync the weights. With ``max_policy_lag: 0`` that is the
+synchronous on-policy baseline; with ``k > 0`` the generator works on the next batches while the
+trainer trains (LlamaRL-style, 1..k versions of lag, corrected by the loss). The trainer's TP x PP x DP
+Megatron ranks and the generator's vLLM replicas run in their own processes; weights travel by DDMA
+(controller/weight_sync.py), each worker receiving only its shard, checksummed and probed.
 The asynchronous loop, multi-rank trainers and DDMA slot in below ``run_job`` without changing its
 shape.
 """
@@ -28,10 +30,10 @@ log = logging.getLogger("megarl")
 def run_job(cfg: MegaRLConfig) -> int:
     """Run the job described by ``cfg``; returns a process exit code."""
     _setup_logging()
-    _check_supported(cfg)
     _select_device(cfg.cluster.device)
 
     from megarl.controller.prompts import PromptSource
+    from megarl.controller.rollouts import RolloutQueue
     from megarl.controller.weight_sync import WeightSync
     from megarl.executors.trainer import TrainerExecutor
     from megarl.generator.executor import GeneratorExecutor
@@ -65,11 +67,13 @@ def run_job(cfg: MegaRLConfig) -> int:
         if every and trainer.step_count == 0:  # the baseline the run improves on
             run.log_eval(0, steps, evaluate(generator, prompts, run, step=0))
 
+        rollouts = RolloutQueue(generator, prompts, prompts_per_step=cfg.controller.prompts_per_step,
+                                max_policy_lag=cfg.controller.max_policy_lag, last_step=steps)
         for step in range(trainer.step_count + 1, steps + 1):
             timer = PhaseTimer()
-            tasks, prompt_ids = prompts.batch(step - 1, cfg.controller.prompts_per_step)
-            with timer.phase("generate"):
-                samples = generator.generate(prompt_ids)
+            rollouts.fill(step)  # up to max_policy_lag later batches generate while this one trains
+            with timer.phase("generate"):  # waiting for this step's rollouts
+                tasks, prompt_ids, samples, lag_metrics = rollouts.take(step, trainer.step_count)
             with timer.phase("reward"):
                 scored = reward.score([prompts.decode(s.completion_ids) for s in samples],
                                       [tasks[s.prompt_index].answer for s in samples],
@@ -80,6 +84,7 @@ def run_job(cfg: MegaRLConfig) -> int:
             with timer.phase("sync"):
                 sync_metrics = weights.push(trainer.step_count)
             metrics = {**{f"train/{k}": v for k, v in train_metrics.items()}, **timer.finish(), **sync_metrics,
+                       **lag_metrics,
                        **rollout_metrics(samples, scored, timer.seconds["generate"]),
                        "data/prompts_crc32": prompts_fingerprint(prompt_ids)}
             if every and (step % every == 0 or step == steps):
@@ -162,12 +167,6 @@ def resolve_model(path: str) -> Path:
         log.info("preparing the built-in SmolLM2-135M-Instruct (first time: converts the GGUF, ~1 min)")
         return ensure_smollm2_hf()
     return Path(path)
-
-
-def _check_supported(cfg: MegaRLConfig) -> None:
-    if cfg.controller.max_policy_lag:
-        log.warning("controller.max_policy_lag=%d: the asynchronous loop is not in yet; running synchronously "
-                    "(on-policy, max_policy_lag 0)", cfg.controller.max_policy_lag)
 
 
 def _select_device(device: str) -> None:
