@@ -85,7 +85,7 @@ def run_job(cfg: MegaRLConfig) -> int:
                 sync_metrics = weights.push(trainer.step_count)
             metrics = {**{f"train/{k}": v for k, v in train_metrics.items()}, **timer.finish(), **sync_metrics,
                        **lag_metrics,
-                       **rollout_metrics(samples, scored, timer.seconds["generate"]),
+                       **rollout_metrics(samples, scored, lag_metrics["gen/batch_latency_s"]),
                        "data/prompts_crc32": prompts_fingerprint(prompt_ids)}
             if every and (step % every == 0 or step == steps):
                 metrics.update(evaluate(generator, prompts, run, step=step))

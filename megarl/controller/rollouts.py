@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import time
 
 from megarl.controller.staleness import policy_lag
 
@@ -34,6 +35,7 @@ class RolloutQueue:
         self.pending: dict[int, tuple[list, list, list[int]]] = {}  # step -> (tasks, prompt ids, group ids)
         self.pool: dict[int, list] = collections.defaultdict(list)  # group id -> finished samples
         self.next_step: int | None = None
+        self.submitted_at: dict[int, float] = {}
         self.regenerated = 0  # groups generated again because a sample was older than the bound
 
     def fill(self, step: int) -> None:
@@ -44,6 +46,7 @@ class RolloutQueue:
             tasks, prompt_ids = self.prompts.batch(self.next_step - 1, self.per_step)
             groups = self.generator.submit(prompt_ids, prompt_indices=list(range(len(prompt_ids))))
             self.pending[self.next_step] = (tasks, prompt_ids, list(groups))
+            self.submitted_at[self.next_step] = time.monotonic()
             self.next_step += 1
 
     def take(self, step: int, trainer_version: int) -> tuple[list, list, list, dict[str, float]]:
@@ -63,7 +66,11 @@ class RolloutQueue:
                 (new,) = self.generator.submit([prompt_ids[index]], prompt_indices=[index])
                 groups[groups.index(g)] = new
         samples = [s for g in groups for s in sorted(self.pool.pop(g), key=lambda s: s.sample_index)]
-        return tasks, prompt_ids, samples, self._lag_metrics(samples, trainer_version)
+        metrics = self._lag_metrics(samples, trainer_version)
+        # submit -> all samples in hand: the generation time of a synchronous step; with lag > 0 an
+        # upper bound (the batch may have finished while the trainer trained)
+        metrics["gen/batch_latency_s"] = time.monotonic() - self.submitted_at.pop(step)
+        return tasks, prompt_ids, samples, metrics
 
     def _wait_for(self, groups: list[int]) -> None:
         missing = lambda: sum(max(0, self.n_samples - len(self.pool[g])) for g in groups)  # noqa: E731
