@@ -118,3 +118,41 @@ def test_train_policy_lag_bound(tiny_llama_dir, tmp_path, lag):
         assert all(r["lag/tokens_0"] == r["gen/tokens"] for r in rows)
     else:  # batch s+1 generates while step s trains: its early tokens are one version behind
         assert max(r["lag/max"] for r in rows) >= 1
+
+
+def test_async_kill_then_resume_trains_every_batch_once(tiny_llama_dir, tmp_path):
+    """max_policy_lag=1 (batches generating ahead of the trainer): SIGKILL the controller mid-run,
+    resume with trainer.resume_from=auto, and the steps trained are exactly those of a run that
+    never stopped, each on the same prompts (data/prompts_crc32), none twice."""
+    import signal
+    import time
+
+    common = ("controller.max_policy_lag=1", "controller.steps=4", "controller.eval_every=0")
+    cmd = [sys.executable, "-m", "megarl", "train", str(REPO / "configs" / "tiny_test.yaml"),
+           f"model.path={tiny_llama_dir}", f"logging.out_dir={tmp_path / 'a'}", "trainer.checkpoint_interval=1",
+           "algorithm.entropy_coef=0.01", "controller.steps=40", "controller.max_policy_lag=1",
+           "controller.eval_every=0"]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    metrics = tmp_path / "a" / "tiny-test" / "metrics.jsonl"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and proc.poll() is None:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 2:
+            break
+        time.sleep(0.2)
+    assert proc.poll() is None, "the run ended before it could be killed"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(30)
+    before = [r["step"] for r in _rows(tmp_path / "a" / "tiny-test")]
+    out = _train(tiny_llama_dir, tmp_path / "a", *common, "trainer.resume_from=auto")
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    rows = _rows(tmp_path / "a" / "tiny-test")
+    steps = [r["step"] for r in rows]
+    assert len(steps) == len(set(steps)), steps  # no step trained (logged) twice
+    # the first resumed step follows the last checkpoint: the last logged step, or the one after it when
+    # the kill fell between its checkpoint and its log line (trained and saved, only not logged)
+    assert steps[-1] == 4 and steps[len(before)] in (before[-1] + 1, before[-1] + 2), (before, steps)
+    straight = _train(tiny_llama_dir, tmp_path / "b", *common)
+    assert straight.returncode == 0, straight.stdout[-3000:] + straight.stderr[-3000:]
+    want = {r["step"]: r["data/prompts_crc32"] for r in _rows(tmp_path / "b" / "tiny-test")}
+    assert {r["step"]: r["data/prompts_crc32"] for r in rows} == {s: want[s] for s in steps}
+    assert set(range(steps[len(before)], 5)) <= set(steps)
