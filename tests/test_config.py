@@ -100,6 +100,26 @@ def test_world_size_must_match_executors(tmp_path, model_dir):
     assert load_config(cfg, ["trainer.tp=2", "generator.replicas=2", "cluster.world_size=4"])
 
 
+def test_trainer_cpus_placement(tmp_path, model_dir):
+    import os
+
+    cfg = write(tmp_path / "c.yaml", f"model: {{path: {model_dir}}}\n")
+    (msg,) = problems_of(cfg, ["cluster.trainer_cpus=0-x"])
+    assert msg.startswith("cluster.trainer_cpus='0-x'") and "'0-x' is not a core number" in msg
+    missing = max(os.sched_getaffinity(0)) + 1
+    (msg,) = problems_of(cfg, [f"cluster.trainer_cpus={missing}"])
+    assert f"cores [{missing}] are not available here" in msg
+    assert load_config(cfg, [f"cluster.trainer_cpus={min(os.sched_getaffinity(0))}"])
+
+
+def test_parse_cpu_list():
+    from megarl.utils.procs import parse_cpu_list
+
+    assert parse_cpu_list("0-3,6, 2") == [0, 1, 2, 3, 6] and parse_cpu_list("") == []
+    with pytest.raises(ValueError, match="'3-1'"):
+        parse_cpu_list("3-1")
+
+
 def test_missing_paths(tmp_path):
     cfg = write(tmp_path / "c.yaml", f"model: {{path: {tmp_path / 'nope'}}}\ndata: {{train_path: {tmp_path / 'x.jsonl'}}}\n")
     msgs = problems_of(cfg)

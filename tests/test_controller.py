@@ -86,7 +86,8 @@ def test_train_runs_end_to_end_and_resumes(tiny_llama_dir, tmp_path):
         [r["data/prompts_crc32"] for r in _rows(tmp_path / "b" / "tiny-test")]
 
 
-@pytest.mark.parametrize("layout", [("trainer.tp=2",), ("trainer.pp=2", "sync.transport=p2p")], ids=str)
+@pytest.mark.parametrize("layout", [("trainer.tp=2",), ("trainer.pp=2", "sync.transport=p2p"),
+                                    ("cluster.trainer_cpus=0", "generator.threads_bind=1")], ids=str)
 def test_train_multi_rank_trainer_over_ddma(tiny_llama_dir, tmp_path, layout):
     """`megarl train` with a TP2 / PP2 trainer (ranks in their own processes): it trains, and every
     sync goes through DDMA with the checksums on and the logprob probe passing."""
@@ -95,6 +96,8 @@ def test_train_multi_rank_trainer_over_ddma(tiny_llama_dir, tmp_path, layout):
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     rows = _rows(tmp_path / "tiny-test")
     assert [r["step"] for r in rows] == [1, 2]
+    if "cluster.trainer_cpus=0" in layout:  # trainer on core 0, the engine on core 1
+        assert "trainer ranks pinned: rank 0 cores [0]" in out.stderr + out.stdout
     for r in rows:
         assert r["sync/verified"] == 1.0 and r["sync/bytes_sent"] > 0
         assert r["sync/probe_gap"] < 0.25  # bf16 engine bound (controller/weight_sync.py)

@@ -58,6 +58,10 @@ class ControllerConfig:
 class ClusterConfig:
     device: str = knob("auto", choices=("auto", "cpu", "cuda"), help=(
         "Where executors run: 'auto' picks cuda when available, else cpu (gloo transport)."))
+    trainer_cpus: str = knob("", help=(
+        "CPU placement of the trainer's ranks: a core list like '0' or '0-3,8' split evenly over the ranks "
+        "(each rank pinned, torch threads = its cores); '' = no pinning (ranks share every core with the "
+        "generator). Put the generator elsewhere with generator.threads_bind. Default ''."))
     world_size: int = knob(0, help=(
         "Ranks in the job (processes / GPUs). 0 = derive as trainer tp*pp*dp + generator tp*replicas; "
         "when set (e.g. from Slurm) it must equal that sum."))

@@ -80,6 +80,19 @@ def check(cfg: MegaRLConfig) -> list[str]:
             f"(generator.logprobs_mode={g.logprobs_mode}, generator.temperature={g.temperature}); "
             f"set trainer.logprob_temperature={want_t} so importance ratios compare like with like")
 
+    if cfg.cluster.trainer_cpus:
+        from megarl.utils.procs import parse_cpu_list
+
+        try:
+            cores = parse_cpu_list(cfg.cluster.trainer_cpus)
+        except ValueError as e:
+            problems.append(f"cluster.trainer_cpus={cfg.cluster.trainer_cpus!r}: {e}")
+        else:
+            allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else cores
+            if set(cores) - set(allowed):
+                problems.append(f"cluster.trainer_cpus={cfg.cluster.trainer_cpus!r}: cores "
+                                f"{sorted(set(cores) - set(allowed))} are not available here (allowed: {allowed})")
+
     # Paths.
     if cfg.model.path != BUILTIN_SMOLLM2:
         mp = Path(cfg.model.path)

@@ -41,6 +41,7 @@ def run_job(cfg: MegaRLConfig) -> int:
     from megarl.trainer.batch import RolloutBatch
     from megarl.trainer.checkpoint import should_save
     from megarl.utils.metrics import PhaseTimer
+    from megarl.utils.procs import parse_cpu_list
 
     model_dir = resolve_model(cfg.model.path)
     prompts = PromptSource(cfg, model_dir)
@@ -53,7 +54,12 @@ def run_job(cfg: MegaRLConfig) -> int:
         t = cfg.trainer
         log.info("starting the trainer (Megatron, tp=%d pp=%d dp=%d, one process per rank) from %s",
                  t.tp, t.pp, t.dp, model_dir)
-        trainer = stack.enter_context(TrainerExecutor(t, cfg.algorithm, model_dir, total_steps=steps, run_dir=run.path))
+        cpus = parse_cpu_list(cfg.cluster.trainer_cpus) or None  # cluster.trainer_cpus: pin the ranks
+        trainer = stack.enter_context(TrainerExecutor(t, cfg.algorithm, model_dir, total_steps=steps, run_dir=run.path,
+                                                      cpus=cpus))
+        if cpus:
+            log.info("trainer ranks pinned: %s", "; ".join(f"rank {h['rank']} cores {h['cores']}"
+                                                           for h in trainer.health()))
         if trainer.step_count:
             log.info("trainer: resuming from the step-%d checkpoint (trainer.resume_from=%s)", trainer.step_count,
                      t.resume_from)

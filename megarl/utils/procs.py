@@ -166,3 +166,15 @@ def signals_raise(signals: Sequence[int] = DEFAULT_SIGNALS) -> Iterator[None]:
     finally:
         for s, old in previous.items():
             signal.signal(s, old if old is not None else signal.SIG_DFL)
+
+
+def parse_cpu_list(text: str) -> list[int]:
+    """``"0-3,6"`` -> ``[0, 1, 2, 3, 6]`` (Linux cpu-list syntax); ``""`` -> ``[]``. Raises ValueError
+    naming the bad part."""
+    out: list[int] = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        lo, _, hi = part.partition("-")
+        if not lo.isdigit() or (hi and not hi.isdigit()) or (hi and int(hi) < int(lo)):
+            raise ValueError(f"{part!r} is not a core number or range like 0-3")
+        out.extend(range(int(lo), int(hi or lo) + 1))
+    return sorted(set(out))
