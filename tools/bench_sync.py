@@ -38,8 +38,7 @@ from pathlib import Path
 
 import torch
 
-from megarl.ddma.layouts import (DstRank, GeneratorTopology, SrcRank, TrainerTopology, source_rank_layouts,
-                                 vllm_param_layouts)
+from megarl.ddma.layouts import GeneratorTopology, TrainerTopology, source_rank_layouts, vllm_param_layouts
 from megarl.ddma.sync import DdmaReceiver, DdmaSender, SyncSpec, gloo_group, host_store
 from megarl.trainer.layouts import ModelDims, hf_tensor_shapes, hf_to_local
 
@@ -66,7 +65,7 @@ def _specs(dims, src, dst, port):
 
 # ---------------------------------------------------------------- the baselines (rank 0 gathers)
 
-def _gather_to_rank0(pg, me: int, n_src: int, src_ranks, params, dims, src) -> dict[str, torch.Tensor] | None:
+def _gather_to_rank0(pg, me: int, src_ranks, params, dims, src) -> dict[str, torch.Tensor] | None:
     """Trainer ranks send every shard to rank 0, which assembles full HF tensors."""
     flat = torch.cat([t.reshape(-1) for t in params.values()])
     if me != 0:
@@ -155,7 +154,7 @@ def _role_main(role: str, index: int, dims, src, dst, port: int, cmds, out) -> N
                         off_clock += time.monotonic() - d0
                     info = sides[key].last_stats
             elif role == "src":
-                hf = _gather_to_rank0(pg, me, n_src, src_ranks, params, dims, src)
+                hf = _gather_to_rank0(pg, me, src_ranks, params, dims, src)
                 if hf is not None and method == "gather_broadcast":
                     flat = torch.cat([hf[n].reshape(-1) for n in sorted(hf)])
                     for j in range(len(dst_ranks)):

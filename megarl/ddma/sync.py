@@ -272,7 +272,7 @@ class DdmaSender(_Side):
         return dict(sums)
 
     def _send_p2p(self, wire, scales) -> int:
-        pg, me = self.pg(self.group_rank(self.rank)), self.group_rank(self.rank)
+        pg = self.pg(self.group_rank(self.rank))
         inflight: collections.deque = collections.deque()
         held = peak = 0
         for d, _, copies in self.outgoing:
@@ -290,7 +290,6 @@ class DdmaSender(_Side):
                 held -= self._finish(inflight.popleft())
         while inflight:
             held -= self._finish(inflight.popleft())
-        del me
         return peak
 
     @staticmethod
@@ -404,7 +403,6 @@ class DdmaReceiver(_Side):
         fp8 = _is_fp8(spec, tuple(src_shape))
         es = 1 if fp8 else flat.element_size()
         n = sum(c.numel for c in copies)
-        dst_idx = None
         if spec.transport == "zero_copy":
             entry = table["params"][copies[0].src_param]
             if not fp8:

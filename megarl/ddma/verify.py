@@ -17,7 +17,6 @@ what the logprob probe catches.)
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
 
 import torch
 
@@ -62,7 +61,7 @@ def hf_flat_index(layout: ParamLayout, hf_name: str, local_flat: torch.Tensor) -
     for p in layout.pieces:
         if p.hf_name != hf_name:
             continue
-        outer, inner = math.prod(shape[:p.dim]), math.prod(shape[p.dim + 1:])
+        inner = math.prod(shape[p.dim + 1:])
         rows, hf_rows = shape[p.dim], p.hf_shape[p.dim]
         o, rem = local_flat // (rows * inner), local_flat % (rows * inner)
         r, c = rem // inner, rem % inner
@@ -126,10 +125,5 @@ def checksum_segments(flat: torch.Tensor, segments: Segments) -> int:
     return weighted_checksum(value_bits(flat.reshape(-1)[idx]), hf)
 
 
-def compare(expected: Mapping[str, int], got: Mapping[str, int]) -> list[str]:
-    """HF tensor names whose checksums differ (or are missing on one side)."""
-    return sorted(n for n in set(expected) | set(got) if expected.get(n) != got.get(n))
-
-
-__all__ = ["DdmaVerifyError", "value_bits", "weighted_checksum", "hf_flat_index", "run_indices", "compare",
+__all__ = ["DdmaVerifyError", "value_bits", "weighted_checksum", "hf_flat_index", "run_indices",
            "hf_segments", "checksum_segments"]

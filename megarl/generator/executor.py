@@ -25,7 +25,6 @@ import multiprocessing as mp
 import os
 import queue
 import shutil
-import signal
 import tempfile
 import threading
 import time
@@ -36,6 +35,7 @@ from typing import Any
 
 import torch
 
+from megarl.executors.base import exit_cause, kill_processes
 from megarl.generator.config import GeneratorConfig
 from megarl.generator.engine import replica_main
 from megarl.generator.weights import pack_to_shm
@@ -180,7 +180,7 @@ class GeneratorExecutor:
         # the middle of start() still kills those already running. Each replica also watches this
         # process (megarl.utils.procs.watch_parent), for the deaths that run no finalizer.
         procs: list = []
-        self._finalizer = weakref.finalize(self, _kill_all, procs)
+        self._finalizer = weakref.finalize(self, kill_processes, procs)
         pdeathsig = spawned_from_main_thread()
         try:
             for r in range(cfg.replicas):
@@ -518,15 +518,7 @@ class GeneratorExecutor:
 
     def _exit_cause(self, h: _ReplicaHandle) -> str:
         h.process.join(2.0)
-        code = h.process.exitcode
-        if code is None:
-            return "closed its pipe but is still running"
-        if code < 0:
-            try:
-                return f"was killed by signal {signal.Signals(-code).name}"
-            except ValueError:
-                return f"was killed by signal {-code}"
-        return f"exited with code {code}"
+        return exit_cause(h.process.exitcode)
 
     def _fail(self, h: _ReplicaHandle, cause: str) -> None:
         if self._failure is None:
@@ -573,18 +565,3 @@ def _remove_shm_files(prefixes: Sequence[str]) -> None:
                     os.unlink(os.path.join("/dev/shm", name))
                 except OSError:
                     pass
-
-
-def _kill_all(processes: list) -> None:
-    """Kill replica processes still running, and their process groups (vLLM TP workers)."""
-    for p in processes:
-        if p.exitcode is None and p.pid is not None:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-            try:
-                os.kill(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            p.join(5.0)
