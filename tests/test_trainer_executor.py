@@ -51,8 +51,9 @@ def _cfg(tp: int = 1, pp: int = 1, dp: int = 1, **kw) -> TrainerConfig:
     return TrainerConfig(tp=tp, pp=pp, dp=dp, lr=1e-3, micro_batch_size=2, grad_clip=1.0, **kw)
 
 
-def _executor(model_dir, run_dir, layout=(1, 1, 1), **kw) -> TrainerExecutor:
-    return TrainerExecutor(_cfg(*layout, **kw), ALGO, model_dir, total_steps=4, run_dir=run_dir, cpus=CPUS)
+def _executor(model_dir, run_dir, layout=(1, 1, 1), devices=None, **kw) -> TrainerExecutor:
+    return TrainerExecutor(_cfg(*layout, **kw), ALGO, model_dir, total_steps=4, run_dir=run_dir, cpus=CPUS,
+                           devices=devices)
 
 
 def _alive(pid: int) -> bool:
@@ -130,9 +131,11 @@ def _tp_attributes(rank, world, model_dir):
 def test_step_matches_single_rank(tiny_llama_dir, tmp_path, reference, layout):
     batch, expected = reference
     tp, pp, dp = LAYOUTS[layout]
-    with _executor(tiny_llama_dir, tmp_path, (tp, pp, dp)) as ex:
+    # Placement reaches each rank before CUDA starts (ids past any device here: no CUDA either way)
+    with _executor(tiny_llama_dir, tmp_path, (tp, pp, dp), devices=[14, 15]) as ex:
         pids = ex.pids
         health = ex.health()
+        assert [h["cuda_visible_devices"] for h in health] == ["14", "15"]
         assert [{k: h[k] for k in ("rank", "tp", "pp", "dp", "pid")} for h in health] == [
             {"rank": r, **rank_coords(r, tp, pp, dp), "pid": pids[r]} for r in range(2)]
         assert [h["cores"] for h in health] == ([[0], [1]] if CPUS else [[], []])

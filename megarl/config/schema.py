@@ -62,6 +62,16 @@ class ClusterConfig:
         "CPU placement of the trainer's ranks: a core list like '0' or '0-3,8' split evenly over the ranks "
         "(each rank pinned, torch threads = its cores); '' = no pinning (ranks share every core with the "
         "generator). Put the generator elsewhere with generator.threads_bind. Default ''."))
+    trainer_devices: str = knob("", help=(
+        "GPU placement of the trainer's ranks: CUDA device ids like '0-3', one per rank in global rank "
+        "order (each rank sees only its own as CUDA_VISIBLE_DEVICES). '' = the first tp*pp*dp visible "
+        "devices. Ignored on a CPU host. Default ''."))
+    generator_devices: str = knob("", help=(
+        "GPU placement of the generator: CUDA device ids, generator.tp per replica, replica-major. '' = "
+        "the devices after the trainer's. Must not overlap trainer_devices unless share_devices. Default ''."))
+    share_devices: bool = knob(False, help=(
+        "Let trainer and generator share GPUs (e.g. both on the one GPU of a smoke test; devices are used "
+        "round-robin). False = disjoint devices, and too few is a config error. Default false."))
     world_size: int = knob(0, help=(
         "Ranks in the job (processes / GPUs). 0 = derive as trainer tp*pp*dp + generator tp*replicas; "
         "when set (e.g. from Slurm) it must equal that sum."))

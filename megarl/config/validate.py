@@ -93,6 +93,17 @@ def check(cfg: MegaRLConfig) -> list[str]:
                 problems.append(f"cluster.trainer_cpus={cfg.cluster.trainer_cpus!r}: cores "
                                 f"{sorted(set(cores) - set(allowed))} are not available here (allowed: {allowed})")
 
+    if cfg.cluster.trainer_devices or cfg.cluster.generator_devices:
+        from megarl.controller.placement import device_plan
+
+        try:  # syntax and overlap now; the device count is checked when the job starts (needs CUDA)
+            device_plan(cfg, visible=1 << 16)
+        except ValueError as e:
+            problems.append(str(e))
+        if cfg.cluster.device == "cpu":
+            problems.append("cluster.trainer_devices / cluster.generator_devices are set but cluster.device=cpu; "
+                            "clear them or use cluster.device=cuda")
+
     # Paths.
     if cfg.model.path != BUILTIN_SMOLLM2:
         mp = Path(cfg.model.path)

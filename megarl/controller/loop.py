@@ -44,6 +44,7 @@ def run_job(cfg: MegaRLConfig) -> int:
     from megarl.utils.procs import parse_cpu_list
 
     model_dir = resolve_model(cfg.model.path)
+    devices = place_devices(cfg)
     prompts = PromptSource(cfg, model_dir)
     steps, every = cfg.controller.steps, cfg.controller.eval_every
     with ExitStack() as stack:
@@ -56,7 +57,7 @@ def run_job(cfg: MegaRLConfig) -> int:
                  t.tp, t.pp, t.dp, model_dir)
         cpus = parse_cpu_list(cfg.cluster.trainer_cpus) or None  # cluster.trainer_cpus: pin the ranks
         trainer = stack.enter_context(TrainerExecutor(t, cfg.algorithm, model_dir, total_steps=steps, run_dir=run.path,
-                                                      cpus=cpus))
+                                                      cpus=cpus, devices=devices.trainer))
         if cpus:
             log.info("trainer ranks pinned: %s", "; ".join(f"rank {h['rank']} cores {h['cores']}"
                                                            for h in trainer.health()))
@@ -64,7 +65,8 @@ def run_job(cfg: MegaRLConfig) -> int:
             log.info("trainer: resuming from the step-%d checkpoint (trainer.resume_from=%s)", trainer.step_count,
                      t.resume_from)
         log.info("starting the generator (%d vLLM replica(s), tp=%d)", cfg.generator.replicas, cfg.generator.tp)
-        generator = stack.enter_context(GeneratorExecutor(cfg.generator, model_dir).start())
+        generator = stack.enter_context(GeneratorExecutor(cfg.generator, model_dir,
+                                                                cuda_devices=devices.generator).start())
         reward = stack.enter_context(RewardPool(cfg.reward, cfg.generator.max_new_tokens))
         weights = WeightSync(cfg.sync, trainer, generator, dims=model_dims(model_dir), generator_cfg=cfg.generator,
                              probe_prompt=prompts.eval_set()[1][0], pad_id=prompts.pad_id)
@@ -173,6 +175,23 @@ def resolve_model(path: str) -> Path:
         log.info("preparing the built-in SmolLM2-135M-Instruct (first time: converts the GGUF, ~1 min)")
         return ensure_smollm2_hf()
     return Path(path)
+
+
+def place_devices(cfg: MegaRLConfig):
+    """Each executor's GPUs (megarl.controller.placement); a layout that does not fit is a ConfigError."""
+    from megarl.controller.placement import device_plan
+
+    visible = 0
+    if cfg.cluster.device != "cpu":
+        import torch
+
+        visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    try:
+        plan = device_plan(cfg, visible)
+    except ValueError as e:
+        raise ConfigError([str(e)]) from None
+    log.info("placement: %s", plan.note)
+    return plan
 
 
 def _select_device(device: str) -> None:

@@ -119,7 +119,8 @@ class TrainerExecutor(ExecutorBase):
     """TP x PP x DP Megatron ranks in their own processes behind ``LocalTrainer``'s interface."""
 
     def __init__(self, cfg: TrainerConfig, algo: AlgorithmConfig, model_dir: str | os.PathLike, *,
-                 total_steps: int, run_dir: str | os.PathLike, cpus: list[int] | None = None):
+                 total_steps: int, run_dir: str | os.PathLike, cpus: list[int] | None = None,
+                 devices: Sequence[int] | None = None):
         problems = cfg.problems()
         if problems:
             raise ValueError("invalid trainer config:\n  " + "\n  ".join(problems))
@@ -130,6 +131,10 @@ class TrainerExecutor(ExecutorBase):
         self.total_steps = int(total_steps)
         self.world = cfg.tp * cfg.pp * cfg.dp
         self.cores = rank_cores(cpus, self.world)
+        if devices is not None and len(devices) != self.world:
+            raise ValueError(f"devices={list(devices)}: the trainer has {self.world} rank(s), one device each")
+        # Each rank's CUDA_VISIBLE_DEVICES (megarl.controller.placement); None: inherit ours.
+        self.devices = [str(d) for d in devices] if devices is not None else [None] * self.world
         self.log_dir = self.run_dir / "logs"
         self._ranks: list[_Rank] = []
         self._procs: list = []  # every process spawned, for the finalizer
@@ -183,7 +188,7 @@ class TrainerExecutor(ExecutorBase):
             proc = ctx.Process(target=rank_main, name=f"megarl-trainer-{r}", daemon=False,
                                args=(child_conn, r, self.world, port, self.cfg, self.algo, self.model_dir,
                                      self.total_steps, str(self.run_dir), self.cores[r], str(log_path),
-                                     os.getpid(), pdeathsig))
+                                     os.getpid(), pdeathsig, self.devices[r]))
             proc.start()
             self._procs.append(proc)
             child_conn.close()
@@ -292,7 +297,7 @@ class TrainerExecutor(ExecutorBase):
         return iter(reassemble(specs).items())
 
     def health(self) -> list[dict]:
-        """Every rank's state (rank, tp, pp, dp, pid, cores, threads, step); raises if one is dead,
+        """Every rank's state (rank, tp, pp, dp, pid, cores, threads, cuda_visible_devices, step); raises if one is dead,
         frozen or does not answer within ``save_timeout_s``. Ranks answer between commands."""
         return self._call("health", (), self.cfg.save_timeout_s, "health replies")
 

@@ -139,12 +139,15 @@ class _Server:
 
 def rank_main(conn, rank: int, world: int, master_port: int, cfg: TrainerConfig, algo: AlgorithmConfig,
               model_dir: str, total_steps: int, run_dir: str, cores: list[int] | None, log_path: str,
-              parent_pid: int | None = None, pdeathsig: bool = True) -> None:
+              parent_pid: int | None = None, pdeathsig: bool = True, cuda_devices: str | None = None) -> None:
     """Entry point of trainer rank ``rank`` of ``world`` (spawned by ``TrainerExecutor``).
-    ``parent_pid`` / ``pdeathsig``: see :func:`megarl.utils.procs.watch_parent`."""
+    ``parent_pid`` / ``pdeathsig``: see :func:`megarl.utils.procs.watch_parent`. ``cuda_devices``:
+    this rank's CUDA_VISIBLE_DEVICES (megarl.controller.placement), set before CUDA initialises."""
     from megarl.utils.procs import watch_parent
 
     watch_parent(parent_pid, pdeathsig=pdeathsig)  # first: no rank outlives its controller
+    if cuda_devices is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = cuda_devices
     _redirect_output(log_path)
     # Its own process group: the executor kills it with anything it started, and a terminal's
     # Ctrl-C reaches only the controller, which then shuts the ranks down in order.
@@ -196,6 +199,7 @@ def _serve(chan: _Channel, rank: int, world: int, master_port: int, cfg: Trainer
     coords = _coords()
     reports = coords["tp"] == 0 and coords["dp"] == 0 and ps.is_pipeline_last_stage()
     info = {"rank": rank, **coords, "pid": os.getpid(), "cores": list(cores or []), "threads": threads,
+            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
             "reports_metrics": reports}
     server = _Server(trainer, info, reports)
     log.info("trainer rank %d (tp %d, pp %d, dp %d) ready in %.1fs at step %d, %d thread(s), cores %s",

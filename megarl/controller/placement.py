@@ -1,0 +1,93 @@
+"""Where each executor runs: disjoint GPUs for trainer and generator, from ``cluster.*``.
+
+``device_plan`` is pure (unit-tested without a GPU): given the config and the number of visible
+devices it returns the device ids of every trainer rank and every generator replica, or None where
+an executor stays on the CPU. The executors turn them into ``CUDA_VISIBLE_DEVICES`` of their own
+processes before CUDA initialises, so two executors never land on the same GPU unless the config
+says they share (``cluster.share_devices``, e.g. one GPU for both in a smoke test).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megarl.utils.procs import parse_cpu_list
+
+
+@dataclass(frozen=True)
+class DevicePlan:
+    trainer: list[int] | None    # one device per trainer rank, in global rank order
+    generator: list[int] | None  # generator.tp devices per replica, replica-major
+    note: str                    # one line for the log: what went where and why
+
+
+def needed(cfg) -> tuple[int, int]:
+    """(trainer devices, generator devices) the layout needs: one per rank / per engine worker."""
+    t, g = cfg.trainer, cfg.generator
+    return t.tp * t.pp * t.dp, g.tp * g.replicas
+
+
+def device_plan(cfg, visible: int) -> DevicePlan:
+    """Device ids of trainer ranks and generator workers; raises ValueError saying what to change.
+
+    ``visible``: CUDA devices this process sees (0 on a CPU host: both executors stay on the CPU).
+    ``cluster.trainer_devices`` / ``cluster.generator_devices`` (device-list syntax, '0-3,6') pin
+    them explicitly; empty means: trainer on the first devices, generator on the next ones.
+    """
+    c = cfg.cluster
+    n_train, n_gen = needed(cfg)
+    if visible == 0:
+        if c.trainer_devices or c.generator_devices:
+            raise ValueError(f"cluster.trainer_devices={c.trainer_devices!r} / cluster.generator_devices="
+                             f"{c.generator_devices!r}: no CUDA device is visible here; clear them for a CPU run")
+        return DevicePlan(None, None, "CPU run: no CUDA device visible")
+    train = _parse("cluster.trainer_devices", c.trainer_devices, visible)
+    gen = _parse("cluster.generator_devices", c.generator_devices, visible)
+    if c.share_devices:
+        train = train or list(range(min(n_train, visible)))
+        gen = gen or list(range(min(n_gen, visible)))
+    else:
+        if not train:
+            free = [d for d in range(visible) if d not in (gen or [])]
+            train = free[:n_train]
+        if not gen:
+            free = [d for d in range(visible) if d not in train]
+            gen = free[:n_gen]
+        both = sorted(set(train) & set(gen))
+        if both:
+            raise ValueError(f"devices {both} are given to both the trainer and the generator; give each its own "
+                             f"(cluster.trainer_devices / cluster.generator_devices) or set "
+                             f"cluster.share_devices=true")
+    if len(train) < n_train and not c.share_devices:
+        raise ValueError(f"the trainer needs {n_train} GPU(s) (tp*pp*dp) and got {len(train)} of {visible} visible; "
+                         f"lower the trainer's parallel sizes, free devices from the generator, or set "
+                         f"cluster.share_devices=true")
+    if len(gen) < n_gen and not c.share_devices:
+        raise ValueError(f"the generator needs {n_gen} GPU(s) (tp*replicas) and got {len(gen)} of {visible} "
+                         f"visible after the trainer's {len(train)}; lower generator.replicas or generator.tp, "
+                         f"or set cluster.share_devices=true")
+    # Shared (or explicitly listed) devices are used round-robin.
+    train = [train[r % len(train)] for r in range(n_train)]
+    gen = [gen[w % len(gen)] for w in range(n_gen)]
+    shared = sorted(set(train) & set(gen))
+    note = (f"trainer ranks on GPU(s) {_fmt(train)}, generator workers on GPU(s) {_fmt(gen)}"
+            + (f" (sharing {_fmt(shared)}: cluster.share_devices)" if shared else " (disjoint)"))
+    return DevicePlan(train, gen, note)
+
+
+def _parse(key: str, text: str, visible: int) -> list[int]:
+    try:
+        ids = parse_cpu_list(text)
+    except ValueError as e:
+        raise ValueError(f"{key}={text!r}: {e}") from None
+    bad = [d for d in ids if d >= visible]
+    if bad:
+        raise ValueError(f"{key}={text!r}: device(s) {bad} do not exist ({visible} visible: 0-{visible - 1})")
+    return ids
+
+
+def _fmt(ids: list[int]) -> str:
+    return ",".join(str(d) for d in ids)
+
+
+__all__ = ["DevicePlan", "device_plan", "needed"]
