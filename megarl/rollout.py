@@ -22,6 +22,7 @@ class Sample:
     prompt_index:   caller's index of the prompt (e.g. position in the submitted list).
     stop_reason:    the stop string or token id that ended it, if any.
     num_rounds:     generation rounds it took (> 1 for a resumed partial rollout).
+    uid:            the controller's id once trained (``s<step>p<prompt>k<sample>``), '' before.
     """
 
     prompt_ids: list[int]
@@ -34,6 +35,7 @@ class Sample:
     prompt_index: int = 0
     stop_reason: str | int | None = None
     num_rounds: int = 1
+    uid: str = ""
 
     def __post_init__(self) -> None:
         n = len(self.completion_ids)

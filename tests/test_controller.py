@@ -8,6 +8,7 @@ import math
 import os
 import subprocess
 import sys
+import zlib
 from pathlib import Path
 
 import pytest
@@ -123,39 +124,70 @@ def test_train_policy_lag_bound(tiny_llama_dir, tmp_path, lag):
         assert max(r["lag/max"] for r in rows) >= 1
 
 
-def test_async_kill_then_resume_trains_every_batch_once(tiny_llama_dir, tmp_path):
-    """max_policy_lag=1 (batches generating ahead of the trainer): SIGKILL the controller mid-run,
-    resume with trainer.resume_from=auto, and the steps trained are exactly those of a run that
-    never stopped, each on the same prompts (data/prompts_crc32), none twice."""
+def _trained(run: Path) -> dict[int, dict[str, dict]]:
+    """trained_samples.jsonl: step -> sample id -> record."""
+    lines = (run / "trained_samples.jsonl").read_text().splitlines()
+    rows = [json.loads(line) for line in lines]
+    assert len({r["step"] for r in rows}) == len(rows), "a step was recorded twice"
+    return {r["step"]: {s["id"]: s for s in r["samples"]} for r in rows}
+
+
+def test_async_kill_then_resume_trains_every_sample_once(tiny_llama_dir, tmp_path):
+    """max_policy_lag=1 with partial rollouts (batches generating ahead of the trainer, cut every
+    4 tokens): SIGKILL the controller mid-run, resume with trainer.resume_from=auto. The sample ids
+    trained are exactly those of a run that never stopped, each once, on the same prompts; the
+    samples the checkpoint held finished are trained bit for bit as they were generated (CRC of
+    their tokens, versions), and those it held unfinished continue from their saved rounds."""
     import signal
     import time
 
-    common = ("controller.max_policy_lag=1", "controller.steps=4", "controller.eval_every=0")
+    common = ("controller.max_policy_lag=1", "controller.steps=4", "controller.eval_every=0",
+              "generator.round_token_budget=4")
     cmd = [sys.executable, "-m", "megarl", "train", str(REPO / "configs" / "tiny_test.yaml"),
            f"model.path={tiny_llama_dir}", f"logging.out_dir={tmp_path / 'a'}", "trainer.checkpoint_interval=1",
-           "algorithm.entropy_coef=0.01", "controller.steps=40", "controller.max_policy_lag=1",
-           "controller.eval_every=0"]
+           "algorithm.entropy_coef=0.01", *common, "controller.steps=40"]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    metrics = tmp_path / "a" / "tiny-test" / "metrics.jsonl"
+    run = tmp_path / "a" / "tiny-test"
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and proc.poll() is None:
-        if metrics.exists() and len(metrics.read_text().splitlines()) >= 2:
+        if (run / "metrics.jsonl").exists() and len((run / "metrics.jsonl").read_text().splitlines()) >= 1:
             break
         time.sleep(0.2)
     assert proc.poll() is None, "the run ended before it could be killed"
     proc.send_signal(signal.SIGKILL)
     proc.wait(30)
-    before = [r["step"] for r in _rows(tmp_path / "a" / "tiny-test")]
+    ckpt = run / "checkpoints" / (run / "checkpoints" / "latest").read_text().strip()
+    saved_step = json.loads((ckpt / "controller_state.json").read_text())["policy_version"]
+    state = json.loads((ckpt / "controller_state.json").read_text())["rollouts"]
+    assert list(state["pending"]) == [str(saved_step + 1)]  # lag 1: the next batch was admitted ahead
+    step_of = {g: int(k) for k, p in state["pending"].items() for g in p["groups"]}
+    finished = {f"s{step_of[int(g)]}p{s['prompt_index']}k{s['sample_index']}": s
+                for g, rows in state["finished"].items() for s in rows}
+    unfinished = {f"s{step_of[t['group_id']]}p{t['prompt_index']}k{t['sample_index']}": t
+                  for t in state["unfinished"]}
+    assert len(finished) + len(unfinished) == 4 * 2  # prompts_per_step x n_samples of tiny_test.yaml
+
     out = _train(tiny_llama_dir, tmp_path / "a", *common, "trainer.resume_from=auto")
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    rows = _rows(tmp_path / "a" / "tiny-test")
+    assert f"{len(finished)} finished sample(s) kept, {len(unfinished)} partial rollout(s)" in out.stdout
+    trained = _trained(run)
+    rows = _rows(run)
     steps = [r["step"] for r in rows]
-    assert len(steps) == len(set(steps)), steps  # no step trained (logged) twice
-    # the first resumed step follows the last checkpoint: the last logged step, or the one after it when
-    # the kill fell between its checkpoint and its log line (trained and saved, only not logged)
-    assert steps[-1] == 4 and steps[len(before)] in (before[-1] + 1, before[-1] + 2), (before, steps)
+    assert steps == [1, 2, 3, 4] and sorted(trained) == [1, 2, 3, 4], (steps, sorted(trained))
     straight = _train(tiny_llama_dir, tmp_path / "b", *common)
     assert straight.returncode == 0, straight.stdout[-3000:] + straight.stderr[-3000:]
-    want = {r["step"]: r["data/prompts_crc32"] for r in _rows(tmp_path / "b" / "tiny-test")}
-    assert {r["step"]: r["data/prompts_crc32"] for r in rows} == {s: want[s] for s in steps}
-    assert set(range(steps[len(before)], 5)) <= set(steps)
+    want = _trained(tmp_path / "b" / "tiny-test")
+    assert {s: set(ids) for s, ids in trained.items()} == {s: set(ids) for s, ids in want.items()}
+    want_crc = {r["step"]: r["data/prompts_crc32"] for r in _rows(tmp_path / "b" / "tiny-test")}
+    assert {r["step"]: r["data/prompts_crc32"] for r in rows} == want_crc
+    assert saved_step <= 3, saved_step  # killed after its first logged step (a step takes seconds)
+    after = trained[saved_step + 1]
+    for uid, s in finished.items():
+        got = after[uid]
+        assert got["crc32"] == zlib.crc32(repr(s["completion_ids"]).encode()), uid
+        assert got["versions"] == [min(s["versions"]), max(s["versions"])], uid
+    for uid, t in unfinished.items():
+        got = after[uid]
+        assert got["tokens"] >= len(t["ids"]), uid
+        if t["vers"]:
+            assert got["versions"][0] == min(t["vers"]), uid

@@ -248,10 +248,10 @@ def test_second_signal_while_unwinding_exits_at_once(tmp_path):
 
 
 # ---------------------------------------------------------------------------- end to end
-def _job(model_dir: Path, out_dir: Path, log_path: Path) -> subprocess.Popen:
+def _job(model_dir: Path, out_dir: Path, log_path: Path, *extra: str) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "megarl", "train", str(REPO / "configs" / "tiny_test.yaml"),
            f"model.path={model_dir}", f"logging.out_dir={out_dir}", "controller.steps=1000",
-           "controller.eval_every=0", "trainer.checkpoint_interval=0"]
+           "controller.eval_every=0", "trainer.checkpoint_interval=0", *extra]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     with open(log_path, "w") as log:
         return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env)
@@ -316,6 +316,50 @@ def test_killing_the_controller_ends_every_process_of_the_job(tiny_llama_dir, tm
         if sig == signal.SIGTERM:
             text = log_path.read_text()
             assert "received SIGTERM" in text and "interrupted by SIGTERM" in text, text[-3000:]
+    finally:
+        _kill_quietly(descendants)
+        job.kill()
+        job.wait(30)
+
+
+# A dead executor process is seen through its pipe's EOF at once; the job then closes the other
+# executor (trainer.shutdown_timeout_s / the generator's grace, 30 s each by default) at worst.
+STOPS_WITHIN_S = 60.0
+
+
+@pytest.mark.parametrize("victim", ["generator", "trainer"])
+def test_a_killed_executor_process_stops_the_async_job_naming_it(tiny_llama_dir, tmp_path, victim):
+    """Under the async loop (max_policy_lag 1, the generator working ahead while the trainer
+    trains), SIGKILL one vLLM replica or one trainer rank mid-run: the job exits non-zero, its log
+    names the dead process with its pid and signal, and no process of the job is alive 10 s later."""
+    import re
+
+    log_path = tmp_path / "job.log"
+    job = _job(tiny_llama_dir, tmp_path / "out", log_path, "controller.max_policy_lag=1")
+    controller = psutil.Process(job.pid)
+    descendants: list[psutil.Process] = []
+    try:
+        _wait_for(lambda: job.poll() is not None or "step 2/1000" in log_path.read_text(), 300,
+                  "the job's second step", log_path)
+        assert job.poll() is None, log_path.read_text()[-3000:]
+        descendants = controller.children(recursive=True)
+        trainer_pids = [int(p) for p in re.search(r"ready .* pids \[([\d, ]+)\]", log_path.read_text())
+                        .group(1).split(",")]
+        if victim == "trainer":
+            pid = trainer_pids[0]
+            named = f"trainer rank 0 (tp 0, pp 0, dp 0; pid {pid}) was killed by signal SIGKILL"
+        else:
+            pid = next(p.pid for p in _replicas(controller) if p.pid not in trainer_pids)
+            named = f"generator replica 0 (pid {pid}) was killed by signal SIGKILL"
+        os.kill(pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        code = job.wait(STOPS_WITHIN_S)
+        stopped = time.monotonic() - t0
+        alive = _wait_gone(descendants, GONE_WITHIN_S)
+        assert not alive, f"{victim} killed: still alive {GONE_WITHIN_S:.0f}s after the job: {_describe(alive)}"
+        text = log_path.read_text()
+        assert code not in (0, None) and named in text, (code, text[-3000:])
+        assert stopped < STOPS_WITHIN_S
     finally:
         _kill_quietly(descendants)
         job.kill()

@@ -33,7 +33,9 @@ def run_job(cfg: MegaRLConfig) -> int:
     _select_device(cfg.cluster.device)
 
     from megarl.controller.prompts import PromptSource
-    from megarl.controller.rollouts import RolloutQueue
+    from megarl.controller.rollouts import RolloutQueue, prompts_crc32, trained_record
+    from megarl.controller.state import save_controller_state
+    from megarl.controller.summary import ExecutorActivity
     from megarl.controller.weight_sync import WeightSync
     from megarl.executors.trainer import TrainerExecutor
     from megarl.generator.executor import GeneratorExecutor
@@ -57,7 +59,7 @@ def run_job(cfg: MegaRLConfig) -> int:
                  t.tp, t.pp, t.dp, model_dir)
         cpus = parse_cpu_list(cfg.cluster.trainer_cpus) or None  # cluster.trainer_cpus: pin the ranks
         trainer = stack.enter_context(TrainerExecutor(t, cfg.algorithm, model_dir, total_steps=steps, run_dir=run.path,
-                                                      cpus=cpus, devices=devices.trainer))
+                                                      cpus=cpus, devices=devices.trainer, launcher=cfg.cluster.launcher))
         if cpus:
             log.info("trainer ranks pinned: %s", "; ".join(f"rank {h['rank']} cores {h['cores']}"
                                                            for h in trainer.health()))
@@ -77,8 +79,11 @@ def run_job(cfg: MegaRLConfig) -> int:
 
         rollouts = RolloutQueue(generator, prompts, prompts_per_step=cfg.controller.prompts_per_step,
                                 max_policy_lag=cfg.controller.max_policy_lag, last_step=steps)
+        resume_controller(cfg, run, trainer.step_count, rollouts)
+        activity = ExecutorActivity(generator)
         for step in range(trainer.step_count + 1, steps + 1):
             timer = PhaseTimer()
+            activity.begin()
             rollouts.fill(step)  # up to max_policy_lag later batches generate while this one trains
             with timer.phase("generate"):  # waiting for this step's rollouts
                 tasks, prompt_ids, samples, lag_metrics = rollouts.take(step, trainer.step_count)
@@ -91,14 +96,18 @@ def run_job(cfg: MegaRLConfig) -> int:
                 train_metrics = trainer.step(RolloutBatch.from_samples(samples, advantages, pad_id=prompts.pad_id))
             with timer.phase("sync"):
                 sync_metrics = weights.push(trainer.step_count)
-            metrics = {**{f"train/{k}": v for k, v in train_metrics.items()}, **timer.finish(), **sync_metrics,
-                       **lag_metrics,
+            times = timer.finish()
+            metrics = {**{f"train/{k}": v for k, v in train_metrics.items()}, **times, **activity.end(times),
+                       **sync_metrics, **lag_metrics,
                        **rollout_metrics(samples, scored, lag_metrics["gen/batch_latency_s"]),
-                       "data/prompts_crc32": prompts_fingerprint(prompt_ids)}
+                       "data/prompts_crc32": prompts_crc32(prompt_ids)}
+            run.log_samples(step, [trained_record(s) for s in samples])
             if every and (step % every == 0 or step == steps):
                 metrics.update(evaluate(generator, prompts, run, step=step))
             if should_save(cfg.trainer, step, steps):
-                metrics["checkpoint/seconds"] = _timed(trainer.save)
+                metrics["checkpoint/seconds"] = _timed(lambda: save_controller_state(
+                    trainer.save(), policy_version=trainer.step_count, data_seed=cfg.data.seed,
+                    rollouts=rollouts.state_dict()))
             run.log(step, steps, metrics)
         run.finish(steps)
     return 0
@@ -144,11 +153,24 @@ def rollout_metrics(samples, scored, gen_seconds: float) -> dict[str, float]:
             "gen/mean_length": tokens / n, "gen/truncated_frac": sum(s.truncated for s in scored) / n}
 
 
-def prompts_fingerprint(prompt_ids) -> int:
-    """CRC32 of a step's prompts: equal across a straight and a resumed run iff the data stream continues."""
-    import zlib
+def resume_controller(cfg: MegaRLConfig, run: RunFolder, version: int, rollouts) -> None:
+    """After the trainer resumed at ``version``: drop what later steps of the killed run logged,
+    and put back the rollouts admitted ahead of it (controller/state.py)."""
+    from megarl.controller.state import load_controller_state
+    from megarl.trainer.checkpoint import resume_path
 
-    return zlib.crc32(repr([list(p) for p in prompt_ids]).encode())
+    if version == 0:
+        return
+    run.rewind(version)
+    try:
+        state = load_controller_state(resume_path(cfg.trainer, run.path), policy_version=version,
+                                      data_seed=cfg.data.seed)
+        if state is not None:
+            got = rollouts.load_state_dict(state)
+            log.info("resume: %d admitted batch(es) back, %d finished sample(s) kept, %d partial rollout(s) "
+                     "continue under weights v%d", got["batches"], got["finished"], got["unfinished"], version)
+    except ValueError as e:
+        raise ConfigError([f"trainer.resume_from={cfg.trainer.resume_from!r}: {e}"]) from None
 
 
 def model_dims(model_dir: Path):

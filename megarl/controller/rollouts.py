@@ -14,13 +14,22 @@ the same code.
 late) is never trained on and never dropped: its prompt is generated again, and it is counted.
 Prompts of a step are a function of the step (``PromptSource.batch``), so after a resume the stream
 continues with no prompt lost or repeated.
+
+``state_dict()`` is the controller's part of a checkpoint (written beside the trainer's): the data
+cursor, the batches admitted ahead with their finished samples (tokens, logprobs, versions) and
+their unfinished ones as partial rollouts (the rounds finished so far), and the counters.
+``load_state_dict`` on resume puts them back: finished samples are trained exactly as they were
+generated, partial ones continue under the resumed weights, so after a kill no sample is lost or
+trained twice. Every trained sample has an id, ``s<step>p<prompt index>k<sample index>``.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import time
+import zlib
 
 from megarl.controller.staleness import policy_lag
 
@@ -66,6 +75,8 @@ class RolloutQueue:
                 (new,) = self.generator.submit([prompt_ids[index]], prompt_indices=[index])
                 groups[groups.index(g)] = new
         samples = [s for g in groups for s in sorted(self.pool.pop(g), key=lambda s: s.sample_index)]
+        for s in samples:
+            s.uid = sample_id(step, s.prompt_index, s.sample_index)
         metrics = self._lag_metrics(samples, trainer_version)
         # submit -> all samples in hand: the generation time of a synchronous step; with lag > 0 an
         # upper bound (the batch may have finished while the trainer trained)
@@ -78,6 +89,43 @@ class RolloutQueue:
             for s in self.generator.collect(min_samples=1):
                 self.pool[s.group_id].append(s)
 
+    # ------------------------------------------------------------------ checkpoint
+    def state_dict(self) -> dict:
+        """Data cursor, admitted batches (finished samples + partial rollouts) and counters."""
+        for s in self.generator.poll():  # finished in the engines but not yet read
+            self.pool[s.group_id].append(s)
+        groups = {g for _, _, gs in self.pending.values() for g in gs}
+        return {"format": 1, "next_step": self.next_step, "regenerated": self.regenerated,
+                "pending": {step: {"groups": list(gs), "prompts_crc32": prompts_crc32(ids)}
+                            for step, (_, ids, gs) in self.pending.items()},
+                "finished": {g: [dataclasses.asdict(s) for s in self.pool.get(g, [])] for g in groups},
+                "unfinished": self.generator.snapshot(groups)}
+
+    def load_state_dict(self, state: dict) -> dict[str, int]:
+        """Resume from :meth:`state_dict` (before the first ``fill``); returns what came back.
+        Raises ValueError when the data stream differs from the checkpoint's (data.* changed)."""
+        from megarl.rollout import Sample
+
+        if state.get("format") != 1:
+            raise ValueError(f"controller state format {state.get('format')!r} is not 1")
+        old_groups = [g for p in state["pending"].values() for g in p["groups"]]
+        new_id = self.generator.restore(state["unfinished"], groups=old_groups)
+        for step, p in sorted(state["pending"].items()):
+            tasks, prompt_ids = self.prompts.batch(int(step) - 1, self.per_step)
+            if prompts_crc32(prompt_ids) != p["prompts_crc32"]:
+                raise ValueError(f"step {step}: the prompts differ from the checkpoint's (CRC {prompts_crc32(prompt_ids)} != "
+                                 f"{p['prompts_crc32']}); data.* changed since it was written; resume with the same "
+                                 f"data settings or start a new run")
+            self.pending[int(step)] = (tasks, prompt_ids, [new_id[g] for g in p["groups"]])
+            self.submitted_at[int(step)] = time.monotonic()
+        finished = 0
+        for g, rows in state["finished"].items():
+            for row in rows:
+                self.pool[new_id[int(g)]].append(Sample(**{**row, "group_id": new_id[int(g)]}))
+                finished += 1
+        self.next_step, self.regenerated = state["next_step"], state["regenerated"]
+        return {"batches": len(state["pending"]), "finished": finished, "unfinished": len(state["unfinished"])}
+
     def _lag_metrics(self, samples, trainer_version: int) -> dict[str, float]:
         hist = collections.Counter(trainer_version - v for s in samples for v in s.versions)
         tokens = max(sum(hist.values()), 1)
@@ -87,4 +135,20 @@ class RolloutQueue:
         return out
 
 
-__all__ = ["RolloutQueue"]
+def sample_id(step: int, prompt_index: int, sample_index: int) -> str:
+    """The id of a trained sample: unique in a run (each step's group is trained once)."""
+    return f"s{step}p{prompt_index}k{sample_index}"
+
+
+def trained_record(s) -> dict:
+    """What trained_samples.jsonl keeps of one sample: id, completion CRC and length, versions."""
+    return {"id": s.uid, "crc32": zlib.crc32(repr(list(s.completion_ids)).encode()), "tokens": len(s.completion_ids),
+            "versions": [min(s.versions, default=-1), max(s.versions, default=-1)]}
+
+
+def prompts_crc32(prompt_ids) -> int:
+    """CRC32 of a step's prompts: equal across a straight and a resumed run iff the data stream continues."""
+    return zlib.crc32(repr([list(p) for p in prompt_ids]).encode())
+
+
+__all__ = ["RolloutQueue", "prompts_crc32", "sample_id", "trained_record"]

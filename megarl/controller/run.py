@@ -1,10 +1,15 @@
-"""The run folder people read: config.yaml, metrics.jsonl + TensorBoard, the per-step phase line,
-eval_samples.jsonl (held-out replies), metrics.png, and the reward-hacking watch."""
+"""The run folder people read: config.yaml, metrics.jsonl + TensorBoard, the per-step phase line
+with progress, eval_samples.jsonl (held-out replies), trained_samples.jsonl (the id, tokens' CRC
+and policy versions of every sample each step trained on), metrics.png, summary.json (the run
+summary: phase medians, executors' busy/idle, the sync/async step-time ratio), and the
+reward-hacking watch."""
 
 from __future__ import annotations
 
 import json
 import logging
+import os
+import time
 from pathlib import Path
 
 from megarl.config import to_dict
@@ -35,6 +40,27 @@ class RunFolder:
         self.n_eval = n_eval
         self._evals: list[tuple[float, float]] = []  # (mean training reward since the last eval, accuracy)
         self._rewards: list[float] = []  # training reward of each step since the last eval
+        self._rows: list[dict] = []  # this process's step metrics, for the summary
+        self._t0 = time.monotonic()
+        self.samples_path = self.path / "trained_samples.jsonl"
+
+    def rewind(self, step: int) -> None:
+        """Resuming from the step-``step`` checkpoint: forget what later steps of the killed run
+        wrote (they trained weights that were never saved), so every step appears once."""
+        for path in (self.metrics.jsonl_path, self.samples_path):
+            if not path.is_file():
+                continue
+            keep = [line for line in path.read_text().splitlines() if line.strip()
+                    and json.loads(line).get("step", 0) <= step]
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text("".join(line + "\n" for line in keep))
+            os.replace(tmp, path)
+        self.metrics.reopen()
+
+    def log_samples(self, step: int, rows: list[dict]) -> None:
+        """One line per trained step: each sample's id, completion CRC, length and versions."""
+        with self.samples_path.open("a") as fh:
+            fh.write(json.dumps({"step": step, "samples": rows}) + "\n")
 
     def __enter__(self) -> "RunFolder":
         return self
@@ -51,8 +77,17 @@ class RunFolder:
         if "eval/accuracy" in metrics:
             self._watch(metrics["eval/accuracy"])
         self.metrics.log(step, metrics)
+        self._rows.append(metrics)
         if step % self.cfg.logging.log_every == 0 or step == total or "eval/accuracy" in metrics:
-            log.info(phase_line(step, total, metrics))
+            log.info("%s %s", self._progress(step, total), phase_line(step, total, metrics))
+
+    def _progress(self, step: int, total: int, width: int = 20) -> str:
+        """`[#####---------------] 25% ETA 3m05s`: from this process's mean step (evals included)."""
+        done = len(self._rows)
+        left = total - step
+        eta = (time.monotonic() - self._t0) / max(done, 1) * left
+        filled = int(width * step / max(total, 1))
+        return f"[{'#' * filled}{'-' * (width - filled)}] {100 * step / max(total, 1):3.0f}% ETA {_duration(eta)}"
 
     def log_eval(self, step: int, total: int, metrics: dict) -> None:
         """The baseline evaluation before any training step."""
@@ -84,7 +119,19 @@ class RunFolder:
                 return
 
     def finish(self, steps: int) -> None:
+        from megarl.controller.summary import summarize, summary_lines
         from megarl.utils.metrics import plot_metrics
 
+        summary = summarize(self._rows, self.cfg.controller.max_policy_lag)
+        if summary:
+            (self.path / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+            for line in summary_lines(summary):
+                log.info("%s", line)
         plot = plot_metrics(self.metrics.jsonl_path, self.path / "metrics.png", keys=PLOT_KEYS)
         log.info("done: %d steps; metrics in %s%s", steps, self.metrics.jsonl_path, f", plot {plot}" if plot else "")
+
+
+def _duration(seconds: float) -> str:
+    m, s = divmod(int(seconds), 60)
+    h, m = divmod(m, 60)
+    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"

@@ -24,6 +24,7 @@ tiny test model's logits are nearly uniform, so use perturbed weights to test th
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 from megarl.ddma.config import SyncConfig
@@ -59,8 +60,10 @@ class WeightSync:
             from megarl.ddma.sync import SyncSpec, host_store
 
             self._store = host_store()  # kept alive: workers and trainer ranks rendezvous here
+            # Trainer ranks on other nodes (megarl.cluster) reach the store at the controller's address.
+            store_host = os.environ.get("MEGARL_CONTROLLER_ADDR", "127.0.0.1")
             self.spec = SyncSpec(dims, trainer.topology(), GeneratorTopology(generator_cfg.tp, generator_cfg.replicas),
-                                 "127.0.0.1", self._store.port, transport=cfg.transport, wire=cfg.wire,
+                                 store_host, self._store.port, transport=cfg.transport, wire=cfg.wire,
                                  engine_dtype=generator_cfg.dtype, verify_every=cfg.verify_every,
                                  timeout_s=cfg.timeout_s)
 
@@ -73,9 +76,14 @@ class WeightSync:
         else:
             self.trainer.start_sync(self.spec, version)
             try:
-                self.generator.update_weights_from_source(self.spec.weight_source(version), version)
-            finally:
-                ranks = self.trainer.finish_sync()
+                self.generator.update_weights_from_source(self.spec.weight_source(version), version,
+                                                          peer_check=self.trainer.raise_if_dead)
+            except BaseException as e:
+                # The senders wait for receivers that failed: waiting for them would hide the cause
+                # behind the sync's timeout (measured: 6 min), so they are stopped now.
+                self.trainer.abandon_sync(f"the generator failed: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
+                raise
+            ranks = self.trainer.finish_sync()
             out.update({"sync/bytes_sent": float(sum(r["bytes_sent"] for r in ranks)),
                         "sync/sender_transfer_s": max(r["transfer_s"] for r in ranks),
                         "sync/sender_quantize_s": max(r["quantize_s"] for r in ranks),

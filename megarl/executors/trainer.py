@@ -285,6 +285,25 @@ class TrainerExecutor(ExecutorBase):
             self._pending = None
         return [{"rank": r.index, **r.coords, **stats} for r, stats in zip(self._ranks, out)]
 
+    def abandon_sync(self, why: str) -> None:
+        """The receivers of the sync in flight failed (``why``): the senders would wait for them
+        until the sync's timeout, so every rank is killed now and the executor is failed."""
+        if self._pending is None:
+            return
+        self._pending = None
+        if self._failure is None:
+            self._failure = TrainerError(f"trainer: DDMA sync abandoned ({why}); every trainer rank was killed")
+            kill_processes(self._procs)
+
+    def raise_if_dead(self) -> None:
+        """Raise :class:`TrainerRankFailed` if a rank process has exited. Cheap and reads no
+        message, so it is safe while a sync is in flight (the generator calls it while it waits)."""
+        if self._failure is not None:
+            raise self._failure
+        for r in self._ranks:
+            if r.process.exitcode is not None:
+                self._rank_failed(r, exit_cause(r.process.exitcode), "the DDMA sync in flight")
+
     def hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, full tensor) of every weight, reassembled here from the dp 0 ranks' shards.
         Holds a whole copy of the model in this process: for checks and the shm weight push, not

@@ -120,6 +120,8 @@ class _Replica:
         self.running = True
         self.steps = 0
         self.tokens = 0
+        self.busy_s = 0.0  # seconds inside engine steps (decoding/prefill): the replica's busy time
+        self.load_s = 0.0  # seconds loading weights
         self.last_report = time.monotonic()
 
     def sampling_params(self, max_tokens: int, overrides: dict):
@@ -176,11 +178,13 @@ class _Replica:
         if not self.engine.reset_prefix_cache(reset_running_requests=True):
             raise RuntimeError("vLLM refused to reset its prefix cache after a weight update")
         self.version = version
+        self.load_s += time.monotonic() - t0
         self.conn.send(("updated", version, time.monotonic() - t0))
 
     def info(self) -> dict:
         return {"replica": self.replica, "pid": os.getpid(), "version": self.version,
-                "pending": len(self.pending), "steps": self.steps, "tokens": self.tokens}
+                "pending": len(self.pending), "steps": self.steps, "tokens": self.tokens,
+                "busy_s": self.busy_s, "load_s": self.load_s}
 
     def shm_prefixes(self) -> list[str]:
         """Prefixes of the /dev/shm files vLLM's CPU TP communicator creates (it never removes
@@ -198,7 +202,10 @@ class _Replica:
 
     def step(self) -> None:
         finished = []
-        for out in self.engine.step():
+        t0 = time.monotonic()
+        outputs = self.engine.step()
+        self.busy_s += time.monotonic() - t0
+        for out in outputs:
             st = self.pending.get(out.request_id)
             if st is None:
                 continue
@@ -216,7 +223,7 @@ class _Replica:
                 finished.append(self._result(out.request_id, comp.finish_reason, comp.stop_reason))
         self.steps += 1
         if finished:
-            self.conn.send(("done", finished))
+            self.conn.send(("done", finished, {"busy_s": self.busy_s, "load_s": self.load_s}))
         elif time.monotonic() - self.last_report > HEARTBEAT_S:
             self.conn.send(("progress", self.info()))
         if finished or time.monotonic() - self.last_report > HEARTBEAT_S:

@@ -29,7 +29,7 @@ import tempfile
 import threading
 import time
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -353,12 +353,46 @@ class GeneratorExecutor:
         for h in self._replicas:
             rids = [rid for rid in self._tracks if self._tracks[rid].replica == h.index]
             if rids:
-                h.conn.send(("abort", rids))
+                self._send(h, ("abort", rids))
 
     @property
     def num_outstanding(self) -> int:
         """Samples submitted but not yet collectable (in flight or cached partials)."""
         return len(self._tracks) + len(self._partials)
+
+    def snapshot(self, groups: set[int]) -> list[dict]:
+        """The unfinished samples of ``groups`` as plain dicts (for the controller's checkpoint):
+        prompt, sampling, and the tokens / logprobs / versions of every round finished so far (a
+        round still running in an engine is not included: it is generated again on restore)."""
+        self._pump(0.0)
+        tracks = {id(t): t for t in [*self._tracks.values(), *self._partials] if t.group_id in groups}
+        return [{f.name: getattr(t, f.name) for f in dataclasses.fields(_Track) if f.name not in ("key", "replica")}
+                for t in tracks.values()]
+
+    def restore(self, tracks: Sequence[dict], groups: Sequence[int] = ()) -> dict[int, int]:
+        """Continue samples from :meth:`snapshot` (possibly of an earlier process) under the current
+        weights; returns ``{old group id: new group id}`` for every group of ``tracks`` and
+        ``groups`` (this executor numbers its own groups, so old ids never collide with new ones)."""
+        self._check_failed()
+        new_ids = {int(g): next(self._group_ids) for g in dict.fromkeys([*groups, *(d["group_id"] for d in tracks)])}
+        by_replica: dict[int, list[_Track]] = {}
+        for d in tracks:
+            old = int(d["group_id"])
+            t = _Track(key=f"g{new_ids[old]}s{d['sample_index']}", **{**d, "group_id": new_ids[old]})
+            t.replica = self._least_loaded()
+            self._replicas[t.replica].active.add(t.key)
+            by_replica.setdefault(t.replica, []).append(t)
+        for r, ts in by_replica.items():
+            self._send_round(r, ts)
+        return new_ids
+
+    def activity(self) -> dict[str, float]:
+        """Seconds each replica spent, since it started, decoding (``busy_s``: inside engine steps)
+        and loading weights (``load_s``), averaged over replicas; as fresh as the last message read
+        from them. The controller turns differences per step into busy/idle seconds."""
+        self._pump(0.0)
+        n = max(len(self._replicas), 1)
+        return {k: sum(float(h.info.get(k, 0.0)) for h in self._replicas) / n for k in ("busy_s", "load_s")}
 
     @property
     def num_partial(self) -> int:
@@ -382,17 +416,19 @@ class GeneratorExecutor:
         finally:
             shm.unlink()
 
-    def update_weights_from_source(self, source: dict, version: int, _t0: float | None = None) -> float:
+    def update_weights_from_source(self, source: dict, version: int, _t0: float | None = None,
+                                   peer_check: Callable[[], None] | None = None) -> float:
         """Like :meth:`update_weights` for a prepared weight source (see weights.py); the source
-        must stay readable until this returns."""
+        must stay readable until this returns. ``peer_check``: called while waiting, raises if the
+        sender side died (its death would otherwise show only as this wait's timeout)."""
         t0 = time.monotonic() if _t0 is None else _t0
         acked: set[int] = set()
         self._replies[("updated", version)] = acked
         for h in self._replicas:
-            h.conn.send(("update", source, version))
+            self._send(h, ("update", source, version))
         self._wait(lambda: len(acked) == len(self._replicas), self.cfg.update_timeout_s,
                    f"{len(self._replicas)} replica(s) to load weights version {version}",
-                   progress_resets=False)
+                   progress_resets=False, also_check=peer_check)
         del self._replies[("updated", version)]
         self.version = version
         if self._partials:
@@ -406,7 +442,7 @@ class GeneratorExecutor:
         dequantized (verification after an update; see MegarlWorkerExtension)."""
         token = ("inspect", next(self._round_ids))
         self._replies[token] = None
-        self._replicas[replica].conn.send(("inspect", token, vllm_param_name))
+        self._send(self._replicas[replica], ("inspect", token, vllm_param_name))
         self._wait(lambda: self._replies[token] is not None, self.cfg.request_timeout_s,
                    f"replica {replica} to read back {vllm_param_name}", progress_resets=False)
         out = self._replies.pop(token)
@@ -423,7 +459,7 @@ class GeneratorExecutor:
             token = ("health", next(self._round_ids))
             self._replies[token] = None
             tokens.append(token)
-            h.conn.send(("health", token))
+            self._send(h, ("health", token))
         self._wait(lambda: all(self._replies[t] is not None for t in tokens), timeout_s,
                    "health replies from the generator replicas", progress_resets=False)
         return [self._replies.pop(t) for t in tokens]
@@ -451,7 +487,15 @@ class GeneratorExecutor:
             specs.append({"rid": rid, "prompt_ids": t.prompt_ids + t.ids, "max_tokens": limit,
                           "sampling": t.sampling})
             self._replicas[replica].active.discard(t.key)
-        self._replicas[replica].conn.send(("submit", specs))
+        self._send(self._replicas[replica], ("submit", specs))
+
+    def _send(self, h: _ReplicaHandle, msg: tuple) -> None:
+        """A command to one replica; a closed pipe means it died: raise naming it and how."""
+        try:
+            h.conn.send(msg)
+        except OSError:
+            self._fail(h, self._exit_cause(h))
+            self._check_failed()
 
     def _reader(self, h: _ReplicaHandle) -> None:
         """Drain one replica's pipe into the inbox (so a replica never blocks on a full pipe)."""
@@ -485,6 +529,8 @@ class GeneratorExecutor:
         elif kind == "done":
             for res in msg[1]:
                 self._finish(h, res)
+            if len(msg) > 2:  # the replica's busy/load counters as of these results
+                h.info.update(msg[2])
         elif kind == "updated":
             acked = self._replies.get(("updated", msg[1]))
             if acked is not None:
@@ -535,13 +581,16 @@ class GeneratorExecutor:
         if self._failure is not None:
             raise self._failure
 
-    def _wait(self, done, timeout: float, what: str, progress_resets: bool = True) -> None:
-        """Pump messages until ``done()``; raise on a dead replica or after ``timeout`` seconds
-        (without any message arriving, when ``progress_resets``)."""
+    def _wait(self, done, timeout: float, what: str, progress_resets: bool = True,
+              also_check: Callable[[], None] | None = None) -> None:
+        """Pump messages until ``done()``; raise on a dead replica, when ``also_check()`` raises, or
+        after ``timeout`` seconds (without any message arriving, when ``progress_resets``)."""
         deadline = time.monotonic() + timeout
         last_log = time.monotonic()
         while True:
             self._check_failed()
+            if also_check is not None:
+                also_check()
             if done():
                 return
             now = time.monotonic()

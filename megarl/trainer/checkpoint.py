@@ -187,7 +187,7 @@ def _manifest(root: Path) -> dict:
             for p in sorted(root.rglob("*")) if p.is_file() and p.name != "meta.json"}
 
 
-def _write_text_atomic(path: Path, text: str) -> None:
+def write_text_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     with open(tmp, "w") as f:
         f.write(text)
@@ -319,7 +319,7 @@ def save_checkpoint(checkpoint_dir: str | Path, *, model: list, optimizer: Any =
                 "hf_source": str(hf_extra_from) if hf_extra_from is not None else None,
                 "vocab_divisible_by": getattr(m0, "megarl_vocab_divisible_by", None),
                 "norm_style": getattr(m0, "megarl_norm_style", None)}
-        _write_text_atomic(tmp / "meta.json", json.dumps(meta, indent=1, default=str))
+        write_text_atomic(tmp / "meta.json", json.dumps(meta, indent=1, default=str))
         _fsync_tree(tmp)
     _barrier("metadata written")
     if _before_commit is not None:
@@ -331,7 +331,7 @@ def save_checkpoint(checkpoint_dir: str | Path, *, model: list, optimizer: Any =
             shutil.rmtree(trash)
         os.replace(tmp, final)
         _fsync_dir(root)
-        _write_text_atomic(root / LATEST, name)  # last: `latest` only ever names a complete one
+        write_text_atomic(root / LATEST, name)  # last: `latest` only ever names a complete one
         for old in list_checkpoints(root)[:-keep_last]:
             if old != final:
                 shutil.rmtree(old, ignore_errors=True)

@@ -46,10 +46,17 @@ def phase_line(step: int, total_steps: int, metrics: dict) -> str:
                             ("gen/truncated_frac", "trunc", ".2f"), ("train/loss", "loss", ".4f"),
                             ("train/grad_norm", "gnorm", ".3f"), ("eval/accuracy", "eval acc", ".3f"),
                             ("eval/format_rate", "eval fmt", ".2f"), ("eval/truncated_frac", "eval trunc", ".2f"),
-                            ("train/loss/mismatch", "mismatch", ".4f"), ("gen/tokens_per_s", "gen tok/s", ".0f")):
+                            ("train/loss/mismatch", "mismatch", ".4f"), ("gen/tokens_per_s", "gen tok/s", ".0f"),
+                            ("lag/mean", "lag", ".2f")):
         if key in metrics and isinstance(metrics[key], (int, float)) and math.isfinite(metrics[key]):
             tail.append(f"{label} {metrics[key]:{fmt}}")
-    return f"step {step}/{total_steps} | {metrics.get('time/step', 0.0):.1f}s = {parts} | " + " | ".join(tail)
+    busy = ""
+    if "exec/trainer_busy_s" in metrics:
+        wall = max(metrics.get("time/step", 0.0), 1e-9)
+        busy = (f" | busy trainer {100 * metrics['exec/trainer_busy_s'] / wall:.0f}% generator "
+                f"{100 * metrics['exec/generator_busy_s'] / wall:.0f}%")
+    return (f"step {step}/{total_steps} | {metrics.get('time/step', 0.0):.1f}s = {parts}{busy} | "
+            + " | ".join(tail))
 
 
 class MetricsLogger:
@@ -79,6 +86,12 @@ class MetricsLogger:
             for k, v in scalars.items():
                 self._tb.add_scalar(k, v, step)
             self._tb.flush()
+
+    def reopen(self) -> None:
+        """Reopen metrics.jsonl after it was rewritten in place (a resume's rewind)."""
+        if self._fh:
+            self._fh.close()
+            self._fh = self.jsonl_path.open("a")
 
     def close(self) -> None:
         if self._fh:
