@@ -110,7 +110,44 @@ def _parser() -> argparse.ArgumentParser:
                    help="one duplex NIC per rank, in Gb/s (default 400)")
     s.add_argument("--json", default=None, metavar="OUT", help="also write the numbers as JSON to OUT")
     s.set_defaults(func=_cmd_plan_sync)
+    _add_launch_commands(sub)
     return p
+
+
+def _add_launch_commands(sub) -> None:
+    """`megarl launch slurm|local` and `megarl rank` (megarl.cluster; docs/slurm.md)."""
+    la = sub.add_parser("launch", help="start a multi-process job: Slurm pools (srun, no Ray) or their local simulation")
+    lsub = la.add_subparsers(title="launchers", metavar="<launcher>")
+    for name, text in (("slurm", "inside an sbatch allocation: role map, then one srun per pool"),
+                       ("local", "the same tasks as local processes under a simulated Slurm environment")):
+        lp = lsub.add_parser(name, help=text, description=text)
+        lp.add_argument("config", help="YAML config file (see configs/)")
+        lp.add_argument("overrides", nargs="*", help="dotted overrides, section.key=value")
+        lp.add_argument("--dry-run", action="store_true", help="print the rank -> role map and the srun lines only")
+        if name == "local":
+            lp.add_argument("--trainer-nodes", type=int, default=1, help="simulated trainer nodes (default 1)")
+            lp.add_argument("--log-dir", default=None, help="one output file per task here (default: inherit)")
+        lp.set_defaults(func=_cmd_launch, launcher=name)
+    rk = sub.add_parser("rank", help="one task of a launched job (what each srun task runs)")
+    rk.add_argument("--role", required=True, choices=("controller", "trainer"))
+    rk.add_argument("config")
+    rk.add_argument("overrides", nargs="*")
+    rk.set_defaults(func=_cmd_rank)
+
+
+def _cmd_rank(args: argparse.Namespace) -> int:
+    from megarl.cluster.rank import run_task
+
+    return run_task(args.role, args.config, args.overrides)
+
+
+def _cmd_launch(args: argparse.Namespace) -> int:
+    from megarl.cluster.launch import launch_local, launch_slurm
+
+    if args.launcher == "slurm":
+        return launch_slurm(args.config, args.overrides, dry_run=args.dry_run)
+    return launch_local(args.config, args.overrides, trainer_nodes=args.trainer_nodes, dry_run=args.dry_run,
+                        log_dir=args.log_dir)
 
 
 def _cmd_train(args: argparse.Namespace) -> int:

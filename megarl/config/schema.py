@@ -75,6 +75,27 @@ class ClusterConfig:
     world_size: int = knob(0, help=(
         "Ranks in the job (processes / GPUs). 0 = derive as trainer tp*pp*dp + generator tp*replicas; "
         "when set (e.g. from Slurm) it must equal that sum."))
+    # --- multi-node launch (megarl.cluster; docs/slurm.md) ---
+    launcher: str = knob("local", choices=("local", "slurm"), help=(
+        "How trainer ranks start: 'local' = the controller spawns them on its own host; 'slurm' = they are "
+        "started elsewhere (srun on the trainer nodes, by `megarl launch slurm`, or its local simulation "
+        "`megarl launch local`) and attach to the controller over TCP. Default local."))
+    trainer_nodes: int = knob(0, help=(
+        "Nodes of the Slurm allocation in the trainer pool (nodes; the first ones of SLURM_JOB_NODELIST). "
+        "0 = just enough for trainer tp*pp*dp ranks at cluster.ranks_per_node each. Default 0."))
+    generator_nodes: int = knob(1, help=(
+        "Nodes in the generator pool (nodes; the ones after the trainer pool). The controller runs on the "
+        "first and spawns the vLLM replicas there: this version supports exactly 1. Default 1."))
+    ranks_per_node: int = knob(0, help=(
+        "Rank slots per node (ranks, one GPU each): 0 = the node's GPU count from Slurm "
+        "(SLURM_GPUS_ON_NODE / SLURM_GPUS_PER_NODE); set it on CPU-only clusters. Default 0."))
+    port_base: int = knob(0, help=(
+        "First of the job's TCP ports (trainer rendezvous = port_base, controller channel = port_base+1). "
+        "0 = derived from SLURM_JOB_ID, so two jobs sharing a node use different ports. Default 0."))
+    teardown_timeout_s: float = knob(60.0, help=(
+        "Seconds the launcher waits, after any pool or task exits, for the others to exit on their own "
+        "(the controller reports the failure first); then SIGTERM, and SIGKILL after as long again. "
+        "Default 60."))
 
 
 @dataclass

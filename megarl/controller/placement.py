@@ -36,6 +36,8 @@ def device_plan(cfg, visible: int) -> DevicePlan:
     """
     c = cfg.cluster
     n_train, n_gen = needed(cfg)
+    if getattr(c, "launcher", "local") == "slurm":  # ranks on other nodes take their GPU there (megarl.cluster)
+        n_train = 0
     if visible == 0:
         if c.trainer_devices or c.generator_devices:
             raise ValueError(f"cluster.trainer_devices={c.trainer_devices!r} / cluster.generator_devices="
@@ -66,6 +68,9 @@ def device_plan(cfg, visible: int) -> DevicePlan:
         raise ValueError(f"the generator needs {n_gen} GPU(s) (tp*replicas) and got {len(gen)} of {visible} "
                          f"visible after the trainer's {len(train)}; lower generator.replicas or generator.tp, "
                          f"or set cluster.share_devices=true")
+    if n_train == 0:
+        return DevicePlan(None, gen[:n_gen], f"trainer ranks attach from the trainer pool (cluster.launcher="
+                                             f"slurm); generator workers on GPU(s) {_fmt(gen[:n_gen])}")
     # Shared (or explicitly listed) devices are used round-robin.
     train = [train[r % len(train)] for r in range(n_train)]
     gen = [gen[w % len(gen)] for w in range(n_gen)]

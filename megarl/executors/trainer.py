@@ -24,6 +24,11 @@ that dies, raises, stops beating or does not answer in time raises :class:`Train
 :class:`TrainerTimeout` naming the rank (global and tp/pp/dp), the cause and the exit code, and
 every rank process is killed at once (their collective state is unusable): later calls re-raise.
 Metrics come from the rank at tp 0, dp 0 on the last pipeline stage (where the loss is computed).
+
+Attach mode (``launcher="slurm"``, ``cluster.launcher``): the ranks are not spawned here but started
+elsewhere (srun on the trainer nodes, ``megarl.cluster``) and connect to this executor
+(``megarl.executors.attach``); the same protocol and supervision then run over those connections,
+with a rank's connection EOF standing for its exit and its host and pid in every error.
 """
 
 from __future__ import annotations
@@ -102,11 +107,21 @@ class _Rank:
         self.index, self.coords, self.process, self.conn, self.log_path = index, coords, process, conn, log_path
         self.info: dict = {}
         self.last_beat = time.monotonic()
+        self.exit_acked = False
+        self.remote = hasattr(process, "mark_gone")  # an attached rank (megarl.executors.attach.RemoteProcess)
 
     @property
     def name(self) -> str:
         c = self.coords
-        return f"trainer rank {self.index} (tp {c['tp']}, pp {c['pp']}, dp {c['dp']}; pid {self.process.pid})"
+        where = f"pid {self.process.pid} on {self.process.host}" if self.remote else f"pid {self.process.pid}"
+        return f"trainer rank {self.index} (tp {c['tp']}, pp {c['pp']}, dp {c['dp']}; {where})"
+
+    def cause(self) -> str:
+        """How it ended, for an error message."""
+        if self.remote and self.process.exitcode not in (None, 0):
+            return (f"lost its connection to the controller (the process exited or was killed, or node "
+                    f"{self.process.host} failed; its srun step reports the exit code)")
+        return exit_cause(self.process.exitcode)
 
     def log_tail(self, lines: int = 20) -> str:
         try:
@@ -120,7 +135,7 @@ class TrainerExecutor(ExecutorBase):
 
     def __init__(self, cfg: TrainerConfig, algo: AlgorithmConfig, model_dir: str | os.PathLike, *,
                  total_steps: int, run_dir: str | os.PathLike, cpus: list[int] | None = None,
-                 devices: Sequence[int] | None = None):
+                 devices: Sequence[int] | None = None, launcher: str = "local"):
         problems = cfg.problems()
         if problems:
             raise ValueError("invalid trainer config:\n  " + "\n  ".join(problems))
@@ -135,6 +150,9 @@ class TrainerExecutor(ExecutorBase):
             raise ValueError(f"devices={list(devices)}: the trainer has {self.world} rank(s), one device each")
         # Each rank's CUDA_VISIBLE_DEVICES (megarl.controller.placement); None: inherit ours.
         self.devices = [str(d) for d in devices] if devices is not None else [None] * self.world
+        if launcher not in ("local", "slurm"):
+            raise ValueError(f"launcher={launcher!r}: one of 'local' (spawn the ranks here) or 'slurm' (they attach)")
+        self.launcher = launcher
         self.log_dir = self.run_dir / "logs"
         self._ranks: list[_Rank] = []
         self._procs: list = []  # every process spawned, for the finalizer
@@ -159,13 +177,16 @@ class TrainerExecutor(ExecutorBase):
         self._finalizer = weakref.finalize(self, kill_processes, self._procs)
         pdeathsig = spawned_from_main_thread()
         try:
-            for attempt in range(3):
+            if self.launcher == "slurm":
+                self._attach()
+            for attempt in range(3 if self.launcher == "local" else 0):
                 if self._launch(pdeathsig):
                     break
                 log.warning("trainer: the rendezvous port was taken; relaunching the ranks (attempt %d)",
                             attempt + 2)
             else:
-                raise TrainerError("trainer: the rendezvous port was taken 3 times in a row")
+                if self.launcher == "local":
+                    raise TrainerError("trainer: the rendezvous port was taken 3 times in a row")
         except BaseException:
             self.close()
             raise
@@ -195,6 +216,34 @@ class TrainerExecutor(ExecutorBase):
             rank = _Rank(r, rank_coords(r, self.cfg.tp, self.cfg.pp, self.cfg.dp), proc, parent_conn, log_path)
             self._ranks.append(rank)
             threading.Thread(target=self._reader, args=(rank,), daemon=True, name=f"megarl-trainer-reader-{r}").start()
+        return self._await_ready()
+
+    def _attach(self) -> None:
+        """Attach mode: accept the ranks started elsewhere, send each its start arguments (the
+        same as a spawned rank's), wait until every one is ready."""
+        from megarl.executors.attach import AttachError, AttachSpec, RemoteProcess, accept_ranks
+
+        try:
+            spec = AttachSpec.from_env()
+            conns = accept_ranks(spec, self.world, self.cfg.start_timeout_s)
+        except AttachError as e:
+            raise TrainerError(str(e)) from None
+        for r, (conn, hello) in enumerate(conns):
+            log_path = self.log_dir / f"trainer_rank{r}.log"
+            rank = _Rank(r, rank_coords(r, self.cfg.tp, self.cfg.pp, self.cfg.dp),
+                         RemoteProcess(hello["pid"], hello["host"]), conn, log_path)
+            self._ranks.append(rank)
+            self._post(rank, ("init", {"cfg": self.cfg, "algo": self.algo, "model_dir": self.model_dir,
+                                       "total_steps": self.total_steps, "run_dir": str(self.run_dir),
+                                       "cores": self.cores[r], "log_path": str(log_path)}))
+            threading.Thread(target=self._reader, args=(rank,), daemon=True, name=f"megarl-trainer-reader-{r}").start()
+        if not self._await_ready():
+            host = self._ranks[0].process.host
+            port = os.environ.get("MEGARL_MASTER_PORT", "?")
+            self._raise(TrainerError(f"trainer: rank 0 on {host} could not bind the rendezvous port {port} (in use: "
+                                     f"another job on that node?); set cluster.port_base to a free range"))
+
+    def _await_ready(self) -> bool:
         self._wait(lambda: all(r.info for r in self._ranks), self.cfg.start_timeout_s,
                    f"{self.world} trainer rank(s) to start (build model + optimizer, resume)")
         if any(r.info.get("port_taken") for r in self._ranks):
@@ -228,8 +277,17 @@ class TrainerExecutor(ExecutorBase):
     def _kill_ranks(self) -> None:
         if self._finalizer is not None:
             kill_processes(self._procs)  # the finalizer's own call, without detaching it
+        self._drop_remote()
         for r in self._ranks:
             r.conn.close()
+
+    def _drop_remote(self) -> None:
+        """Attached ranks cannot be killed from here: shut their connections; they exit on the EOF."""
+        from megarl.executors.attach import shutdown
+
+        for r in self._ranks:
+            if r.remote and not r.conn.closed:
+                shutdown(r.conn)
 
     # ------------------------------------------------------------------ commands
     @property
@@ -294,6 +352,7 @@ class TrainerExecutor(ExecutorBase):
         if self._failure is None:
             self._failure = TrainerError(f"trainer: DDMA sync abandoned ({why}); every trainer rank was killed")
             kill_processes(self._procs)
+            self._drop_remote()
 
     def raise_if_dead(self) -> None:
         """Raise :class:`TrainerRankFailed` if a rank process has exited. Cheap and reads no
@@ -302,7 +361,7 @@ class TrainerExecutor(ExecutorBase):
             raise self._failure
         for r in self._ranks:
             if r.process.exitcode is not None:
-                self._rank_failed(r, exit_cause(r.process.exitcode), "the DDMA sync in flight")
+                self._rank_failed(r, r.cause(), "the DDMA sync in flight")
 
     def hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, full tensor) of every weight, reassembled here from the dp 0 ranks' shards.
@@ -342,7 +401,7 @@ class TrainerExecutor(ExecutorBase):
                 r.conn.send_bytes(data)
             except OSError:  # its end is closed: it died (or is dying)
                 r.process.join(2.0)
-                self._rank_failed(r, exit_cause(r.process.exitcode), f"the ranks to take the {name!r} command")
+                self._rank_failed(r, r.cause(), f"the ranks to take the {name!r} command")
         return self._seq
 
     def _post(self, r: _Rank, msg: tuple) -> None:
@@ -357,9 +416,13 @@ class TrainerExecutor(ExecutorBase):
             try:
                 msg = pickle.loads(r.conn.recv_bytes())
             except (EOFError, OSError):
+                if r.remote:
+                    r.process.mark_gone(clean=r.exit_acked)
                 self._inbox.put((r, ("eof",)))
                 return
             r.last_beat = time.monotonic()
+            if msg[0] == "ok" and msg[1] == -1:  # the answer to close()'s exit request
+                r.exit_acked = True
             if msg[0] != "beat":
                 self._inbox.put((r, msg))
 
@@ -417,7 +480,7 @@ class TrainerExecutor(ExecutorBase):
             if r.info.get("port_taken"):
                 return
             r.process.join(2.0)
-            self._rank_failed(r, exit_cause(r.process.exitcode), what)
+            self._rank_failed(r, r.cause(), what)
         elif on_reply is not None:
             on_reply(r, msg)
 
@@ -437,7 +500,7 @@ class TrainerExecutor(ExecutorBase):
             self._handle(r, msg, what, on_reply)
             if all(r.info.get("port_taken") for r in dead):
                 return
-        self._rank_failed(dead[0], exit_cause(dead[0].process.exitcode), what)
+        self._rank_failed(dead[0], dead[0].cause(), what)
 
     def _rank_raised(self, r: _Rank, tb: str, what: str) -> None:
         # A peer's death makes the others' collectives fail: report the death, the root cause.
@@ -445,7 +508,7 @@ class TrainerExecutor(ExecutorBase):
         while time.monotonic() < deadline:
             dead = [o for o in self._ranks if o is not r and o.process.exitcode not in (None, 0)]
             if dead:
-                self._rank_failed(dead[0], exit_cause(dead[0].process.exitcode), what,
+                self._rank_failed(dead[0], dead[0].cause(), what,
                                   note=f"\n{r.name} then raised: {_last_line(tb)}")
             time.sleep(0.1)
         code = r.process.exitcode
@@ -457,7 +520,8 @@ class TrainerExecutor(ExecutorBase):
         body = detail or f"--- last lines of {r.log_path} ---\n{r.log_tail()}"
         self._raise(TrainerRankFailed(
             f"trainer: {r.name} {cause} while waiting for {what}; every trainer rank was killed{note}\n"
-            f"{body}", rank=r.index, coords=r.coords, pid=r.process.pid, exitcode=code, cause=cause))
+            f"{body}", rank=r.index, coords=r.coords, pid=r.process.pid, exitcode=None if r.remote else code,
+            cause=cause))
 
     def _raise(self, exc: TrainerError) -> None:
         """Record the failure, kill every rank (no orphans), raise."""
@@ -465,6 +529,7 @@ class TrainerExecutor(ExecutorBase):
             self._failure = exc
             log.error("%s", str(exc).splitlines()[0])
             kill_processes(self._procs)
+            self._drop_remote()
         raise self._failure
 
 

@@ -13,6 +13,11 @@ traceback)``; unsolicited ``("ready", info)``, ``("beat",)`` (a heartbeat thread
 ``HEARTBEAT_S``: the executor tells a frozen rank from one waiting in a collective) and
 ``("port_taken",)`` (the rendezvous port was taken before rank 0 bound it: the executor relaunches).
 Commands are collective: the executor sends each to every rank.
+
+:func:`attached_rank_main` is the same rank started by a launcher instead (srun on a trainer node,
+``megarl.cluster.rank``): it connects to the executor (``megarl.executors.attach``), says hello,
+receives the start arguments a spawned rank gets, and serves the same protocol over that socket.
+It cannot watch a parent on another node: it exits when the executor's connection closes.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+import socket
 import sys
 import threading
 import time
@@ -52,12 +58,14 @@ class _Channel:
     def recv(self) -> tuple:
         return pickle.loads(self.conn.recv_bytes())
 
-    def beat_forever(self) -> None:
+    def beat_forever(self, on_lost=None) -> None:
         while True:
             time.sleep(HEARTBEAT_S)
             try:
                 self.send("beat")
             except OSError:  # the executor closed the pipe: the main thread will see it too
+                if on_lost is not None:
+                    on_lost()
                 return
 
 
@@ -152,12 +160,59 @@ def rank_main(conn, rank: int, world: int, master_port: int, cfg: TrainerConfig,
     # Its own process group: the executor kills it with anything it started, and a terminal's
     # Ctrl-C reaches only the controller, which then shuts the ranks down in order.
     os.setpgrp()
+    _run(_Channel(conn), rank, lambda chan: _serve(chan, rank, world, master_port, cfg, algo, model_dir,
+                                                   total_steps, run_dir, cores))
+
+
+def attached_rank_main(rank: int, world: int, *, controller: tuple[str, int], authkey: bytes, job_id: str,
+                       master_addr: str, master_port: int, connect_timeout_s: float,
+                       cuda_devices: str | None = None, cleanup=None) -> None:
+    """Entry point of trainer rank ``rank`` of ``world`` started by a launcher: connect to the
+    executor at ``controller`` (retrying up to ``connect_timeout_s``), then serve like a spawned
+    rank, joining the trainer's process group at ``master_addr:master_port``. ``cleanup``: run
+    before the process exits (its job-scoped temp dir). Never returns."""
+    from megarl.executors.attach import connect
+
+    if cuda_devices is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = cuda_devices
+    conn = connect(controller[0], controller[1], authkey, connect_timeout_s)
+    chan = _Channel(conn)
+    chan.send("hello", {"rank": rank, "host": socket.gethostname(), "pid": os.getpid(), "job": job_id})
+    log.info("trainer rank %d: attached to the controller at %s:%d; waiting up to %.0fs for its start arguments",
+             rank, controller[0], controller[1], connect_timeout_s)
+    if not conn.poll(connect_timeout_s):
+        raise TimeoutError(f"trainer rank {rank}: the controller sent no start arguments within "
+                           f"{connect_timeout_s:.0f}s (trainer.start_timeout_s)")
+    kind, init = chan.recv()
+    if kind != "init":
+        raise RuntimeError(f"trainer rank {rank}: expected the controller's 'init', got {kind!r}")
+    log.info("trainer rank %d: logs in %s", rank, init["log_path"])
+    _redirect_output(init["log_path"])
+    _run(chan, rank, lambda ch: _serve(ch, rank, world, master_port, init["cfg"], init["algo"], init["model_dir"],
+                                       init["total_steps"], init["run_dir"], init["cores"], master_addr=master_addr),
+         exit_on_lost=True, cleanup=cleanup)
+
+
+def _run(chan: _Channel, rank: int, serve, exit_on_lost: bool = False, cleanup=None) -> None:
+    """Heartbeats, then ``serve(chan)``; exits the process (code 0 after ``exit``, 1 on failure)."""
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, force=True,
                         format=f"%(asctime)s trainer-rank{rank} %(levelname)s %(name)s: %(message)s")
-    chan = _Channel(conn)
-    threading.Thread(target=chan.beat_forever, daemon=True, name="megarl-trainer-beat").start()
+
+    def finish(code: int) -> None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        if cleanup is not None:
+            cleanup()
+        os._exit(code)  # not a normal exit: gloo/megatron teardown can hang after a failure
+
+    def lost() -> None:
+        log.error("trainer rank %d: the controller's connection closed; exiting", rank)
+        finish(1)
+
+    threading.Thread(target=chan.beat_forever, args=(lost if exit_on_lost else None,), daemon=True,
+                     name="megarl-trainer-beat").start()
     try:
-        _serve(chan, rank, world, master_port, cfg, algo, model_dir, total_steps, run_dir, cores)
+        serve(chan)
     except BaseException:  # noqa: BLE001 - a start-up failure goes back to the executor
         tb = traceback.format_exc()
         log.error("trainer rank %d failed:\n%s", rank, tb)
@@ -165,17 +220,13 @@ def rank_main(conn, rank: int, world: int, master_port: int, cfg: TrainerConfig,
             chan.send("error", None, tb)
         except OSError:
             pass
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(1)  # not a normal exit: gloo/megatron teardown can hang after a failure
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+        finish(1)
+    finish(0)
 
 
 def _serve(chan: _Channel, rank: int, world: int, master_port: int, cfg: TrainerConfig,
            algo: AlgorithmConfig, model_dir: str, total_steps: int, run_dir: str,
-           cores: list[int] | None) -> None:
+           cores: list[int] | None, master_addr: str = "127.0.0.1") -> None:
     from megarl.trainer.local import RankTrainer
     from megarl.utils.dist import destroy_distributed, init_distributed, init_model_parallel
 
@@ -185,7 +236,7 @@ def _serve(chan: _Channel, rank: int, world: int, master_port: int, cfg: Trainer
     # the executor (which names the silent rank) always fires first.
     pg_timeout = max(cfg.start_timeout_s, cfg.step_timeout_s, cfg.save_timeout_s) + 60.0
     try:
-        init_distributed(rank, world, master_port=master_port, timeout_s=pg_timeout)
+        init_distributed(rank, world, master_addr=master_addr, master_port=master_port, timeout_s=pg_timeout)
     except Exception as e:  # noqa: BLE001
         if rank == 0 and "address already in use" in str(e).lower():
             chan.send("port_taken")
@@ -198,7 +249,7 @@ def _serve(chan: _Channel, rank: int, world: int, master_port: int, cfg: Trainer
 
     coords = _coords()
     reports = coords["tp"] == 0 and coords["dp"] == 0 and ps.is_pipeline_last_stage()
-    info = {"rank": rank, **coords, "pid": os.getpid(), "cores": list(cores or []), "threads": threads,
+    info = {"rank": rank, **coords, "pid": os.getpid(), "host": socket.gethostname(), "cores": list(cores or []), "threads": threads,
             "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
             "reports_metrics": reports}
     server = _Server(trainer, info, reports)
@@ -226,4 +277,4 @@ def _serve(chan: _Channel, rank: int, world: int, master_port: int, cfg: Trainer
     destroy_distributed()
 
 
-__all__ = ["rank_main", "HEARTBEAT_S"]
+__all__ = ["rank_main", "attached_rank_main", "HEARTBEAT_S"]

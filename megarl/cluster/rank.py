@@ -1,0 +1,101 @@
+"""`megarl rank --role controller|trainer CONFIG [overrides]`: what every task of a launched job runs.
+
+Each task recomputes the job's role map from the Slurm environment (``megarl.cluster.slurm``), so
+the batch step and every task agree without passing the map around, checks that srun put it
+where the map says, exports the job's variables (MEGARL_WORLD_SIZE, ports, temp dir), and then:
+
+* ``controller`` (one task, first generator node): ``run_job`` with ``cluster.launcher=slurm``:
+  the loop, the generator's vLLM replicas on this node, and the trainer executor in attach mode;
+* ``trainer`` (one task per trainer rank, ``SLURM_PROCID`` = global trainer rank): a trainer rank
+  that connects to the controller (``megarl.trainer.worker.attached_rank_main``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import socket
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+
+from megarl.config import ConfigError
+
+log = logging.getLogger("megarl.cluster")
+
+ROLES = ("controller", "trainer")
+
+
+def run_task(role: str, config: str, overrides: list[str], env: Mapping[str, str] | None = None) -> int:
+    """Run this task's part of the job; returns its exit code (a trainer rank never returns)."""
+    from megarl.cluster.slurm import AllocationError, SlurmEnv, build_role_map, pick_device
+    from megarl.config import load_config
+
+    env = os.environ if env is None else env
+    if role not in ROLES:
+        raise ConfigError([f"--role {role!r}: one of {list(ROLES)}"])
+    cfg = load_config(config, overrides)
+    if cfg.cluster.launcher != "slurm":
+        raise ConfigError([f"cluster.launcher={cfg.cluster.launcher!r}: a launched task needs cluster.launcher=slurm "
+                           "(`megarl launch` adds it)"], config)
+    try:
+        rmap = build_role_map(SlurmEnv.from_env(env), cfg)
+    except AllocationError as e:
+        raise ConfigError(e.problems, config) from None
+    node = env.get("SLURMD_NODENAME") or socket.gethostname().split(".")[0]
+    procid, local = int(env.get("SLURM_PROCID", "0")), int(env.get("SLURM_LOCALID", "0"))
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format=f"%(asctime)s {role}{'' if role == 'controller' else procid} %(levelname)s "
+                               "%(name)s: %(message)s")
+    if role == "controller":
+        expect_node, expect_local = rmap.controller_node, 0
+    else:
+        if procid >= rmap.trainer_world:
+            raise ConfigError([f"SLURM_PROCID={procid}: the trainer pool has {rmap.trainer_world} rank(s) "
+                               "(trainer tp*pp*dp); the srun line's --ntasks must match"], config)
+        want = rmap.trainer_rank(procid)
+        expect_node, expect_local = want.node, want.local_rank
+    if (node, local) != (expect_node, expect_local):
+        raise ConfigError([f"srun placed {role} task {procid} on {node} as local task {local}, but the role map "
+                           f"expects {expect_node} local {expect_local}; run the srun lines of `megarl launch slurm` "
+                           "unchanged (--distribution=block, --ntasks-per-node)"], config)
+    os.environ.update(rmap.job_env())
+    tmp = Path(rmap.tmp_dir) / f"{role}{procid}"
+    tmp.mkdir(parents=True, exist_ok=True)
+    os.environ["TMPDIR"] = str(tmp)
+
+    def cleanup() -> None:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+    if role == "controller":
+        log.info("controller of job %d on %s (SLURM_RESTART_COUNT=%d); MEGARL_WORLD_SIZE=%d, listening on port %d",
+                 rmap.job_id, node, rmap.restart_count, rmap.world_size, rmap.controller_port)
+        from megarl.controller import run_job
+
+        try:
+            return run_job(cfg)
+        finally:
+            cleanup()
+    key = env.get("MEGARL_AUTHKEY", "")
+    if not key:
+        raise ConfigError(["MEGARL_AUTHKEY is not set: start trainer tasks with `megarl launch slurm` (it exports "
+                           "the job's key to every srun task)"], config)
+    device = None if cfg.cluster.device == "cpu" else pick_device(env.get("CUDA_VISIBLE_DEVICES"), local,
+                                                                  rmap.trainer_pool.gpus_per_node)
+    log.info("trainer rank %d of %d on %s (local %d, device %s); controller %s:%d, rendezvous %s:%d",
+             procid, rmap.trainer_world, node, local, device, rmap.controller_addr, rmap.controller_port,
+             rmap.master_addr, rmap.master_port)
+    from megarl.trainer.worker import attached_rank_main
+
+    try:
+        attached_rank_main(procid, rmap.trainer_world, controller=(rmap.controller_addr, rmap.controller_port),
+                           authkey=key.encode(), job_id=str(rmap.job_id), master_addr=rmap.master_addr,
+                           master_port=rmap.master_port, connect_timeout_s=cfg.trainer.start_timeout_s,
+                           cuda_devices=device, cleanup=cleanup)
+    finally:  # reached only when it failed before serving (attached_rank_main exits the process)
+        cleanup()
+    return 1
+
+
+__all__ = ["ROLES", "run_task"]

@@ -1,0 +1,378 @@
+"""Slurm environment -> the job's rank -> role map and its srun lines (pure: no torch, no side effects).
+
+One allocation, two node pools: the first ``cluster.trainer_nodes`` nodes of ``SLURM_JOB_NODELIST``
+are the **trainer pool** (one srun task per trainer rank, ``--ntasks-per-node`` of them per node,
+block distribution, so global trainer rank ``r`` = ``SLURM_PROCID``), the rest the **generator
+pool**. The controller runs as one task on the first generator node and spawns the vLLM replicas
+there itself (this version: the generator is that one node's GPUs). A heterogeneous job
+(``#SBATCH hetjob``) gives the pools as het group 0 (trainer) and 1 (generator) instead.
+
+Job ranks (``MEGARL_WORLD_SIZE`` of them): trainer ranks ``0 .. T-1`` (megatron order, ``tp``
+fastest, ``rank_coords`` of the trainer executor), then generator workers ``T .. T+G-1``
+(replica-major, ``generator.tp`` per replica). The controller is a process, not a rank.
+
+Everything job-scoped comes from ``SLURM_JOB_ID``: the ports (trainer rendezvous and the
+controller's channel; ``job_ports``) and the temp dir (``$TMPDIR/megarl-<job>.<restart>``), so two
+jobs that share a node never collide. ``MEGARL_SIM_ADDR`` (set by ``megarl launch local`` only)
+makes every node name resolve to one address: the same map then runs as local processes.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import shlex
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+PORT_FLOOR = 15000   # job ports live in [15000, 31000): below Linux's ephemeral range (32768+)
+PORT_SLOTS = 4000    # jobs whose ids differ by a multiple of this share ports (only a problem on a shared node)
+PORTS_PER_JOB = 4    # base: trainer rendezvous (MASTER_PORT), base+1: controller channel; 2 spare
+
+
+class AllocationError(ValueError):
+    """The allocation and the config do not fit; each line names what to change."""
+
+    def __init__(self, problems: Sequence[str]):
+        self.problems = list(problems)
+        super().__init__("the Slurm allocation does not fit the job:\n  " + "\n  ".join(self.problems))
+
+
+# ---------------------------------------------------------------------------------- nodelists
+def _split_top(text: str) -> list[str]:
+    parts, depth, cur = [], 0, ""
+    for ch in text:
+        if ch == "[":
+            depth += 1
+        elif ch == "]":
+            depth -= 1
+            if depth < 0:
+                raise ValueError(f"nodelist {text!r}: unbalanced ']'")
+        if ch == "," and depth == 0:
+            parts.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    if depth:
+        raise ValueError(f"nodelist {text!r}: unbalanced '['")
+    return [p.strip() for p in parts + [cur] if p.strip()]
+
+
+def _expand_ranges(body: str, text: str) -> list[str]:
+    out = []
+    for part in body.split(","):
+        lo, _, hi = part.strip().partition("-")
+        if not lo.isdigit() or (hi and not hi.isdigit()) or (hi and int(hi) < int(lo)):
+            raise ValueError(f"nodelist {text!r}: {part!r} is not a number or range like 01-03")
+        width = len(lo)
+        out += [str(i).zfill(width) for i in range(int(lo), int(hi or lo) + 1)]
+    return out
+
+
+def parse_nodelist(text: str) -> list[str]:
+    """``"node[01-03,07],gpu5"`` -> ``["node01", "node02", "node03", "node07", "gpu5"]`` (Slurm's
+    hostlist syntax: zero padding kept, several bracket groups per name expand as a product)."""
+    nodes: list[str] = []
+    for item in _split_top(text):
+        names = [""]
+        for m in re.finditer(r"([^\[\]]+)|\[([^\[\]]*)\]", item):
+            pieces = [m.group(1)] if m.group(1) is not None else _expand_ranges(m.group(2), text)
+            names = [n + p for n in names for p in pieces]
+        nodes += names
+    if len(set(nodes)) != len(nodes):
+        raise ValueError(f"nodelist {text!r} names a node twice")
+    return nodes
+
+
+def compress_nodelist(nodes: Sequence[str]) -> str:
+    """The inverse of :func:`parse_nodelist` for printing: consecutive numbered names of the same
+    prefix and width fold into ``prefix[a-b,c]``; order is kept."""
+    groups: list[tuple[str, int, list[int]]] = []  # (prefix, width, numbers); width 0 = no number
+    for n in nodes:
+        m = re.fullmatch(r"(.*?)(\d+)", n)
+        prefix, width, num = (m.group(1), len(m.group(2)), int(m.group(2))) if m else (n, 0, -1)
+        if groups and width and groups[-1][:2] == (prefix, width) and num > groups[-1][2][-1]:
+            groups[-1][2].append(num)
+        else:
+            groups.append((prefix, width, [num]))
+    out = []
+    for prefix, width, nums in groups:
+        if not width:
+            out.append(prefix)
+            continue
+        if len(nums) == 1:
+            out.append(f"{prefix}{nums[0]:0{width}d}")
+            continue
+        runs, start = [], nums[0]
+        for a, b in zip(nums, nums[1:] + [None]):
+            if b != a + 1:
+                runs.append(f"{start:0{width}d}" + (f"-{a:0{width}d}" if a != start else ""))
+                start = b
+        out.append(f"{prefix}[{','.join(runs)}]")
+    return ",".join(out)
+
+
+def _gpu_count(value: str | None) -> int:
+    """``"8"``, ``"h100:8"``, ``"gpu:h100:8"`` -> 8; unset or unreadable -> 0."""
+    if not value:
+        return 0
+    last = value.split(",")[0].split(":")[-1].split("(")[0]
+    return int(last) if last.isdigit() else 0
+
+
+# ------------------------------------------------------------------------------ environment
+@dataclass(frozen=True)
+class SlurmEnv:
+    """What the job-level Slurm variables say (the same in the batch step and in every task)."""
+    job_id: int
+    nodes: tuple[str, ...]
+    gpus_per_node: int                   # 0: no GPUs requested (or not said)
+    restart_count: int = 0
+    het_groups: tuple[tuple[str, ...], ...] = ()   # (trainer nodes, generator nodes) of a het job
+    het_gpus: tuple[int, ...] = ()
+    tmp_root: str = "/tmp"
+    sim_addr: str = ""                   # MEGARL_SIM_ADDR: every node is this address (local simulation)
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> "SlurmEnv":
+        job = env.get("SLURM_JOB_ID", "")
+        if not job.isdigit():
+            raise AllocationError([f"SLURM_JOB_ID={job!r}: not inside a Slurm allocation; submit with "
+                                   "`sbatch launch/slurm/train.sbatch CONFIG`, or run `megarl launch local` here"])
+        het: list[tuple[str, ...]] = []
+        het_gpus: list[int] = []
+        while f"SLURM_JOB_NODELIST_HET_GROUP_{len(het)}" in env:
+            k = len(het)
+            het.append(tuple(parse_nodelist(env[f"SLURM_JOB_NODELIST_HET_GROUP_{k}"])))
+            het_gpus.append(_gpu_count(env.get(f"SLURM_GPUS_PER_NODE_HET_GROUP_{k}"))
+                            or _gpu_count(env.get(f"SLURM_GPUS_ON_NODE_HET_GROUP_{k}")))
+        listed = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST", "")
+        nodes = [n for g in het for n in g] if het else parse_nodelist(listed)
+        if not nodes:
+            raise AllocationError(["SLURM_JOB_NODELIST is empty: is this a Slurm job step?"])
+        count = env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES", "")
+        if count.isdigit() and int(count) != len(nodes):
+            raise AllocationError([f"SLURM_NNODES={count} but SLURM_JOB_NODELIST={listed!r} names {len(nodes)} "
+                                   "node(s): the environment is inconsistent"])
+        gpus = _gpu_count(env.get("SLURM_GPUS_ON_NODE")) or _gpu_count(env.get("SLURM_GPUS_PER_NODE"))
+        restart = env.get("SLURM_RESTART_COUNT", "0")
+        return cls(int(job), tuple(nodes), gpus, int(restart) if restart.isdigit() else 0, tuple(het),
+                   tuple(het_gpus), env.get("TMPDIR") or "/tmp", env.get("MEGARL_SIM_ADDR", ""))
+
+    def addr(self, node: str) -> str:
+        """The address other nodes reach ``node`` at (its name; the simulation's one address)."""
+        return self.sim_addr or node
+
+
+def job_ports(job_id: int, port_base: int = 0) -> tuple[int, int]:
+    """(trainer rendezvous port, controller channel port) of a job: ``cluster.port_base`` when set,
+    else a slot of PORTS_PER_JOB ports chosen by the job id."""
+    base = port_base or PORT_FLOOR + (job_id % PORT_SLOTS) * PORTS_PER_JOB
+    return base, base + 1
+
+
+# ----------------------------------------------------------------------------------- the map
+@dataclass(frozen=True)
+class RankRole:
+    rank: int            # job rank (0..MEGARL_WORLD_SIZE-1)
+    role: str            # "trainer" | "generator"
+    node: str
+    local_rank: int      # index among the ranks of this role on its node
+    device: int | None   # GPU index on the node (None on a CPU pool)
+    detail: str          # "tp 0 pp 0 dp 1" / "replica 0 worker 1"
+
+
+@dataclass(frozen=True)
+class Pool:
+    name: str                    # "trainer" | "generator"
+    nodes: tuple[str, ...]
+    tasks_per_node: int          # srun tasks per node (trainer: its ranks; generator: the controller)
+    gpus_per_node: int
+    het_group: int | None = None
+
+
+@dataclass(frozen=True)
+class RoleMap:
+    job_id: int
+    restart_count: int
+    trainer_pool: Pool
+    generator_pool: Pool
+    ranks: tuple[RankRole, ...]
+    trainer_world: int
+    master_addr: str
+    master_port: int
+    controller_node: str
+    controller_addr: str
+    controller_port: int
+    tmp_dir: str
+    notes: tuple[str, ...] = ()
+
+    @property
+    def world_size(self) -> int:
+        return len(self.ranks)
+
+    def trainer_rank(self, rank: int) -> RankRole:
+        if not 0 <= rank < self.trainer_world:
+            raise ValueError(f"trainer rank {rank} outside 0..{self.trainer_world - 1}")
+        return self.ranks[rank]
+
+    def job_env(self) -> dict[str, str]:
+        """The variables every task of the job gets (besides MEGARL_AUTHKEY, chosen per launch)."""
+        return {"MEGARL_WORLD_SIZE": str(self.world_size), "MEGARL_JOB_ID": str(self.job_id),
+                "MEGARL_MASTER_ADDR": self.master_addr, "MEGARL_MASTER_PORT": str(self.master_port),
+                "MEGARL_CONTROLLER_ADDR": self.controller_addr, "MEGARL_CONTROLLER_PORT": str(self.controller_port),
+                "MEGARL_TMPDIR": self.tmp_dir}
+
+    def task_command(self, megarl: Sequence[str], role: str, config: str, overrides: Sequence[str]) -> list[str]:
+        """What one task of ``role`` ("trainer" | "controller") runs."""
+        return [*megarl, "rank", "--role", role, config, *overrides]
+
+    def srun_lines(self, megarl: Sequence[str], config: str, overrides: Sequence[str]) -> dict[str, list[str]]:
+        """One srun per pool: ``trainer`` (every trainer rank) and ``controller`` (one task on the
+        first generator node; it spawns the vLLM replicas on that node's GPUs)."""
+        t, g = self.trainer_pool, self.generator_pool
+        lines = {}
+        for key, pool, nodes, ntasks, per_node in (
+                ("trainer", t, t.nodes, self.trainer_world, t.tasks_per_node),
+                ("controller", g, (self.controller_node,), 1, 1)):
+            cmd = ["srun", f"--job-name=megarl-{key}", f"--nodes={len(nodes)}", f"--ntasks={ntasks}",
+                   f"--ntasks-per-node={per_node}"]
+            cmd += [f"--het-group={pool.het_group}"] if pool.het_group is not None else \
+                   [f"--nodelist={compress_nodelist(nodes)}"]
+            if pool.gpus_per_node:
+                cmd.append(f"--gpus-per-node={pool.gpus_per_node}")  # each rank takes GPU [SLURM_LOCALID]
+            cmd += ["--distribution=block", "--kill-on-bad-exit=1", "--export=ALL", "--unbuffered"]
+            lines[key] = cmd + self.task_command(megarl, key, config, overrides)
+        return lines
+
+    def format(self) -> str:
+        """The human-readable map (what `--dry-run` prints)."""
+        t, g = self.trainer_pool, self.generator_pool
+        gen = [r for r in self.ranks if r.role == "generator"]
+        het = " (heterogeneous job: het groups 0 and 1)" if t.het_group is not None else ""
+        out = [f"job {self.job_id} (restart {self.restart_count}): {len(t.nodes) + len(g.nodes)} node(s){het}; "
+               f"MEGARL_WORLD_SIZE={self.world_size} (trainer {self.trainer_world} + generator {len(gen)})",
+               f"trainer pool:   {compress_nodelist(t.nodes)}  ({t.tasks_per_node} rank(s) per node, "
+               f"{t.gpus_per_node or 'no'} GPU(s) per node)",
+               f"generator pool: {compress_nodelist(g.nodes)}  (controller + {len(gen)} vLLM worker(s) on "
+               f"{self.controller_node})",
+               f"MASTER_ADDR={self.master_addr} MASTER_PORT={self.master_port}  controller "
+               f"{self.controller_addr}:{self.controller_port}  tmp {self.tmp_dir}",
+               f"{'rank':>5}  {'role':<10} {'node':<12} {'local':>5} {'device':>6}  detail"]
+        out += [f"{r.rank:>5}  {r.role:<10} {r.node:<12} {r.local_rank:>5} "
+                f"{'-' if r.device is None else r.device:>6}  {r.detail}" for r in self.ranks]
+        out.append(f"{'-':>5}  {'controller':<10} {self.controller_node:<12} {'-':>5} {'-':>6}  "
+                   f"megarl train (cluster.launcher=slurm): runs the loop, spawns the generator")
+        out += [f"note: {n}" for n in self.notes]
+        return "\n".join(out)
+
+
+def build_role_map(env: SlurmEnv, cfg) -> RoleMap:
+    """The job's role map for config ``cfg`` (a MegaRLConfig) on allocation ``env``; raises
+    :class:`AllocationError` listing every misfit, each naming the knob or #SBATCH option to change."""
+    c, t, g = cfg.cluster, cfg.trainer, cfg.generator
+    n_train, n_gen = t.tp * t.pp * t.dp, g.tp * g.replicas
+    problems: list[str] = []
+    if env.het_groups:
+        if len(env.het_groups) != 2:
+            raise AllocationError([f"a heterogeneous job with {len(env.het_groups)} het group(s): megarl needs "
+                                   "exactly 2 (group 0 = trainer nodes, group 1 = generator node)"])
+        t_nodes, g_nodes = env.het_groups
+        t_gpus, g_gpus = (x or env.gpus_per_node for x in env.het_gpus)
+        for key, want, got in (("trainer_nodes", c.trainer_nodes, len(t_nodes)),
+                               ("generator_nodes", c.generator_nodes, len(g_nodes))):
+            if want and want != got:
+                problems.append(f"cluster.{key}={want}: het group {key.startswith('generator'):d} has {got} node(s); "
+                                f"set cluster.{key}={got} (or 0) or change that group's #SBATCH --nodes")
+    else:
+        t_gpus = g_gpus = env.gpus_per_node
+        per = c.ranks_per_node or env.gpus_per_node
+        if not per:
+            raise AllocationError(["cannot tell how many ranks a node holds: the job has no GPUs "
+                                   "(SLURM_GPUS_ON_NODE / SLURM_GPUS_PER_NODE unset); request them "
+                                   "(#SBATCH --gpus-per-node=8) or set cluster.ranks_per_node"])
+        want_t = c.trainer_nodes or math.ceil(n_train / per)
+        if c.generator_nodes < 1:
+            problems.append(f"cluster.generator_nodes={c.generator_nodes}: must be >= 1 (the controller and "
+                            "the generator need a node of their own)")
+        if want_t + max(c.generator_nodes, 1) != len(env.nodes):
+            problems.append(
+                f"the allocation has {len(env.nodes)} node(s) ({compress_nodelist(env.nodes)}) but the job needs "
+                f"cluster.trainer_nodes={want_t}{' (derived)' if not c.trainer_nodes else ''} + "
+                f"cluster.generator_nodes={c.generator_nodes} = {want_t + c.generator_nodes}; submit with "
+                f"--nodes={want_t + c.generator_nodes} or change cluster.trainer_nodes / cluster.generator_nodes")
+        t_nodes, g_nodes = env.nodes[:want_t], env.nodes[want_t:]
+    per_t = c.ranks_per_node or t_gpus
+    per_g = c.ranks_per_node or g_gpus
+    if len(g_nodes) > 1:
+        problems.append(f"cluster.generator_nodes={len(g_nodes)}: this version runs the generator on the "
+                        f"controller's node only; set cluster.generator_nodes=1 (and generator.tp*replicas <= "
+                        f"{per_g or 'its GPUs'})")
+    if not t_nodes:
+        problems.append("the trainer pool is empty: give it nodes (cluster.trainer_nodes, or more --nodes)")
+    elif n_train % len(t_nodes) or n_train < len(t_nodes):
+        problems.append(f"trainer tp*pp*dp={n_train} rank(s) do not spread evenly over {len(t_nodes)} trainer "
+                        f"node(s); change trainer.dp or cluster.trainer_nodes")
+    elif per_t and n_train // len(t_nodes) > per_t:
+        problems.append(f"trainer tp*pp*dp={n_train} rank(s) need {n_train // len(t_nodes)} per node on "
+                        f"{len(t_nodes)} node(s), but a node holds {per_t}; raise cluster.trainer_nodes to "
+                        f"{math.ceil(n_train / per_t)} or lower trainer.dp")
+    if per_g and n_gen > per_g:
+        problems.append(f"generator tp*replicas={n_gen} GPU(s), but the generator node holds {per_g}; lower "
+                        f"generator.replicas to {max(per_g // g.tp, 1)} (the generator uses one node in this version)")
+    if c.trainer_devices or c.generator_devices:
+        problems.append("cluster.trainer_devices / cluster.generator_devices are set: under a launcher each "
+                        "trainer rank takes GPU [SLURM_LOCALID] of its node and the generator its node's first "
+                        "GPUs; clear them")
+    if problems:
+        raise AllocationError(problems)
+
+    controller = g_nodes[0]
+    multi_host = any(env.addr(n) != env.addr(controller) for n in t_nodes)
+    if multi_host and cfg.sync.method == "ddma" and cfg.sync.transport == "zero_copy":
+        raise AllocationError(["sync.transport=zero_copy reads the trainer's memory from the same host, but the "
+                               "trainer and generator are on different nodes; set sync.transport=p2p"])
+    per_node = n_train // len(t_nodes)
+    ranks = []
+    for r in range(n_train):  # megatron order, as TrainerExecutor's rank_coords
+        local = r % per_node
+        ranks.append(RankRole(r, "trainer", t_nodes[r // per_node], local, local if t_gpus else None,
+                              f"tp {r % t.tp} pp {r // (t.tp * t.dp)} dp {(r // t.tp) % t.dp}"))
+    for w in range(n_gen):
+        ranks.append(RankRole(n_train + w, "generator", controller, w, w if g_gpus else None,
+                              f"replica {w // g.tp} worker {w % g.tp}"))
+    notes = []
+    if per_node % t.tp:
+        notes.append(f"trainer.tp={t.tp} does not divide the {per_node} rank(s) per node: TP groups span nodes "
+                     "(slow); prefer a tp that divides the ranks per node")
+    master_port, ctrl_port = job_ports(env.job_id, c.port_base)
+    return RoleMap(env.job_id, env.restart_count,
+                   Pool("trainer", tuple(t_nodes), per_node, t_gpus, 0 if env.het_groups else None),
+                   Pool("generator", tuple(g_nodes), 1, g_gpus, 1 if env.het_groups else None),
+                   tuple(ranks), n_train, env.addr(t_nodes[0]), master_port, controller, env.addr(controller),
+                   ctrl_port, f"{env.tmp_root.rstrip('/')}/megarl-{env.job_id}.{env.restart_count}", tuple(notes))
+
+
+def pick_device(visible: str | None, local_rank: int, gpus_per_node: int) -> str | None:
+    """CUDA_VISIBLE_DEVICES for the trainer task with ``local_rank``: its entry of the node's list
+    (srun with --gpus-per-node shows every task the node's GPUs); a task bound to a single GPU
+    keeps it; None on a CPU pool."""
+    if not gpus_per_node:
+        return None
+    ids = [d for d in (visible or "").split(",") if d.strip()]
+    if len(ids) == 1:
+        return ids[0]
+    if ids:
+        if local_rank >= len(ids):
+            raise AllocationError([f"CUDA_VISIBLE_DEVICES={visible!r} has {len(ids)} device(s) but this is local "
+                                   f"rank {local_rank}: the srun line must request --gpus-per-node={gpus_per_node}"])
+        return ids[local_rank]
+    return str(local_rank)
+
+
+def format_srun(lines: Mapping[str, Sequence[str]]) -> str:
+    return "\n".join(f"{key}: {shlex.join(cmd)}" for key, cmd in lines.items())
+
+
+__all__ = ["AllocationError", "SlurmEnv", "RankRole", "Pool", "RoleMap", "build_role_map", "compress_nodelist",
+           "format_srun", "job_ports", "parse_nodelist", "pick_device"]
