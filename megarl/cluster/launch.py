@@ -195,7 +195,8 @@ def supervise(tasks: list[Task], teardown_s: float) -> int:
                     log.error("controller %s; stopping every pool", _how(code))
                     _stop(others, teardown_s)
                     return code
-                failed = [x for x in others if x.proc.poll() is not None]
+                # Exit 0 = told to exit by the controller (it is shutting down); anything else is a failure.
+                failed = [x for x in others if x.proc.poll() not in (None, 0)]
                 if failed:
                     f = failed[0]
                     log.error("%s %s while the controller runs; waiting up to %.0fs (cluster.teardown_timeout_s) "
