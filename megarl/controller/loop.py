@@ -6,8 +6,9 @@ synchronous on-policy baseline; with ``k > 0`` the generator works on the next b
 trainer trains (LlamaRL-style, 1..k versions of lag, corrected by the loss). The trainer's TP x PP x DP
 Megatron ranks and the generator's vLLM replicas run in their own processes; weights travel by DDMA
 (controller/weight_sync.py), each worker receiving only its shard, checksummed and probed.
-The asynchronous loop, multi-rank trainers and DDMA slot in below ``run_job`` without changing its
-shape.
+Placement (controller/placement.py), the controller's checkpoint (controller/state.py), the run
+folder (controller/run.py) and the busy/idle accounting and run summary (controller/summary.py)
+live beside the loop, not inside it.
 """
 
 from __future__ import annotations

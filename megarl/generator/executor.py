@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from megarl.executors.base import exit_cause, kill_processes
+from megarl.executors.base import ExecutorBase, ExecutorError, ExecutorTimeout, ProcessDied, exit_cause, kill_processes
 from megarl.generator.config import GeneratorConfig
 from megarl.generator.engine import replica_main
 from megarl.generator.weights import pack_to_shm
@@ -48,15 +48,15 @@ _POLL_S = 0.25  # granularity of waits: liveness is re-checked this often
 SAMPLING_OVERRIDES = {"temperature", "top_p", "top_k", "stop", "ignore_eos"}  # ignore_eos: benchmarks
 
 
-class GeneratorError(RuntimeError):
+class GeneratorError(ExecutorError):
     """The generator cannot continue (see the message for which engine and why)."""
 
 
-class GeneratorEngineDied(GeneratorError):
+class GeneratorEngineDied(GeneratorError, ProcessDied):
     """A replica process exited or raised; the message carries the cause and its log's tail."""
 
 
-class GeneratorTimeout(GeneratorError, TimeoutError):
+class GeneratorTimeout(GeneratorError, ExecutorTimeout):
     """A wait on the engines exceeded its configured timeout."""
 
 
@@ -140,8 +140,9 @@ class _ReplicaHandle:
         return "\n".join(text[-lines:])
 
 
-class GeneratorExecutor:
-    """vLLM engine replicas behind one submit/collect/update interface."""
+class GeneratorExecutor(ExecutorBase):
+    """vLLM engine replicas behind one submit/collect/update interface (the executor protocol of
+    megarl/executors/base.py: start, health, close, pids)."""
 
     def __init__(self, cfg: GeneratorConfig, model_dir: str | os.PathLike,
                  cuda_devices: Sequence[int] | None = None):
@@ -230,11 +231,12 @@ class GeneratorExecutor:
         if self._own_log_dir and self._failure is None:
             shutil.rmtree(self._log_dir, ignore_errors=True)  # after a failure it names the logs
 
+    def close(self) -> None:
+        """The executor protocol's name for :meth:`shutdown`."""
+        self.shutdown()
+
     def __enter__(self) -> "GeneratorExecutor":
         return self.start() if not self._replicas else self
-
-    def __exit__(self, *exc) -> None:
-        self.shutdown()
 
     # ------------------------------------------------------------------ generation
     def submit(self, prompts: Sequence[Sequence[int]], n_samples: int | None = None,

@@ -20,6 +20,7 @@ from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Callable, Dict, List, Optional, Sequence
 
+from megarl.executors.base import ExecutorBase
 from megarl.reward.config import RewardConfig
 from megarl.reward.registry import get_reward, reward_meta
 from megarl.utils.procs import spawned_from_main_thread, watch_parent
@@ -48,8 +49,10 @@ def overlong_penalty(length: int, max_new_tokens: int, buffer: int, penalty: flo
     return penalty * min(max(over, 0), buffer) / buffer
 
 
-class RewardPool:
-    """Scores (completion, gold) pairs with the reward ``cfg.fn``; see docs/rewards.md.
+class RewardPool(ExecutorBase):
+    """Scores (completion, gold) pairs with the reward ``cfg.fn``; see docs/rewards.md. An executor
+    (megarl/executors/base.py): ``start`` spawns the scoring processes (none for in-process rewards),
+    ``health``/``pids`` report them, ``close`` kills them.
 
     ``max_new_tokens`` is the generator's completion limit (tokens), the end of the overlong ramp.
     """
@@ -64,6 +67,21 @@ class RewardPool:
         self._extract: Optional[Callable] = meta["extract"]
         self.in_process: bool = bool(meta["in_process"])
         self._pool: Optional[ProcessPoolExecutor] = None
+
+    def start(self) -> "RewardPool":
+        if not self.in_process:
+            self._ensure_pool()
+        return self
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in (getattr(self._pool, "_processes", None) or {}).values()] if self._pool else []
+
+    def health(self) -> list[dict]:
+        """One dict per scoring process; a dead one is replaced by the pool at its next use (a
+        worker that dies mid-score makes that sample score wrong, logged), so it is not fatal."""
+        procs = (getattr(self._pool, "_processes", None) or {}).values() if self._pool else []
+        return [{"pid": p.pid, "alive": p.is_alive()} for p in procs]
 
     @property
     def correct(self) -> float:
@@ -139,11 +157,6 @@ class RewardPool:
                 proc.kill()  # a stuck sympy call ignores shutdown
             self._pool = None
 
-    def __enter__(self) -> "RewardPool":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
 
 def _safe_call(fn: Callable, completion: str, gold: str, strict: bool) -> bool:
