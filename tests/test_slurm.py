@@ -214,3 +214,23 @@ def test_dry_run_prints_the_map_and_srun_lines():
                           "trainer.dp=8", "sync.transport=p2p", "--dry-run"],
                          capture_output=True, text=True, timeout=120, cwd=REPO, env=env)
     assert out.returncode == 2 and "--nodes=3" in out.stderr, out.stderr
+
+
+def test_launcher_knobs_are_validated():
+    with pytest.raises(ConfigError) as err:
+        _cfg("cluster.generator_nodes=0", "cluster.port_base=80", "cluster.ranks_per_node=-1",
+             "cluster.teardown_timeout_s=0")
+    text = str(err.value)
+    for key in ("cluster.generator_nodes=0", "cluster.port_base=80", "cluster.ranks_per_node=-1",
+                "cluster.teardown_timeout_s=0"):
+        assert key in text
+
+
+def test_local_launcher_dry_run_uses_the_same_map(capsys):
+    from megarl.cluster.launch import launch_local
+
+    assert launch_local(QUICKSTART, ["trainer.dp=4"], trainer_nodes=2, dry_run=True) == 0
+    text = capsys.readouterr().out
+    assert "trainer pool:   sim[0-1]" in text and "generator pool: sim2" in text
+    assert "MEGARL_WORLD_SIZE=5 (trainer 4 + generator 1)" in text and "MASTER_ADDR=127.0.0.1" in text
+    assert "    3  trainer    sim1             1" in text

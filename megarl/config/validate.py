@@ -80,6 +80,17 @@ def check(cfg: MegaRLConfig) -> list[str]:
             f"(generator.logprobs_mode={g.logprobs_mode}, generator.temperature={g.temperature}); "
             f"set trainer.logprob_temperature={want_t} so importance ratios compare like with like")
 
+    c = cfg.cluster  # launcher knobs (megarl.cluster; the allocation itself is checked by `megarl launch`)
+    for key, value in (("cluster.trainer_nodes", c.trainer_nodes), ("cluster.ranks_per_node", c.ranks_per_node)):
+        if value < 0:
+            problems.append(f"{key}={value}: must be >= 0 (0 = derive it from the allocation)")
+    if c.generator_nodes < 1:
+        problems.append(f"cluster.generator_nodes={c.generator_nodes}: must be >= 1 (the controller's node)")
+    if c.port_base and not 1024 <= c.port_base <= 65533:
+        problems.append(f"cluster.port_base={c.port_base}: use 0 (derive from SLURM_JOB_ID) or a port in 1024..65533")
+    if not c.teardown_timeout_s > 0:
+        problems.append(f"cluster.teardown_timeout_s={c.teardown_timeout_s}: must be > 0 (seconds)")
+
     if cfg.cluster.trainer_cpus:
         from megarl.utils.procs import parse_cpu_list
 
