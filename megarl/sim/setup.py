@@ -1,0 +1,167 @@
+"""From a setup (YAML) to the two simulations: the colocated sync baseline and the split async run.
+
+Setup keys (``configs/sim/*.yaml``; every number may carry a reason under ``sources:``):
+  model, hardware, steps, batch.{samples, prompt_tokens}, lengths.{kind, ..., max_new_tokens, seed},
+  efficiency.{...} (overrides of ``workload.Efficiency``),
+  sync.{gpus, trainer.{tp, pp}, generator.{tp, pp, dtype}, resident_bytes_per_param, sync_method},
+  async.{trainer.{gpus, tp, pp}, generator.{gpus, tp, dtype}, max_policy_lag, round_budget, sync_method},
+  paper.{sync_step_s, async_step_s, ratio, source}.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any, Mapping
+
+import yaml
+
+from megarl.sim.events import SimConfig, SimResult, simulate
+from megarl.sim.hardware import CpuModel, Hardware, get_hardware
+from megarl.sim.workload import (DecodeCost, Efficiency, LengthDist, ModelCost, decode_cost, load_dims,
+                                 sync_seconds, train_seconds)
+
+SYNC_METHODS = ("ddma", "gather_broadcast")
+
+
+@dataclasses.dataclass
+class ModeRun:
+    name: str
+    layout: str
+    gpus: int
+    result: SimResult
+    sync_detail: dict
+    lag0: SimResult | None = None  # the same layout run serially: its T_gen, T_train for the overlap bound
+
+
+def load_setup(path: str | Path) -> dict:
+    d = yaml.safe_load(Path(path).read_text())
+    if not isinstance(d, dict) or "model" not in d:
+        raise ValueError(f"{path}: not a simulate setup (expected a mapping with 'model', 'sync', 'async')")
+    d.setdefault("name", Path(path).stem)
+    return d
+
+
+def _lengths(spec: Mapping[str, Any]):
+    dist = LengthDist(spec)
+    return dist, dist.next
+
+
+def _sync_cost(dims, trainer: tuple[int, int, int], gen: tuple[int, int], dtype: str, method: str,
+               hw: Hardware) -> tuple[float, dict]:
+    if method not in SYNC_METHODS:
+        raise ValueError(f"sync_method={method!r}: expected one of {SYNC_METHODS}")
+    detail = sync_seconds(dims, trainer, gen, dtype, hw.ib_bytes_per_s)
+    detail["method"] = method
+    return (detail["ddma_s"] if method == "ddma" else detail["gather_broadcast_s"]), detail
+
+
+def _batching(gen: Mapping[str, Any], where: str) -> bool:
+    """True for static batches (HF ``generate``), False for continuous batching (vLLM)."""
+    mode = gen.get("batching", "continuous")
+    if mode not in ("continuous", "static"):
+        raise ValueError(f"{where}.batching={mode!r}: expected continuous or static")
+    return mode == "static"
+
+
+def _split(total: int, tp: int, pp: int, what: str) -> int:
+    if total % (tp * pp):
+        raise ValueError(f"{what}: {total} GPUs is not a multiple of TP{tp} x PP{pp}")
+    return total // (tp * pp)
+
+
+def run_setup(setup: Mapping[str, Any], steps: int | None = None) -> dict:
+    """Simulate both modes of one setup; returns everything the report prints."""
+    hw = get_hardware(setup.get("hardware", "h100_sxm"))
+    eff = Efficiency.from_dict(setup.get("efficiency"))
+    dims = load_dims(setup["model"])
+    cost = ModelCost.of(dims)
+    steps = int(steps or setup.get("steps", 10))
+    b = setup["batch"]
+    batch, prompt = int(b["samples"]), int(b["prompt_tokens"])
+    mean_len = LengthDist(setup["lengths"]).mean()
+    mean_ctx = prompt + mean_len
+    train = lambda gpus: (lambda members: train_seconds(cost, hw, eff, gpus, [m.prompt + m.length for m in members]))  # noqa: E731
+
+    # -- sync: colocated baseline (all GPUs generate, then all train, then reshard in place) --------
+    s = setup["sync"]
+    G = int(s["gpus"])
+    st, sg = s["trainer"], s["generator"]
+    t_dp = _split(G, st["tp"], st.get("pp", 1), "sync.trainer")
+    g_rep = _split(G, sg["tp"], sg.get("pp", 1), "sync.generator")
+    resident = float(s.get("resident_bytes_per_param", 16)) * cost.params / G
+    static = _batching(sg, "sync.generator")
+    max_ctx = prompt + LengthDist(setup["lengths"]).max_new
+    s_cost = decode_cost(cost, hw, eff, sg["tp"], sg.get("pp", 1), sg.get("dtype", "bf16"),
+                         max_ctx if static else mean_ctx, resident, static=static)
+    s_sync, s_detail = _sync_cost(dims, (st["tp"], st.get("pp", 1), t_dp), (sg["tp"], g_rep),
+                                  sg.get("dtype", "bf16"), s.get("sync_method", "ddma"), hw)
+    _, nxt = _lengths(setup["lengths"])
+    sync_cfg = SimConfig(batch=batch, prompt_tokens=prompt, max_policy_lag=0, steps=steps, replicas=g_rep,
+                         cost=s_cost, lengths=nxt, train_s=train(G), sync_s=s_sync,
+                         reward_s=float(setup.get("reward_s", 0.0)))
+    sync_run = ModeRun("sync", f"colocated {G} GPUs: train TP{st['tp']}xPP{st.get('pp', 1)}xDP{t_dp}, generate "
+                       f"TP{sg['tp']}xPP{sg.get('pp', 1)} x {g_rep} ({sg.get('dtype', 'bf16')}, "
+                       f"{'static' if static else 'continuous'} batching)", G,
+                       simulate(sync_cfg), s_detail)
+
+    # -- async: disjoint trainer and generator GPUs (LlamaRL) -----------------------------------------
+    a = setup["async"]
+    at, ag = a["trainer"], a["generator"]
+    a_dp = _split(int(at["gpus"]), at["tp"], at.get("pp", 1), "async.trainer")
+    a_rep = _split(int(ag["gpus"]), ag["tp"], 1, "async.generator")
+    # the async trainer keeps its state to itself: generator GPUs hold weights + KV only
+    a_static = _batching(ag, "async.generator")
+    a_cost = decode_cost(cost, hw, eff, ag["tp"], 1, ag.get("dtype", "bf16"),
+                         prompt + LengthDist(setup["lengths"]).max_new if a_static else mean_ctx, 0.0, static=a_static)
+    a_sync, a_detail = _sync_cost(dims, (at["tp"], at.get("pp", 1), a_dp), (ag["tp"], a_rep),
+                                  ag.get("dtype", "bf16"), a.get("sync_method", "ddma"), hw)
+    lag = int(a.get("max_policy_lag", 1))
+    rb = a.get("round_budget")
+
+    def acfg(lag_: int, rb_) -> SimConfig:
+        _, nx = _lengths(setup["lengths"])
+        return SimConfig(batch=batch, prompt_tokens=prompt, max_policy_lag=lag_, steps=steps, replicas=a_rep,
+                         cost=a_cost, lengths=nx, train_s=train(int(at["gpus"])), sync_s=a_sync,
+                         reward_s=float(setup.get("reward_s", 0.0)), round_budget=rb_)
+
+    async_run = ModeRun("async", f"trainer {at['gpus']} GPUs TP{at['tp']}xPP{at.get('pp', 1)}xDP{a_dp}, generator "
+                        f"{ag['gpus']} GPUs TP{ag['tp']} x {a_rep} ({ag.get('dtype', 'bf16')}), lag {lag}, "
+                        f"round budget {rb}", int(at["gpus"]) + int(ag["gpus"]), simulate(acfg(lag, rb)), a_detail,
+                        lag0=simulate(acfg(0, None)))
+    return {"setup": dict(setup), "hardware": hw, "efficiency": eff, "cost": cost, "mean_len": mean_len,
+            "sync": sync_run, "async": async_run, "decode": {"sync": s_cost, "async": a_cost},
+            "ratio": sync_run.result.step_mean_s / async_run.result.step_mean_s}
+
+
+def measured_cost(gen_s: float, batch: int) -> DecodeCost:
+    """A replica whose one decode step is the whole measured generation phase (CPU calibration)."""
+    return DecodeCost(mem_base_s=gen_s, max_seqs=batch)
+
+
+def calibrate(cpu: CpuModel, steps: int = 12) -> dict:
+    """Predict the async step and the sync/async ratio of a ``megarl bench step`` run from its
+    measured phases: the sync run's phases give the serial (lag 0) step; the async run's phases
+    (measured with the async core split) feed the DES at the bench's max_policy_lag."""
+    def run(ph, lag: int) -> SimResult:
+        return simulate(SimConfig(batch=1, prompt_tokens=0, max_policy_lag=lag, steps=steps, replicas=1,
+                                  cost=measured_cost(ph.generate_s, 1), lengths=lambda: 1,
+                                  train_s=lambda m: ph.train_s, sync_s=ph.sync_s, reward_s=ph.reward_s))
+    pred_sync = run(cpu.sync, 0)
+    ph_async = cpu.async_ or cpu.sync
+    pred_async = run(ph_async, cpu.max_policy_lag)
+    ratio = pred_sync.step_mean_s / pred_async.step_mean_s
+    t_gen, t_train = ph_async.generate_s + ph_async.reward_s, ph_async.train_s + ph_async.sync_s
+    out = {"source": cpu.source, "max_policy_lag": cpu.max_policy_lag,
+           "predicted": {"sync_step_s": pred_sync.step_mean_s, "async_step_s": pred_async.step_mean_s,
+                         "ratio": ratio},
+           "measured": {"sync_step_s": cpu.sync.step_s, "async_step_s": cpu.async_.step_s if cpu.async_ else None,
+                        "ratio": cpu.measured_ratio},
+           "overlap_bound": (t_gen + t_train) / max(t_gen, t_train) if max(t_gen, t_train) else None,
+           "assumptions": cpu.assumptions()}
+    if cpu.measured_ratio:
+        out["ratio_error"] = ratio / cpu.measured_ratio - 1
+    return out
+
+
+__all__ = ["load_setup", "run_setup", "calibrate", "ModeRun"]
