@@ -110,6 +110,20 @@ def _parser() -> argparse.ArgumentParser:
                    help="one duplex NIC per rank, in Gb/s (default 400)")
     s.add_argument("--json", default=None, metavar="OUT", help="also write the numbers as JSON to OUT")
     s.set_defaults(func=_cmd_plan_sync)
+    m = sub.add_parser("simulate", help="discrete-event model of sync vs async RL steps at scale",
+                       description="Simulate the colocated sync baseline and the split async run of a setup "
+                                   "(configs/sim/*.yaml): every assumption printed with its source, per-step "
+                                   "phases, the sync/async ratio beside the analytic overlap bound; JSON + PNG. "
+                                   "Examples: `megarl simulate configs/sim/llamarl_70b.yaml`, `megarl simulate "
+                                   "--all-llamarl`, `megarl simulate --calibrate runs/bench/step.json`.")
+    m.add_argument("setups", nargs="*", help="setup YAML files (configs/sim/)")
+    m.add_argument("--all-llamarl", action="store_true", help="the three LlamaRL setups (8B, 70B, 405B)")
+    m.add_argument("--calibrate", default=None, metavar="BENCH_STEP_JSON",
+                   help="CPU mode: predict the async step and ratio of a `megarl bench step` JSON from its phases")
+    m.add_argument("--steps", type=int, default=None, help="trainer steps to simulate (default: the setup's)")
+    m.add_argument("--out", default="runs/simulate", help="folder for the JSON and PNG (default runs/simulate)")
+    m.add_argument("--quiet", action="store_true", help="leave the assumption list out of the printout")
+    m.set_defaults(func=_cmd_simulate)
     _add_launch_commands(sub)
     return p
 
@@ -344,6 +358,40 @@ def _cmd_plan_sync(args: argparse.Namespace) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
         print(f"JSON: {args.json}")
+    return 0
+
+
+def _cmd_simulate(args: argparse.Namespace) -> int:
+    """Run megarl.sim on setups or a bench JSON; bad input is one line on stderr and exit 2."""
+    from megarl.sim import report
+    from megarl.sim.hardware import cpu_from_bench
+    from megarl.sim.setup import calibrate, load_setup, run_setup
+
+    setups = list(args.setups)
+    if args.all_llamarl:
+        setups += [str(REPO_ROOT / "configs" / "sim" / f"llamarl_{m}.yaml") for m in ("8b", "70b", "405b")]
+    if not setups and not args.calibrate:
+        print("megarl simulate: pass setup YAML files, --all-llamarl or --calibrate BENCH_STEP_JSON", file=sys.stderr)
+        return 2
+    try:
+        written = []
+        if args.calibrate:
+            cal = calibrate(cpu_from_bench(args.calibrate))
+            print(report.format_calibration(cal))
+            written += report.write_outputs([cal], args.out, "calibration")
+        results = []
+        for path in setups:
+            res = report.summary(run_setup(load_setup(path), steps=args.steps))
+            print(report.format_summary(res, with_assumptions=not args.quiet))
+            results.append(res)
+        if results:
+            stem = "llamarl" if args.all_llamarl and len(setups) == 3 else "_".join(r["name"] for r in results)
+            written += report.write_outputs(results, args.out, stem)
+    except (ValueError, FileNotFoundError, KeyError) as exc:
+        print(f"megarl simulate: {_one_line(exc)}", file=sys.stderr)
+        return 2
+    for w in written:
+        print(f"wrote {w}")
     return 0
 
 

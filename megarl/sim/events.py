@@ -14,8 +14,9 @@ Protocol (DESIGN.md, "Async and off-policy"):
   queue and a replica takes the next one whenever it has a free slot (prefill charged on admission).
 - without partial rollouts batch v is samples [v B, (v+1) B) and the trainer waits for all of them
   (the longest reply blocks the step); with a round budget R a sample that has produced R tokens
-  under the current weights leaves its slot, waits for the next sync and is re-queued first (its
-  context re-prefilled), and batch v is the first B samples to finish (stragglers roll over).
+  under the current weights leaves its slot and is re-queued first after the next sync (its
+  context re-prefilled), or at once when a slot would otherwise idle; batch v is the first B
+  samples to finish (stragglers roll over).
 - a batch is ready ``reward_s`` after its last sample finishes; training takes ``train_s(batch)``;
   then a weight sync takes ``sync_s``, during which every replica is paused (at its next step
   boundary) -- the receiving side must stop decoding to swap weights. Step time = interval between
@@ -154,6 +155,11 @@ class Simulation:
         static = self.c.cost.static  # a static batch takes new samples only once it is empty
         free = [r for r in self.reps if not r.paused and len(r.active) < self.c.cost.max_seqs
                 and not (static and r.active)]
+        if not self.pending and self.waiting_round and free:
+            # work-conserving: a cut rollout waits for new weights only while others need its slot;
+            # otherwise it resumes now (at lag >= 1 the window can fill with stragglers: without this
+            # the trainer would wait for them and they for the trainer's next sync)
+            self.pending, self.waiting_round = self.waiting_round, []
         if not self.pending or not free:
             return
         taken: dict[int, list[_Seq]] = {}

@@ -134,9 +134,13 @@ def run_setup(setup: Mapping[str, Any], steps: int | None = None) -> dict:
             "ratio": sync_run.result.step_mean_s / async_run.result.step_mean_s}
 
 
+CAL_STEPS = 1000  # decode steps a measured generation phase is cut into, so a sync pauses it mid-way
+
+
 def measured_cost(gen_s: float, batch: int) -> DecodeCost:
-    """A replica whose one decode step is the whole measured generation phase (CPU calibration)."""
-    return DecodeCost(mem_base_s=gen_s, max_seqs=batch)
+    """A replica that generates a batch in ``gen_s`` (the measured phase) as CAL_STEPS equal steps:
+    a sync then waits at most gen_s / CAL_STEPS for the step in flight."""
+    return DecodeCost(mem_base_s=gen_s / CAL_STEPS, max_seqs=batch)
 
 
 def calibrate(cpu: CpuModel, steps: int = 12) -> dict:
@@ -145,7 +149,7 @@ def calibrate(cpu: CpuModel, steps: int = 12) -> dict:
     (measured with the async core split) feed the DES at the bench's max_policy_lag."""
     def run(ph, lag: int) -> SimResult:
         return simulate(SimConfig(batch=1, prompt_tokens=0, max_policy_lag=lag, steps=steps, replicas=1,
-                                  cost=measured_cost(ph.generate_s, 1), lengths=lambda: 1,
+                                  cost=measured_cost(ph.generate_s, 1), lengths=lambda: CAL_STEPS,
                                   train_s=lambda m: ph.train_s, sync_s=ph.sync_s, reward_s=ph.reward_s))
     pred_sync = run(cpu.sync, 0)
     ph_async = cpu.async_ or cpu.sync
