@@ -234,3 +234,50 @@ def test_local_launcher_dry_run_uses_the_same_map(capsys):
     assert "trainer pool:   sim[0-1]" in text and "generator pool: sim2" in text
     assert "MEGARL_WORLD_SIZE=5 (trainer 4 + generator 1)" in text and "MASTER_ADDR=127.0.0.1" in text
     assert "    3  trainer    sim1             1" in text
+
+
+def test_placement_under_a_launcher_gives_the_generator_the_node():
+    from megarl.controller.placement import device_plan
+
+    plan = device_plan(_cfg("trainer.pp=2", "trainer.dp=8", "generator.replicas=8", "cluster.launcher=slurm"), 8)
+    assert plan.trainer is None and plan.generator == list(range(8))  # the trainer ranks are on other nodes
+
+
+def test_attach_refuses_a_foreign_key_and_names_the_missing_rank():
+    """The executor's listener: a client with another job's key is refused, a rank that never comes
+    is named after the start timeout (3 s here: the test's own choice, nothing waits longer)."""
+    import pickle
+    import threading
+    from multiprocessing import AuthenticationError
+    from multiprocessing.connection import Client
+
+    from megarl.cluster.launch import free_port_base
+    from megarl.executors.attach import AttachError, AttachSpec, accept_ranks
+
+    spec = AttachSpec(free_port_base(1), b"right-key", job_id="7")
+    refused = []
+
+    def clients():
+        import time
+
+        for _ in range(50):  # until the listener is up
+            try:
+                c = Client(("127.0.0.1", spec.port), authkey=b"wrong-key")
+                break
+            except ConnectionRefusedError:
+                time.sleep(0.05)
+            except AuthenticationError:
+                refused.append(True)
+                break
+        else:
+            return
+        good = Client(("127.0.0.1", spec.port), authkey=b"right-key")
+        good.send_bytes(pickle.dumps(("hello", {"rank": 0, "host": "h", "pid": 1, "job": "7"})))
+        time.sleep(4)
+        good.close()
+
+    t = threading.Thread(target=clients, daemon=True)
+    t.start()
+    with pytest.raises(AttachError, match=r"rank\(s\) \[1\] of 2 did not attach within 3s") as err:
+        accept_ranks(spec, 2, timeout_s=3.0)
+    assert "pid 1 on h" in str(err.value) and refused == [True]

@@ -182,6 +182,8 @@ def supervise(tasks: list[Task], teardown_s: float) -> int:
         try:
             for x in tasks:
                 x.start()
+            log.info("waiting for the job to end: %s (bounded by the controller's own timeouts and the job's "
+                     "time limit; any task's failure ends it)", ", ".join(x.label for x in tasks))
             while True:
                 if ctrl.proc.poll() is not None:
                     code = ctrl.proc.returncode
