@@ -78,6 +78,8 @@ class MeasuredPhases:
     train_s: float
     sync_s: float
     step_s: float | None  # the measured median step, when the JSON has it
+    idle_s: float = 0.0   # controller time outside the phases (logging, bookkeeping): on the trainer's path
+    gen_source: str = "phases.generate_s"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,8 +99,9 @@ class CpuModel:
         for mode, ph in (("sync", self.sync), ("async", self.async_)):
             if ph is None:
                 continue
-            for k in ("generate_s", "reward_s", "train_s", "sync_s"):
-                rows.append((f"cpu.{mode}.{k}", f"{getattr(ph, k):.3f} s", f"measured: {self.source} {mode}.phases.{k}"))
+            for k in ("generate_s", "reward_s", "train_s", "sync_s", "idle_s"):
+                where = ph.gen_source if k == "generate_s" else f"phases.{k}"
+                rows.append((f"cpu.{mode}.{k}", f"{getattr(ph, k):.3f} s", f"measured: {self.source} {mode}.{where}"))
         rows.append(("cpu.max_policy_lag", str(self.max_policy_lag), self.lag_source))
         return rows
 
@@ -120,7 +123,14 @@ def _phases(mode: Mapping[str, Any], where: str) -> MeasuredPhases:
         raise ValueError(f"{where}.phases lacks {missing}: megarl simulate --calibrate needs at least "
                          f"generate_s and train_s (reward_s, sync_s default to 0)")
     get = lambda k: float(_median(ph.get(k, 0.0)) or 0.0)  # noqa: E731 -- a value or a list of per-step values
-    return MeasuredPhases(get("generate_s"), get("reward_s"), get("train_s"), get("sync_s"), _median(mode.get("step_s")))
+    gen, gen_src = get("generate_s"), "phases.generate_s"
+    busy = (mode.get("busy") or {}).get("generator_s")
+    if where == "async" and busy is not None:
+        # async phases.generate_s is the controller's exposed wait for rollouts, not the generation time
+        gen, gen_src = float(_median(busy)), "busy.generator_s (phases.generate_s is the exposed wait)"
+    step = mode.get("step_median_s")
+    return MeasuredPhases(gen, get("reward_s"), get("train_s"), get("sync_s"),
+                          float(step) if step is not None else _median(mode.get("step_s")), get("idle_s"), gen_src)
 
 
 def _find_lag(cfg: Any) -> int | None:
@@ -136,10 +146,12 @@ def _find_lag(cfg: Any) -> int | None:
 
 
 def cpu_from_bench(path: str | Path) -> CpuModel:
-    """Read a ``megarl bench step`` JSON (keys read: ``sync.phases.{generate_s,reward_s,train_s,sync_s}``,
-    ``sync.step_s``, ``async.phases.*``, ``async.step_s``, ``ratio``, and ``max_policy_lag`` anywhere
-    under ``config``; phase values may be a number or a list of per-step values -> median; missing
-    reward_s/sync_s are 0; a missing async block or ratio is allowed)."""
+    """Read a ``megarl bench step`` JSON. Keys read: ``{sync,async}.phases.{generate_s, reward_s,
+    train_s, sync_s, idle_s}``, ``async.busy.generator_s`` (preferred over async generate_s, which is
+    the exposed wait), ``{sync,async}.step_median_s`` or the median of ``step_s``, ``ratio``, and
+    ``lag`` (top level) or ``max_policy_lag`` anywhere under ``config``. Values may be a number or a
+    list of per-step values (-> median); missing reward/sync/idle are 0; the async block and ratio
+    may be missing."""
     p = Path(path)
     try:
         raw = json.loads(p.read_text())
@@ -154,8 +166,8 @@ def cpu_from_bench(path: str | Path) -> CpuModel:
     ratio = raw.get("ratio")
     if ratio is None and async_ and sync.step_s and async_.step_s:
         ratio = sync.step_s / async_.step_s
-    lag = _find_lag(raw.get("config"))
-    lag_src = f"{p.name} config (max_policy_lag)" if lag is not None else \
+    lag = raw.get("lag") if isinstance(raw.get("lag"), int) else _find_lag(raw.get("config"))
+    lag_src = f"{p.name} lag / config max_policy_lag" if lag is not None else \
         "not in the bench JSON; assumed 1 (megarl's async default: one step of overlap)"
     return CpuModel(source=p.name, sync=sync, async_=async_, measured_ratio=float(ratio) if ratio else None,
                     max_policy_lag=1 if lag is None else lag, lag_source=lag_src, raw=raw)

@@ -150,12 +150,13 @@ def calibrate(cpu: CpuModel, steps: int = 12) -> dict:
     def run(ph, lag: int) -> SimResult:
         return simulate(SimConfig(batch=1, prompt_tokens=0, max_policy_lag=lag, steps=steps, replicas=1,
                                   cost=measured_cost(ph.generate_s, 1), lengths=lambda: CAL_STEPS,
-                                  train_s=lambda m: ph.train_s, sync_s=ph.sync_s, reward_s=ph.reward_s))
+                                  # controller idle time is on the trainer's path (the loop runs there)
+                                  train_s=lambda m: ph.train_s + ph.idle_s, sync_s=ph.sync_s, reward_s=ph.reward_s))
     pred_sync = run(cpu.sync, 0)
     ph_async = cpu.async_ or cpu.sync
     pred_async = run(ph_async, cpu.max_policy_lag)
     ratio = pred_sync.step_mean_s / pred_async.step_mean_s
-    t_gen, t_train = ph_async.generate_s + ph_async.reward_s, ph_async.train_s + ph_async.sync_s
+    t_gen, t_train = ph_async.generate_s, ph_async.train_s + ph_async.sync_s  # as bench_step's bound
     out = {"source": cpu.source, "max_policy_lag": cpu.max_policy_lag,
            "predicted": {"sync_step_s": pred_sync.step_mean_s, "async_step_s": pred_async.step_mean_s,
                          "ratio": ratio},
