@@ -13,7 +13,7 @@ from megarl.config import ConfigError
 from megarl.utils.procs import JobInterrupted
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-BENCHES = ("generator", "trainer", "sync")
+BENCHES = ("generator", "trainer", "sync", "step")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -58,6 +58,8 @@ def test_bench_generator_quick(tiny_llama_dir, tmp_path):
         assert result[key] > 0, key
     assert result["prompts"] == 2 and result["new_tokens"] == 8 and result["target"] == 3.0
     assert len(result["generator_tok_s"]) == 1 and list(result["transformers_tok_s"]) == ["float32"]
+    # raw vLLM (LLM.generate, same engine args and sampling) ran beside it and decoded the same tokens
+    assert len(result["raw_vllm_tok_s"]) == 1 and result["executor_over_raw_best"] > 0
     assert (tmp_path / "bench_generator.png").stat().st_size > 1000
 
 
@@ -69,3 +71,19 @@ def test_bench_sync_quick(tmp_path):
                                            "gather_broadcast", "shm_push", "memcpy"}
     assert result["bytes_landed_per_worker"] > 0
     assert (tmp_path / "sync.png").stat().st_size > 1000
+
+
+def test_bench_step_quick(tiny_llama_dir, tmp_path):
+    """Both modes run as real `megarl train` jobs (sync on every core, async split), about 80 s."""
+    _ok(_cli("step", "--quick", "--model", tiny_llama_dir, "--out", tmp_path))
+    result = json.loads((tmp_path / "bench_step.json").read_text())
+    for mode in ("sync", "async"):
+        m = result[mode]
+        assert m["steps_counted"] == 2, mode  # 3 steps, the first one a warm-up
+        assert set(m["phases"]) == {"generate_s", "reward_s", "train_s", "sync_s", "idle_s"}
+        assert m["busy"]["trainer_s"] > 0 and m["busy"]["generator_s"] > 0 and m["tokens_per_s"] > 0
+    assert result["ratio"] > 0 and result["overlap_bound"] >= 1.0  # (a+b)/max(a,b) is in [1, 2]
+    assert result["overlap_bound"] <= 2.0
+    log = (tmp_path / "bench_step_runs" / "async-0.log").read_text()
+    assert "trainer ranks pinned" in log  # the async mode really split the machine
+    assert (tmp_path / "bench_step.png").stat().st_size > 1000

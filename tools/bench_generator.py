@@ -1,4 +1,9 @@
-"""Benchmark: the generator executor (vLLM) against transformers' ``generate`` on the same prompts.
+"""Benchmark: the generator executor (vLLM) against raw vLLM and transformers on the same prompts.
+
+Raw vLLM is ``vllm.LLM(...).generate`` in a process of its own, built from the very engine
+arguments, environment (threads, KV cache) and sampling (greedy, sampled-token logprob) the
+executor's replica uses: the ratio ``executor / raw`` is the cost of megarl's wrapper (pipes, the
+round loop, per-token versions), measured in the same run (target >= 0.95).
 
 Both decode exactly ``--new-tokens`` tokens for each of ``--prompts`` GSM8K questions (chat
 template, EOS ignored so the work is identical) with SmolLM2-135M-Instruct. The generator is
@@ -56,6 +61,76 @@ def _hf_run(model, prompts: list[list[int]], new_tokens: int, batch: int, pad_id
     return time.perf_counter() - t0, tokens
 
 
+def _raw_vllm_worker(conn, cfg, model_dir: str, threads_bind: str | None) -> None:
+    """Raw vLLM: ``LLM.generate`` with the replica's engine arguments; answers ("run", prompts,
+    new_tokens) with (seconds, tokens) until it gets ("exit",)."""
+    import dataclasses
+
+    from megarl.generator.engine import engine_args, replica_env
+    from megarl.utils.procs import watch_parent
+
+    watch_parent(os.getppid())
+    os.environ.update(replica_env(cfg, threads_bind, on_cpu=not torch.cuda.is_available()))
+    from vllm import LLM, EngineArgs, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    args = engine_args(cfg, model_dir, 0, on_cpu=not torch.cuda.is_available())
+    defaults = EngineArgs(model=args.model)
+    kwargs = {f.name: getattr(args, f.name) for f in dataclasses.fields(args)
+              if f.name != "worker_extension_cls" and getattr(args, f.name) != getattr(defaults, f.name)}
+    llm = LLM(model=args.model, **kwargs)
+    conn.send(("ready",))
+    while True:
+        msg = conn.recv()
+        if msg[0] == "exit":
+            return
+        _, prompts, new_tokens = msg
+        params = SamplingParams(n=1, temperature=0.0, max_tokens=new_tokens, logprobs=0, detokenize=False,
+                                ignore_eos=True)  # what the replica asks for (engine.py sampling_params)
+        t0 = time.perf_counter()
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        secs = time.perf_counter() - t0
+        conn.send((secs, sum(len(o.outputs[0].token_ids) for o in outs)))
+
+
+class _RawVllm:
+    """The raw-vLLM process, started and stopped like an engine (no orphan on any exit)."""
+
+    def __init__(self, cfg, model_dir: str, threads_bind: str | None):
+        import multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_raw_vllm_worker, args=(child, cfg, model_dir, threads_bind), daemon=True)
+        self.proc.start()
+        child.close()
+        self._await(600, "start")
+
+    def _await(self, timeout: float, what: str):
+        deadline = time.monotonic() + timeout
+        print(f"waiting up to {timeout:.0f}s for raw vLLM to {what}", flush=True)
+        while not self.conn.poll(1.0):
+            if not self.proc.is_alive():
+                raise RuntimeError(f"raw vLLM (pid {self.proc.pid}) exited with code {self.proc.exitcode} "
+                                   f"before it could {what}; its traceback is above")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"raw vLLM did not {what} within {timeout:.0f}s")
+        return self.conn.recv()
+
+    def run(self, prompts, new_tokens: int) -> tuple[float, int]:
+        self.conn.send(("run", prompts, new_tokens))
+        return self._await(1800, "finish a repeat")
+
+    def close(self) -> None:
+        try:
+            self.conn.send(("exit",))
+        except OSError:
+            pass
+        self.proc.join(30)
+        if self.proc.is_alive():
+            self.proc.kill()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="builtin:smollm2", help="HF folder or builtin:smollm2")
@@ -69,6 +144,7 @@ def main() -> None:
     p.add_argument("--hf-dtypes", default="bfloat16,float32")
     p.add_argument("--threads-bind", default="auto")
     p.add_argument("--compile", action="store_true", help="let vLLM torch.compile (enforce_eager=False)")
+    p.add_argument("--no-raw", action="store_true", help="skip raw vLLM (LLM.generate) beside the executor")
     p.add_argument("--out", default="runs/bench")
     p.add_argument("--quick", action="store_true", help="smoke run: "
                    f"{', '.join(f'--{k.replace(chr(95), chr(45))} {v}' for k, v in QUICK.items())}; "
@@ -99,14 +175,24 @@ def main() -> None:
     torch.set_num_threads(os.cpu_count() or 1)
     hf_models = {d: AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, d)).eval()
                  for d in a.hf_dtypes.split(",")}
-    gen_runs, hf_runs = [], {d: [] for d in hf_models}
+    gen_runs, raw_runs, hf_runs = [], [], {d: [] for d in hf_models}
     t_start = time.perf_counter()
     ex = GeneratorExecutor(cfg, model_dir).start()
     start_s = time.perf_counter() - t_start
     sampling = {"temperature": 0.0, "ignore_eos": True}
+    raw = None
     try:
         ex.generate(prompts[:2], max_new_tokens=8, sampling=sampling)  # warm-up
+        if not a.no_raw:
+            from megarl.generator.executor import threads_binds
+
+            raw = _RawVllm(cfg, model_dir, threads_binds(cfg)[0] if not torch.cuda.is_available() else None)
+            raw.run(prompts[:2], 8)  # warm-up
         for r in range(a.repeats):
+            if raw is not None:  # the executor's engine idles (blocked on its pipe) meanwhile
+                secs, toks = raw.run(prompts, a.new_tokens)
+                raw_runs.append(toks / secs)
+                print(f"repeat {r}: raw vLLM {toks} tokens in {secs:.2f}s = {toks / secs:.1f} tok/s", flush=True)
             t0 = time.perf_counter()
             samples = ex.generate(prompts, max_new_tokens=a.new_tokens, sampling=sampling)
             secs = time.perf_counter() - t0
@@ -122,6 +208,8 @@ def main() -> None:
                 print(f"repeat {r}: transformers[{d}] {toks} tokens in {secs:.2f}s = {toks / secs:.1f} tok/s",
                       flush=True)
     finally:
+        if raw is not None:
+            raw.close()
         ex.shutdown()
 
     best_hf_dtype = max(hf_runs, key=lambda d: max(hf_runs[d]))
@@ -133,7 +221,14 @@ def main() -> None:
         "load_avg_1m_at_end": round(os.getloadavg()[0], 2), "generator_start_s": round(start_s, 1),
         "generator_tok_s": gen_runs, "transformers_tok_s": hf_runs, "transformers_dtype": best_hf_dtype,
         "ratio_best": round(ratio_best, 2), "ratio_median": round(ratio_median, 2), "target": 3.0,
+        "raw_vllm_tok_s": raw_runs,
     }
+    if raw_runs:
+        result["executor_over_raw_best"] = round(max(gen_runs) / max(raw_runs), 3)
+        result["executor_over_raw_median"] = round(statistics.median(gen_runs) / statistics.median(raw_runs), 3)
+        print(f"generator executor {max(gen_runs):.1f} tok/s vs raw vLLM LLM.generate {max(raw_runs):.1f} tok/s: "
+              f"{result['executor_over_raw_best']:.3f}x (median-based {result['executor_over_raw_median']:.3f}x; "
+              f"target >= 0.95)", flush=True)
     print(f"generator {max(gen_runs):.1f} tok/s vs transformers[{best_hf_dtype}] "
           f"{max(hf_runs[best_hf_dtype]):.1f} tok/s: ratio {ratio_best:.2f}x (median-based "
           f"{ratio_median:.2f}x; target >= 3x); engine start-up {start_s:.1f}s", flush=True)
@@ -147,10 +242,10 @@ def main() -> None:
     except ImportError:
         print("matplotlib not installed: skipping the PNG")
         return
-    labels = ["generator (vLLM)"] + [f"transformers {d}" for d in hf_runs]
-    values = [max(gen_runs)] + [max(v) for v in hf_runs.values()]
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.bar(labels, values, color=["tab:blue"] + ["tab:gray"] * len(hf_runs))
+    labels = ["generator executor"] + (["raw vLLM"] if raw_runs else []) + [f"transformers {d}" for d in hf_runs]
+    values = [max(gen_runs)] + ([max(raw_runs)] if raw_runs else []) + [max(v) for v in hf_runs.values()]
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    ax.bar(labels, values, color=["tab:blue"] + (["tab:orange"] if raw_runs else []) + ["tab:gray"] * len(hf_runs))
     ax.set_ylabel("generated tokens / s (best repeat)")
     ax.set_title(f"{Path(model_dir).name}: {a.prompts} prompts x {a.new_tokens} tokens, "
                  f"{ratio_best:.1f}x", fontsize=9)

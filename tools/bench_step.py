@@ -1,0 +1,183 @@
+"""Benchmark: one config's step time, synchronous vs asynchronous, on the same machine in one run.
+
+Modes (each a real ``megarl train`` job of ``controller.steps`` steps; runs alternate sync, async,
+sync, ... for ``--trials`` rounds so the machine's noise hits both alike):
+
+- **sync**: ``max_policy_lag: 0``; every phase in turn on all of the machine (trainer unpinned,
+  generator bound to every core): the colocated, synchronous baseline.
+- **async**: ``max_policy_lag: --lag`` (default 1); the machine split between the executors
+  (``--trainer-cpus`` for the trainer, ``--generator-cpus`` for the engine).
+
+Per mode (medians over the counted steps; the first step of each run is a warm-up): step time with
+its phases (exposed generate = time the controller waited for rollouts, reward, train, sync, idle),
+each executor's busy and idle seconds, generated tokens/s, time to ``--target-reward`` (cumulative
+step time until a step's mean reward reaches it). Then the speedup ``sync / async`` and the overlap
+bound of the async run's own phases, ``(T_gen + T_train) / max(T_gen, T_train)`` with T_gen the
+generator's busy seconds and T_train the trainer's (train + sync), and how close async gets to it:
+``max(T_gen, T_train) / T_step_async`` (1 = perfect overlap). Writes bench_step.json and a PNG.
+
+    .venv/bin/python tools/bench_step.py configs/bench_step.yaml [--trials 2] [--out runs/bench]
+    megarl bench step configs/bench_step.yaml
+
+``--quick`` checks the bench end to end in about a minute (pass ``--model`` a tiny HF folder).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+QUICK = ["controller.steps=3", "controller.prompts_per_step=4", "generator.n_samples=2", "generator.max_new_tokens=8",
+         "generator.dtype=float32", "data.eval_size=4", "trainer.micro_batch_size=4"]
+
+
+def mode_overrides(mode: str, a: argparse.Namespace) -> list[str]:
+    if mode == "sync":
+        return ["controller.max_policy_lag=0", "cluster.trainer_cpus=", f"generator.threads_bind={a.all_cpus}"]
+    return [f"controller.max_policy_lag={a.lag}", f"cluster.trainer_cpus={a.trainer_cpus}",
+            f"generator.threads_bind={a.generator_cpus}"]
+
+
+def run_once(a: argparse.Namespace, mode: str, trial: int, extra: list[str]) -> dict:
+    name = f"{mode}-{trial}"
+    out = Path(a.out) / "bench_step_runs"
+    cmd = [sys.executable, "-m", "megarl", "train", a.config, f"name={name}", f"logging.out_dir={out}",
+           *extra, *mode_overrides(mode, a), *a.overrides]
+    log_path = out / f"{name}.log"
+    out.mkdir(parents=True, exist_ok=True)
+    print(f"[{time.strftime('%H:%M:%S')}] {mode} run {trial + 1}/{a.trials}: {' '.join(cmd[3:])}", flush=True)
+    t0 = time.monotonic()
+    with open(log_path, "w") as fh:
+        code = subprocess.call(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=REPO,
+                               env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    if code != 0:
+        tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-30:])
+        raise SystemExit(f"bench_step: the {mode} run failed (exit {code}); last lines of {log_path}:\n{tail}")
+    rows = [json.loads(line) for line in (out / name / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    rows = [r for r in rows if "time/step" in r]
+    print(f"    {len(rows)} steps in {time.monotonic() - t0:.0f}s (job wall, start-up included)", flush=True)
+    return {"rows": rows, "wall_s": time.monotonic() - t0, "log": str(log_path)}
+
+
+def mode_stats(runs: list[dict], target: float) -> dict:
+    rows = [r for run in runs for r in run["rows"][1:]]  # the first step of every run is a warm-up
+    med = lambda k: statistics.median(r.get(k, 0.0) for r in rows)  # noqa: E731
+    reached = []
+    for run in runs:
+        t, hit = 0.0, None
+        for r in run["rows"]:
+            t += r["time/step"]
+            if hit is None and r.get("reward/mean", -1.0) >= target:
+                hit = t
+        reached.append(hit)
+    step_s = med("time/step")
+    return {
+        "steps_counted": len(rows), "step_s": [r["time/step"] for r in rows], "step_median_s": step_s,
+        "phases": {"generate_s": med("time/generate"), "reward_s": med("time/reward"), "train_s": med("time/train"),
+                   "sync_s": med("time/sync"), "idle_s": med("time/idle")},
+        "busy": {"trainer_s": med("exec/trainer_busy_s"), "generator_s": med("exec/generator_busy_s"),
+                 "generator_load_s": med("exec/generator_load_s")},
+        "idle": {"trainer_s": med("exec/trainer_idle_s"), "generator_s": med("exec/generator_idle_s")},
+        "tokens_per_s": statistics.median(r["gen/tokens"] / r["time/step"] for r in rows),
+        "reward_mean": statistics.mean(r["reward/mean"] for r in rows),
+        "time_to_target_reward_s": reached,
+    }
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("config", nargs="?", default=str(REPO / "configs" / "bench_step.yaml"))
+    p.add_argument("overrides", nargs="*", help="dotted overrides for both modes (section.key=value)")
+    p.add_argument("--trials", type=int, default=2, help="sync+async rounds (default 2)")
+    p.add_argument("--lag", type=int, default=1, help="max_policy_lag of the async mode (default 1)")
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    half = max(1, len(cpus) // 2)
+    p.add_argument("--all-cpus", default=_cpu_text(cpus), help="cores of the sync mode's engine (default: all)")
+    p.add_argument("--trainer-cpus", default=_cpu_text(cpus[:half]), help="async: trainer cores (default: first half)")
+    p.add_argument("--generator-cpus", default=_cpu_text(cpus[half:] or cpus),
+                   help="async: generator cores (default: second half)")
+    p.add_argument("--target-reward", type=float, default=0.3, help="for time-to-target (mean reward of a step)")
+    p.add_argument("--model", default=None, help="model.path override (e.g. a tiny HF folder with --quick)")
+    p.add_argument("--out", default="runs/bench")
+    p.add_argument("--quick", action="store_true", help="smoke run: 1 trial of 3 tiny steps per mode")
+    a = p.parse_args()
+    extra = [f"model.path={a.model}"] if a.model else []
+    if a.quick:
+        extra += QUICK
+        a.trials = 1
+    t0 = time.monotonic()
+    runs: dict[str, list[dict]] = {"sync": [], "async": []}
+    for trial in range(a.trials):
+        for mode in ("sync", "async"):
+            runs[mode].append(run_once(a, mode, trial, extra))
+    result = {"config": a.config, "overrides": a.overrides + extra, "trials": a.trials, "lag": a.lag,
+              "cpus": {"sync": a.all_cpus, "async_trainer": a.trainer_cpus, "async_generator": a.generator_cpus},
+              "load_avg_1m_at_end": round(os.getloadavg()[0], 2), "bench_wall_s": None,
+              **{m: mode_stats(r, a.target_reward) for m, r in runs.items()}}
+    s, y = result["sync"], result["async"]
+    result["ratio"] = s["step_median_s"] / y["step_median_s"]
+    t_gen, t_train = y["busy"]["generator_s"], y["busy"]["trainer_s"]
+    result["overlap_bound"] = (t_gen + t_train) / max(t_gen, t_train, 1e-9)
+    result["achieved_overlap"] = (t_gen + t_train) / y["step_median_s"]
+    result["fraction_of_bound"] = max(t_gen, t_train) / y["step_median_s"]
+    result["bench_wall_s"] = time.monotonic() - t0
+    out = Path(a.out)
+    (out / "bench_step.json").write_text(json.dumps(result, indent=1) + "\n")
+    for mode in ("sync", "async"):
+        m, ph = result[mode], result[mode]["phases"]
+        print(f"{mode:5s}: step {m['step_median_s']:.2f}s = generate(exposed) {ph['generate_s']:.2f} + reward "
+              f"{ph['reward_s']:.2f} + train {ph['train_s']:.2f} + sync {ph['sync_s']:.2f} + idle {ph['idle_s']:.2f} | "
+              f"busy trainer {m['busy']['trainer_s']:.2f}s generator {m['busy']['generator_s']:.2f}s | "
+              f"{m['tokens_per_s']:.1f} tok/s | reward {m['reward_mean']:.3f}")
+    print(f"speedup sync/async = {result['ratio']:.2f}x; async overlap {result['achieved_overlap']:.2f}x of a bound "
+          f"{result['overlap_bound']:.2f}x for its phases (T_gen {t_gen:.2f}s, T_train {t_train:.2f}s): "
+          f"{100 * result['fraction_of_bound']:.0f}% of the bound; bench took {result['bench_wall_s'] / 60:.1f} min")
+    plot(result, out / "bench_step.png")
+    print(f"wrote {out / 'bench_step.json'} and {out / 'bench_step.png'}")
+    return 0
+
+
+def plot(result: dict, path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no PNG")
+        return
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 3.8))
+    modes, left = ("sync", "async"), [0.0, 0.0]
+    colors = {"generate_s": "tab:blue", "reward_s": "tab:green", "train_s": "tab:red", "sync_s": "tab:purple",
+              "idle_s": "tab:gray"}
+    for key, color in colors.items():
+        vals = [result[m]["phases"][key] for m in modes]
+        ax.barh(modes, vals, left=left, color=color, label=key[:-2])
+        left = [l + v for l, v in zip(left, vals)]
+    ax.set_xlabel("median step (s); generate = exposed wait")
+    ax.set_title(f"sync/async = {result['ratio']:.2f}x; {100 * result['fraction_of_bound']:.0f}% of the overlap bound",
+                 fontsize=9)
+    ax.legend(fontsize=7, loc="lower right")
+    for m, color in zip(modes, ("tab:gray", "tab:blue")):
+        bx.plot(result[m]["step_s"], marker="o", color=color, label=m)
+    bx.set_xlabel("counted step")
+    bx.set_ylabel("step time (s)")
+    bx.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _cpu_text(cpus: list[int]) -> str:
+    return ",".join(str(c) for c in cpus)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
