@@ -98,9 +98,10 @@ def run_job(cfg: MegaRLConfig) -> int:
             with timer.phase("sync"):
                 sync_metrics = weights.push(trainer.step_count)
             times = timer.finish()
-            metrics = {**{f"train/{k}": v for k, v in train_metrics.items()}, **times, **activity.end(times),
-                       **sync_metrics, **lag_metrics,
-                       **rollout_metrics(samples, scored, lag_metrics["gen/batch_latency_s"]),
+            busy = activity.end(times)
+            metrics = {**{f"train/{k}": v for k, v in train_metrics.items()}, **times, **busy, **sync_metrics,
+                       **lag_metrics,
+                       **rollout_metrics(samples, scored, busy["exec/generator_busy_s"] or lag_metrics["gen/batch_latency_s"]),
                        "data/prompts_crc32": prompts_crc32(prompt_ids)}
             run.log_samples(step, [trained_record(s) for s in samples])
             if every and (step % every == 0 or step == steps):
@@ -144,7 +145,8 @@ def group_advantages(cfg: MegaRLConfig, samples, rewards: list[float]) -> list[f
 
 def rollout_metrics(samples, scored, gen_seconds: float) -> dict[str, float]:
     """What the samples of one step look like: reward, and the signs of a hacked reward (length,
-    truncation, format)."""
+    truncation, format). ``gen_seconds``: the generator's busy seconds of the step, so
+    ``gen/tokens_per_s`` is the engines' rate also when generation overlaps training."""
     n = max(len(samples), 1)
     tokens = sum(len(s.completion_ids) for s in samples)
     return {"reward/mean": sum(s.reward for s in scored) / n,
