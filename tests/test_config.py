@@ -220,3 +220,15 @@ def test_tis_with_a_loss_that_corrects_itself_is_rejected(tmp_path, model_dir, l
     (msg,) = problems_of(cfg, [f"algorithm.loss={loss}", "algorithm.tis=token"])
     assert msg.startswith("algorithm.tis='token'") and loss in msg and "algorithm.tis=none" in msg
     assert load_config(cfg, [f"algorithm.loss={loss}"]).algorithm.tis == "none"
+
+
+@pytest.mark.parametrize("overrides,words", [
+    (["generator.tp=3"], "each replica's binding needs generator.tp=3 core lists"),
+    (["generator.replicas=3", "generator.threads_bind=0;1"], "names 2 replicas"),
+])
+def test_threads_bind_shape_is_checked_before_start(overrides, words):
+    """A CPU engine binding that cannot fit the generator's layout fails at validation (it used to
+    fail at the engine's start, after the trainer had started)."""
+    with pytest.raises(ConfigError) as e:
+        load_config("configs/quickstart.yaml", ["cluster.device=cpu", *overrides])
+    assert words in str(e.value)

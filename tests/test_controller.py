@@ -90,7 +90,8 @@ def test_train_runs_end_to_end_and_resumes(tiny_llama_dir, tmp_path):
 @pytest.mark.parametrize("layout", [("trainer.tp=2",), ("trainer.pp=2", "sync.transport=p2p"),
                                     ("cluster.trainer_cpus=0", "generator.threads_bind=1"),
                                     ("trainer.dp=2", "controller.max_policy_lag=1"),
-                                    ("trainer.tp=2", "generator.tp=2", "controller.max_policy_lag=1")], ids=str)
+                                    ("trainer.tp=2", "generator.tp=2", "generator.threads_bind=0|1",
+                                     "controller.max_policy_lag=1")], ids=str)
 def test_train_multi_rank_trainer_over_ddma(tiny_llama_dir, tmp_path, layout):
     """`megarl train` with a TP2 / PP2 / DP2 trainer (ranks in their own processes), sync and async,
     into a TP1 or TP2 engine: it trains, and every sync goes through DDMA with the checksums on and

@@ -21,7 +21,9 @@ QUICKSTART = str(REPO / "configs" / "quickstart.yaml")
 
 def _cfg(*overrides: str):
     # SmolLM2's shape (9 heads, 30 layers): tp in {1, 3}, pp divides 30. Multi-node needs DDMA over p2p.
-    return load_config(QUICKSTART, ["sync.transport=p2p", *overrides])
+    # A GPU cluster simulated on this CPU host: cluster.device=cuda (CPU-only knobs like the
+    # quickstart's generator.threads_bind are then not checked).
+    return load_config(QUICKSTART, ["sync.transport=p2p", "cluster.device=cuda", *overrides])
 
 
 def _env(nodelist: str, gpus: int | None = 8, job: int = 4242, **extra: str) -> SlurmEnv:

@@ -107,6 +107,15 @@ class GeneratorConfig:
             out.append(f"generator.top_k={self.top_k}: use -1 (off) or a positive count")
         if self.round_token_budget < 0:
             out.append(f"generator.round_token_budget={self.round_token_budget}: must be >= 0 (0 = off)")
+        if on_cpu and self.threads_bind != "auto":  # the shape megarl.generator.executor.threads_binds reads
+            parts = self.threads_bind.split(";")
+            if len(parts) not in (1, self.replicas):
+                out.append(f"generator.threads_bind={self.threads_bind!r} names {len(parts)} replicas; give one "
+                           f"binding or generator.replicas={self.replicas} separated by ';'")
+            elif any(len(p.split("|")) != self.tp for p in parts):
+                out.append(f"generator.threads_bind={self.threads_bind!r}: each replica's binding needs "
+                           f"generator.tp={self.tp} core lists separated by '|' (e.g. "
+                           f"{'|'.join(['0'] * self.tp)!r}), or 'auto'")
         if self.max_new_tokens >= self.max_model_len:
             out.append(f"generator.max_new_tokens={self.max_new_tokens} leaves no room for a prompt in "
                        f"generator.max_model_len={self.max_model_len}; raise max_model_len")
