@@ -31,7 +31,7 @@ import logging
 import time
 import zlib
 
-from megarl.controller.staleness import policy_lag
+from megarl.controller.staleness import admission_capacity, policy_lag
 
 log = logging.getLogger("megarl")
 
@@ -51,7 +51,13 @@ class RolloutQueue:
         """Submit every batch up to step ``step + max_policy_lag`` not yet submitted."""
         if self.next_step is None:
             self.next_step = step
-        while self.next_step <= min(step + self.lag, self.last_step):
+        batch = self.per_step * self.n_samples
+        # The admission rule (staleness.admission_capacity) at batch granularity: at trainer version
+        # step - 1, (next_step - 1) batches have been admitted since the job began (trained, buffered
+        # or running; a regenerated group replaces one, it adds none), so there is room for another
+        # batch exactly while next_step <= step + max_policy_lag.
+        while (self.next_step <= self.last_step and
+               admission_capacity(self.lag, batch, step - 1, accepted=(self.next_step - 1) * batch, running=0) >= batch):
             tasks, prompt_ids = self.prompts.batch(self.next_step - 1, self.per_step)
             groups = self.generator.submit(prompt_ids, prompt_indices=list(range(len(prompt_ids))))
             self.pending[self.next_step] = (tasks, prompt_ids, list(groups))

@@ -13,20 +13,16 @@ A sample that is nevertheless too old (partial rollouts resumed late, a slow rep
 trained on and never silently dropped: it is counted (``rejected_stale``) and handed back to the
 caller to regenerate, so long problems are not systematically discarded.
 
-How the loop will use it (the loop is not wired to it yet)::
+The loop (``megarl.controller.rollouts.RolloutQueue``) admits whole batches: ``fill`` submits the
+next batch while ``admission_capacity`` leaves room for one, and ``take`` re-checks ``policy_lag``
+on every sample before training, regenerating a group that is too old. ``StalenessGate`` is the
+same rule per sample, with its counters and ``state_dict``, for a loop that admits samples one by
+one (streaming admission; not used by the batch loop)::
 
     gate = StalenessGate(cfg.controller.max_policy_lag, batch_size=prompts_per_step * n_samples)
-    while trainer.version < steps:
-        n = gate.capacity(trainer.version)              # samples that may be submitted now
-        generator.submit(next_prompts(n)); gate.admit(n, trainer.version)
-        finished = generator.poll()
-        ok, again = gate.filter(finished, trainer.version)      # back from the generator
-        buffer.extend(ok); resubmit(again)       # `again` goes through admit() as room allows
-        if len(buffer) >= batch_size:
-            batch, again = gate.filter(buffer.take(batch_size), trainer.version, buffered=True)
-            ...                                                  # re-checked at training time
-        ...
-    checkpoint["staleness"] = gate.state_dict()   # with the trainer's, restored by load_state_dict
+    n = gate.capacity(trainer.version)              # samples that may be submitted now
+    generator.submit(next_prompts(n)); gate.admit(n, trainer.version)
+    ok, again = gate.filter(generator.poll(), trainer.version)   # back from the generator
 
 ``max_policy_lag: 0`` is the synchronous baseline with the same code: capacity is one batch per
 version and every trained token comes from the trainer's current version.
