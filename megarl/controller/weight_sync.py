@@ -77,7 +77,7 @@ class WeightSync:
             self.trainer.start_sync(self.spec, version)
             try:
                 self.generator.update_weights_from_source(self.spec.weight_source(version), version,
-                                                          peer_check=getattr(self.trainer, "raise_if_dead", None))
+                                                          peer_check=self.trainer.raise_if_dead)
             except BaseException as e:
                 self._abandon(e)
                 raise
@@ -94,17 +94,9 @@ class WeightSync:
         return out
 
     def _abandon(self, error: BaseException) -> None:
-        """The receivers failed mid-sync. The trainer executor's senders would wait for them until
-        the sync's timeout and hide the cause (measured: 6 min), so it stops them now; an
-        in-process trainer's (LocalTrainer) sender threads end on their own and are joined."""
-        abandon = getattr(self.trainer, "abandon_sync", None)
-        if abandon is not None:
-            abandon(f"the generator failed: {str(error).splitlines()[0] if str(error) else type(error).__name__}")
-            return
-        try:
-            self.trainer.finish_sync()
-        except Exception:  # noqa: BLE001 - the generator's error is the one to report
-            log.debug("finish_sync after a failed landing raised", exc_info=True)
+        """The receivers failed mid-sync. The senders would wait for them until the sync's timeout
+        and hide the cause (measured: 6 min): the trainer stops them now."""
+        self.trainer.abandon_sync(f"the generator failed: {str(error).splitlines()[0] if str(error) else type(error).__name__}")
 
     def probe(self, version: int) -> float:
         """Greedy tokens from the probe prompt; max |generator - trainer| logprob over them (nats).

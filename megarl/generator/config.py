@@ -107,7 +107,7 @@ class GeneratorConfig:
             out.append(f"generator.top_k={self.top_k}: use -1 (off) or a positive count")
         if self.round_token_budget < 0:
             out.append(f"generator.round_token_budget={self.round_token_budget}: must be >= 0 (0 = off)")
-        if on_cpu and self.threads_bind != "auto":  # the shape megarl.generator.executor.threads_binds reads
+        if on_cpu and self.threads_bind != "auto":  # the shape megarl.generator.threads.threads_binds reads
             parts = self.threads_bind.split(";")
             if len(parts) not in (1, self.replicas):
                 out.append(f"generator.threads_bind={self.threads_bind!r} names {len(parts)} replicas; give one "

@@ -193,6 +193,17 @@ class LocalTrainer(RankTrainer):
             raise self._sync_result["error"]
         return [{"rank": 0, "tp": 0, "pp": 0, "dp": 0, **self._sync_result["stats"]}]
 
+    def abandon_sync(self, why: str) -> None:
+        """The receivers failed mid-sync (``why``): this rank's sender thread ends on its own (its
+        transport times out or finishes), so it is joined and its own error dropped."""
+        try:
+            self.finish_sync()
+        except Exception:  # noqa: BLE001 - the receivers' error is the one the caller reports
+            pass
+
+    def raise_if_dead(self) -> None:
+        """In-process: nothing can have died separately from the caller."""
+
     def close(self) -> None:
         from megarl.utils.dist import destroy_distributed
 
