@@ -1,11 +1,11 @@
-"""Device placement (megarl.controller.placement): hand-worked layouts, and the errors that say what
+"""Device placement (megarl.config.placement): hand-worked layouts, and the errors that say what
 to change. Pure: no GPU needed; the ids reach the processes in test_trainer_executor."""
 
 import pytest
 
 from megarl.config import ConfigError, load_config
 from megarl.config.schema import MegaRLConfig
-from megarl.controller.placement import device_plan
+from megarl.config.placement import device_plan
 
 
 def _cfg(**over):

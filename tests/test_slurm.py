@@ -239,7 +239,7 @@ def test_local_launcher_dry_run_uses_the_same_map(capsys):
 
 
 def test_placement_under_a_launcher_gives_the_generator_the_node():
-    from megarl.controller.placement import device_plan
+    from megarl.config.placement import device_plan
 
     plan = device_plan(_cfg("trainer.pp=2", "trainer.dp=8", "generator.replicas=8", "cluster.launcher=slurm"), 8)
     assert plan.trainer is None and plan.generator == list(range(8))  # the trainer ranks are on other nodes

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Dict, List, Optional
 
-from megarl.config.knobs import knob
+from megarl.utils.knobs import knob
 
 # Defined here, not beside the torch code, so config validation never imports torch.
 AGGREGATIONS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")

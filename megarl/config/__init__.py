@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from megarl.config.knobs import knob
+from megarl.utils.knobs import knob
 from megarl.config.loader import ConfigError, apply_overrides, build, describe, load_yaml_tree, to_dict
 
 __all__ = ["ConfigError", "knob", "load_config", "describe", "to_dict"]

@@ -2,7 +2,7 @@
 
 Sections owned by an executor live next to it (`megarl/trainer/config.py`, `megarl/generator/config.py`,
 `megarl/algorithms/config.py`, `megarl/reward/config.py`, `megarl/ddma/config.py`); the job-level sections are defined below.
-Every knob is declared with :func:`megarl.config.knobs.knob`, so `megarl config explain` prints its
+Every knob is declared with :func:`megarl.utils.knobs.knob`, so `megarl config explain` prints its
 unit and default.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from megarl.algorithms.config import AlgorithmConfig
-from megarl.config.knobs import knob
+from megarl.utils.knobs import knob
 from megarl.ddma.config import SyncConfig
 from megarl.generator.config import GeneratorConfig
 from megarl.reward.config import RewardConfig

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from megarl.algorithms.config import OWN_BEHAVIOUR_CORRECTION
+from megarl.config.placement import device_plan
 from megarl.config.schema import BUILTIN_ARITHMETIC, BUILTIN_SMOLLM2, MegaRLConfig
 
 # Shape of the built-in model, so a config using it validates before the (slow) first conversion.
@@ -105,8 +106,6 @@ def check(cfg: MegaRLConfig) -> list[str]:
                                 f"{sorted(set(cores) - set(allowed))} are not available here (allowed: {allowed})")
 
     if cfg.cluster.trainer_devices or cfg.cluster.generator_devices:
-        from megarl.controller.placement import device_plan
-
         try:  # syntax and overlap now; the device count is checked when the job starts (needs CUDA)
             device_plan(cfg, visible=1 << 16)
         except ValueError as e:

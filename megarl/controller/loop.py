@@ -6,7 +6,7 @@ synchronous on-policy baseline; with ``k > 0`` the generator works on the next b
 trainer trains (LlamaRL-style, 1..k versions of lag, corrected by the loss). The trainer's TP x PP x DP
 Megatron ranks and the generator's vLLM replicas run in their own processes; weights travel by DDMA
 (controller/weight_sync.py), each worker receiving only its shard, checksummed and probed.
-Placement (controller/placement.py), the controller's checkpoint (controller/state.py), the run
+Placement (config/placement.py), the controller's checkpoint (controller/state.py), the run
 folder (controller/run.py) and the busy/idle accounting and run summary (controller/summary.py)
 live beside the loop, not inside it.
 """
@@ -203,8 +203,8 @@ def resolve_model(path: str) -> Path:
 
 
 def place_devices(cfg: MegaRLConfig):
-    """Each executor's GPUs (megarl.controller.placement); a layout that does not fit is a ConfigError."""
-    from megarl.controller.placement import device_plan
+    """Each executor's GPUs (megarl.config.placement); a layout that does not fit is a ConfigError."""
+    from megarl.config.placement import device_plan
 
     visible = 0
     if cfg.cluster.device != "cpu":

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megarl.config.knobs import knob
+from megarl.utils.knobs import knob
 
 METHODS = ("ddma", "shm")
 

@@ -148,7 +148,7 @@ class TrainerExecutor(ExecutorBase):
         self.cores = rank_cores(cpus, self.world)
         if devices is not None and len(devices) != self.world:
             raise ValueError(f"devices={list(devices)}: the trainer has {self.world} rank(s), one device each")
-        # Each rank's CUDA_VISIBLE_DEVICES (megarl.controller.placement); None: inherit ours.
+        # Each rank's CUDA_VISIBLE_DEVICES (megarl.config.placement); None: inherit ours.
         self.devices = [str(d) for d in devices] if devices is not None else [None] * self.world
         if launcher not in ("local", "slurm"):
             raise ValueError(f"launcher={launcher!r}: one of 'local' (spawn the ranks here) or 'slurm' (they attach)")

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megarl.config.knobs import knob
+from megarl.utils.knobs import knob
 
 QUANTIZATIONS = ("none", "fp8_per_channel", "fp8_per_tensor", "fp8_per_block")
 # FP8 schemes vLLM runs on CPU; the others need a GPU.

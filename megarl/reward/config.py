@@ -12,7 +12,7 @@ import dataclasses
 import importlib.util
 from typing import List, Optional
 
-from megarl.config.knobs import knob
+from megarl.utils.knobs import knob
 
 @dataclasses.dataclass
 class RewardConfig:

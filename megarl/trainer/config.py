@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-from megarl.config.knobs import knob
+from megarl.utils.knobs import knob
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
 PARAMS_DTYPES = ("float32", "bfloat16")

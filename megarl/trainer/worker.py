@@ -150,7 +150,7 @@ def rank_main(conn, rank: int, world: int, master_port: int, cfg: TrainerConfig,
               parent_pid: int | None = None, pdeathsig: bool = True, cuda_devices: str | None = None) -> None:
     """Entry point of trainer rank ``rank`` of ``world`` (spawned by ``TrainerExecutor``).
     ``parent_pid`` / ``pdeathsig``: see :func:`megarl.utils.procs.watch_parent`. ``cuda_devices``:
-    this rank's CUDA_VISIBLE_DEVICES (megarl.controller.placement), set before CUDA initialises."""
+    this rank's CUDA_VISIBLE_DEVICES (megarl.config.placement), set before CUDA initialises."""
     from megarl.utils.procs import watch_parent
 
     watch_parent(parent_pid, pdeathsig=pdeathsig)  # first: no rank outlives its controller
