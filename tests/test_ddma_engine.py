@@ -21,7 +21,7 @@ from megarl.algorithms.config import AlgorithmConfig
 from megarl.config import load_config
 from megarl.ddma.layouts import GeneratorTopology, TrainerTopology
 from megarl.ddma.sync import SyncSpec, host_store
-from megarl.executors.trainer import TrainerExecutor
+from megarl.trainer.executor import TrainerExecutor
 from megarl.generator.executor import GeneratorExecutor
 from megarl.models.tiny import make_tiny_hf_checkpoint
 from megarl.trainer.config import TrainerConfig

@@ -4,7 +4,7 @@ pool: each starts, reports health and pids, closes; their failures are the base'
 import pytest
 
 from megarl.executors.base import Executor, ExecutorBase, ExecutorError, ExecutorTimeout, ProcessDied
-from megarl.executors.trainer import TrainerExecutor, TrainerRankFailed, TrainerTimeout
+from megarl.trainer.executor import TrainerExecutor, TrainerRankFailed, TrainerTimeout
 from megarl.generator.executor import GeneratorEngineDied, GeneratorExecutor, GeneratorTimeout
 from megarl.reward import RewardPool
 from megarl.reward.config import RewardConfig

@@ -66,7 +66,7 @@ def test_env_reads_gpu_counts_restart_and_tmpdir():
 
 def test_two_trainer_nodes_one_generator_node():
     """The acceptance layout: 2 trainer nodes + 1 generator node, 8 GPUs each."""
-    from megarl.executors.trainer import rank_coords
+    from megarl.trainer.executor import rank_coords
 
     cfg = _cfg("trainer.pp=2", "trainer.dp=8", "generator.replicas=8")
     rmap = build_role_map(_env("node[01-03]"), cfg)

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from megarl.algorithms.config import AlgorithmConfig
-from megarl.executors.trainer import TrainerExecutor, TrainerRankFailed, TrainerTimeout, rank_coords, rank_cores
+from megarl.trainer.executor import TrainerExecutor, TrainerRankFailed, TrainerTimeout, rank_coords, rank_cores
 from megarl.trainer.batch import RolloutBatch
 from megarl.trainer.config import TrainerConfig
 

@@ -38,7 +38,7 @@ def run_job(cfg: MegaRLConfig) -> int:
     from megarl.controller.state import save_controller_state
     from megarl.controller.summary import ExecutorActivity
     from megarl.controller.weight_sync import WeightSync
-    from megarl.executors.trainer import TrainerExecutor
+    from megarl.trainer.executor import TrainerExecutor
     from megarl.generator.executor import GeneratorExecutor
     from megarl.reward import RewardPool
     from megarl.trainer.batch import RolloutBatch

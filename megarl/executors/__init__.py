@@ -1,7 +1,9 @@
 """Executors: groups of processes with their own parallelism, driven by the controller.
 
 ``base`` holds the one protocol (start / health / close / pids, a context manager) and the
-supervision errors; ``trainer`` the TP x PP x DP Megatron rank group.
+supervision errors; ``attach`` how ranks started elsewhere (srun) connect. The executors themselves
+live with their roles (``megarl.trainer.executor``, ``megarl.generator.executor``,
+``megarl.reward.pool``), so this package imports none of them.
 """
 
 from megarl.executors.base import Executor, ExecutorBase, ExecutorError, ExecutorTimeout, ProcessDied

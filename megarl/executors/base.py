@@ -10,7 +10,7 @@ naming it, and every process of the executor is ended (no orphans holding cores 
         ...
     # __exit__ calls close(): processes asked to exit in order, leftovers killed
 
-Implementations: ``megarl.executors.trainer.TrainerExecutor`` (TP x PP x DP Megatron ranks),
+Implementations: ``megarl.trainer.executor.TrainerExecutor`` (TP x PP x DP Megatron ranks),
 ``megarl.generator.executor.GeneratorExecutor`` (vLLM replicas) and ``megarl.reward.RewardPool``
 (the scoring processes). Their errors derive from the classes below, so a caller can catch any
 executor's death or timeout alike.

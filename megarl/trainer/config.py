@@ -75,7 +75,7 @@ class TrainerConfig:
                                       "checkpoint_dir (its 'latest'), 'auto' (checkpoint_dir's "
                                       "latest if any) or null = start fresh. Default null.")
 
-    # --- supervision of the rank processes (megarl.executors.trainer.TrainerExecutor) ---
+    # --- supervision of the rank processes (megarl.trainer.executor.TrainerExecutor) ---
     start_timeout_s: float = knob(300.0, help="Seconds every trainer rank may take to start: spawn, "
                                   "import, join the process group, build model + optimizer and "
                                   "resume (s). Default 300.")

@@ -8,7 +8,7 @@ arguments (they are collective).
 
 :class:`LocalTrainer` is that learner at TP = PP = DP = 1 in the caller's process (it creates the
 one-rank process group itself). Multi-rank trainers run one :class:`RankTrainer` per rank process
-(``megarl.trainer.worker``), driven by ``megarl.executors.trainer.TrainerExecutor``, which offers
+(``megarl.trainer.worker``), driven by ``megarl.trainer.executor.TrainerExecutor``, which offers
 the same interface as ``LocalTrainer``.
 """
 

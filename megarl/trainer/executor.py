@@ -48,9 +48,12 @@ from typing import Any
 import torch
 
 from megarl.algorithms.config import AlgorithmConfig
+from megarl.executors.attach import AttachError, AttachSpec, RemoteProcess, accept_ranks, shutdown
 from megarl.executors.base import ExecutorBase, ExecutorError, ExecutorTimeout, ProcessDied, exit_cause, kill_processes
 from megarl.trainer.batch import RolloutBatch
 from megarl.trainer.config import TrainerConfig
+from megarl.trainer.worker import rank_main
+from megarl.utils.dist import free_tcp_port
 
 log = logging.getLogger(__name__)
 
@@ -196,9 +199,6 @@ class TrainerExecutor(ExecutorBase):
         return self
 
     def _launch(self, pdeathsig: bool) -> bool:
-        from megarl.trainer.worker import rank_main
-        from megarl.utils.dist import free_tcp_port
-
         self._kill_ranks()
         ctx = mp.get_context("spawn")
         port = free_tcp_port()
@@ -221,8 +221,6 @@ class TrainerExecutor(ExecutorBase):
     def _attach(self) -> None:
         """Attach mode: accept the ranks started elsewhere, send each its start arguments (the
         same as a spawned rank's), wait until every one is ready."""
-        from megarl.executors.attach import AttachError, AttachSpec, RemoteProcess, accept_ranks
-
         try:
             spec = AttachSpec.from_env()
             conns = accept_ranks(spec, self.world, self.cfg.start_timeout_s)
@@ -283,8 +281,6 @@ class TrainerExecutor(ExecutorBase):
 
     def _drop_remote(self) -> None:
         """Attached ranks cannot be killed from here: shut their connections; they exit on the EOF."""
-        from megarl.executors.attach import shutdown
-
         for r in self._ranks:
             if r.remote and not r.conn.closed:
                 shutdown(r.conn)
