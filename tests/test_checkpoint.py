@@ -92,7 +92,7 @@ def _run_schedule(chunks, batches, forward_only=False) -> float:
 def _train_step(objs, cfg) -> float:
     """One megarl train step (AIPO) on rollouts drawn from the global torch RNG, so a resume must
     restore the RNG as well to see the same data."""
-    from megarl.trainer.batch import RolloutBatch
+    from megarl.batch import RolloutBatch
     from megarl.trainer.train_step import train_step
 
     rows = cfg.dp * MICRO_BATCH * NUM_MICRO

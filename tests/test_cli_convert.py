@@ -81,7 +81,7 @@ def test_export_local_trainer_checkpoint(tiny_llama_dir, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from megarl.config import load_config
-    from megarl.trainer.batch import RolloutBatch
+    from megarl.batch import RolloutBatch
     from megarl.trainer.local import LocalTrainer
     from megarl.trainer.logprobs import compute_logprobs
 

@@ -82,7 +82,7 @@ def test_ddma_sync_equals_shm_push(tiny_llama_dir, checkpoint_b, tmp_path, ttp, 
 def _trainer_gap(trainer, gen) -> float:
     """Max |engine - trainer| logprob over the engine's own greedy tokens (teacher-forced on the
     trainer: the same tokens on both sides, whatever the engine chose)."""
-    from megarl.trainer.batch import RolloutBatch
+    from megarl.batch import RolloutBatch
 
     batch = RolloutBatch.from_samples(gen.generate(PROMPTS, n_samples=1, sampling=GREEDY))
     lp = trainer.logprobs(batch, temperature=1.0)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from megarl.algorithms.config import LOSS_NAMES, AlgorithmConfig, needs_prox, needs_ref
-from megarl.trainer.batch import RolloutBatch
+from megarl.batch import RolloutBatch
 from megarl.trainer.config import TrainerConfig
 
 CASES = [(loss, {}) for loss in LOSS_NAMES] + [

@@ -18,7 +18,7 @@ import torch
 
 from megarl.algorithms.config import AlgorithmConfig
 from megarl.trainer.executor import TrainerExecutor, TrainerRankFailed, TrainerTimeout, rank_coords, rank_cores
-from megarl.trainer.batch import RolloutBatch
+from megarl.batch import RolloutBatch
 from megarl.trainer.config import TrainerConfig
 
 REPO = Path(__file__).resolve().parents[1]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megarl.trainer.batch import RolloutBatch
+from megarl.batch import RolloutBatch
 from megarl.utils.dist import MultiprocessError, run_multiprocess
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from megarl.trainer.batch import RolloutBatch
+from megarl.batch import RolloutBatch
 from megarl.utils.dist import run_multiprocess
 
 

@@ -50,7 +50,7 @@ def _dims(a: argparse.Namespace):
 def _rollout_batch(a: argparse.Namespace):
     """Full-length rows (prompt = first quarter, response = the rest) so both steps see the same
     B x S tokens."""
-    from megarl.trainer.batch import RolloutBatch
+    from megarl.batch import RolloutBatch
 
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, min(a.vocab, _dims(a).vocab_size), (a.batch, a.seq), generator=g)

@@ -41,7 +41,7 @@ def run_job(cfg: MegaRLConfig) -> int:
     from megarl.trainer.executor import TrainerExecutor
     from megarl.generator.executor import GeneratorExecutor
     from megarl.reward import RewardPool
-    from megarl.trainer.batch import RolloutBatch
+    from megarl.batch import RolloutBatch
     from megarl.trainer.checkpoint import should_save
     from megarl.utils.metrics import PhaseTimer
     from megarl.utils.procs import parse_cpu_list
@@ -79,7 +79,8 @@ def run_job(cfg: MegaRLConfig) -> int:
             run.log_eval(0, steps, evaluate(generator, prompts, run, step=0))
 
         rollouts = RolloutQueue(generator, prompts, prompts_per_step=cfg.controller.prompts_per_step,
-                                max_policy_lag=cfg.controller.max_policy_lag, last_step=steps)
+                                n_samples=cfg.generator.n_samples, max_policy_lag=cfg.controller.max_policy_lag,
+                                last_step=steps)
         resume_controller(cfg, run, trainer.step_count, rollouts)
         activity = ExecutorActivity(generator)
         for step in range(trainer.step_count + 1, steps + 1):

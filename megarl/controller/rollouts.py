@@ -30,19 +30,27 @@ import dataclasses
 import logging
 import time
 import zlib
+from collections.abc import Sequence
 
+from megarl.controller.prompts import PromptSource
 from megarl.controller.staleness import admission_capacity, policy_lag
+from megarl.data import Task
+from megarl.executors.base import Generator
+from megarl.rollout import Sample
 
 log = logging.getLogger("megarl")
 
 
 class RolloutQueue:
-    def __init__(self, generator, prompts, *, prompts_per_step: int, max_policy_lag: int, last_step: int):
+    """The batches of the steps ahead, generating; ``n_samples`` per prompt (a GRPO group)."""
+
+    def __init__(self, generator: Generator, prompts: PromptSource, *, prompts_per_step: int, n_samples: int,
+                 max_policy_lag: int, last_step: int):
         self.generator, self.prompts = generator, prompts
         self.per_step, self.lag, self.last_step = prompts_per_step, max_policy_lag, last_step
-        self.n_samples = generator.cfg.n_samples
-        self.pending: dict[int, tuple[list, list, list[int]]] = {}  # step -> (tasks, prompt ids, group ids)
-        self.pool: dict[int, list] = collections.defaultdict(list)  # group id -> finished samples
+        self.n_samples = n_samples
+        self.pending: dict[int, tuple[list[Task], list[list[int]], list[int]]] = {}  # step -> (tasks, ids, groups)
+        self.pool: dict[int, list[Sample]] = collections.defaultdict(list)  # group id -> finished samples
         self.next_step: int | None = None
         self.submitted_at: dict[int, float] = {}
         self.regenerated = 0  # groups generated again because a sample was older than the bound
@@ -59,12 +67,13 @@ class RolloutQueue:
         while (self.next_step <= self.last_step and
                admission_capacity(self.lag, batch, step - 1, accepted=(self.next_step - 1) * batch, running=0) >= batch):
             tasks, prompt_ids = self.prompts.batch(self.next_step - 1, self.per_step)
-            groups = self.generator.submit(prompt_ids, prompt_indices=list(range(len(prompt_ids))))
+            groups = self.generator.submit(prompt_ids, self.n_samples, prompt_indices=list(range(len(prompt_ids))))
             self.pending[self.next_step] = (tasks, prompt_ids, list(groups))
             self.submitted_at[self.next_step] = time.monotonic()
             self.next_step += 1
 
-    def take(self, step: int, trainer_version: int) -> tuple[list, list, list, dict[str, float]]:
+    def take(self, step: int,
+             trainer_version: int) -> tuple[list[Task], list[list[int]], list[Sample], dict[str, float]]:
         """(tasks, prompt ids, samples ordered by group then sample, lag metrics) of ``step``."""
         tasks, prompt_ids, groups = self.pending.pop(step)
         while True:
@@ -78,7 +87,7 @@ class RolloutQueue:
                         step, len(stale), self.lag)
             for g in stale:
                 index = self.pool.pop(g)[0].prompt_index
-                (new,) = self.generator.submit([prompt_ids[index]], prompt_indices=[index])
+                (new,) = self.generator.submit([prompt_ids[index]], self.n_samples, prompt_indices=[index])
                 groups[groups.index(g)] = new
         samples = [s for g in groups for s in sorted(self.pool.pop(g), key=lambda s: s.sample_index)]
         for s in samples:
@@ -110,8 +119,6 @@ class RolloutQueue:
     def load_state_dict(self, state: dict) -> dict[str, int]:
         """Resume from :meth:`state_dict` (before the first ``fill``); returns what came back.
         Raises ValueError when the data stream differs from the checkpoint's (data.* changed)."""
-        from megarl.rollout import Sample
-
         if state.get("format") != 1:
             raise ValueError(f"controller state format {state.get('format')!r} is not 1")
         old_groups = [g for p in state["pending"].values() for g in p["groups"]]
@@ -132,7 +139,7 @@ class RolloutQueue:
         self.next_step, self.regenerated = state["next_step"], state["regenerated"]
         return {"batches": len(state["pending"]), "finished": finished, "unfinished": len(state["unfinished"])}
 
-    def _lag_metrics(self, samples, trainer_version: int) -> dict[str, float]:
+    def _lag_metrics(self, samples: Sequence[Sample], trainer_version: int) -> dict[str, float]:
         hist = collections.Counter(trainer_version - v for s in samples for v in s.versions)
         tokens = max(sum(hist.values()), 1)
         out = {"lag/max": float(max(hist, default=0)), "lag/mean": sum(k * n for k, n in hist.items()) / tokens,
@@ -146,13 +153,13 @@ def sample_id(step: int, prompt_index: int, sample_index: int) -> str:
     return f"s{step}p{prompt_index}k{sample_index}"
 
 
-def trained_record(s) -> dict:
+def trained_record(s: Sample) -> dict:
     """What trained_samples.jsonl keeps of one sample: id, completion CRC and length, versions."""
     return {"id": s.uid, "crc32": zlib.crc32(repr(list(s.completion_ids)).encode()), "tokens": len(s.completion_ids),
             "versions": [min(s.versions, default=-1), max(s.versions, default=-1)]}
 
 
-def prompts_crc32(prompt_ids) -> int:
+def prompts_crc32(prompt_ids: Sequence[Sequence[int]]) -> int:
     """CRC32 of a step's prompts: equal across a straight and a resumed run iff the data stream continues."""
     return zlib.crc32(repr([list(p) for p in prompt_ids]).encode())
 

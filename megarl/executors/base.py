@@ -14,14 +14,30 @@ Implementations: ``megarl.trainer.executor.TrainerExecutor`` (TP x PP x DP Megat
 ``megarl.generator.executor.GeneratorExecutor`` (vLLM replicas) and ``megarl.reward.RewardPool``
 (the scoring processes). Their errors derive from the classes below, so a caller can catch any
 executor's death or timeout alike.
+
+Beside the lifecycle, each role has one interface (:class:`Trainer`, :class:`Generator`,
+:class:`RewardScorer`): what the controller calls on it, and all it may call. The controller is
+typed against these, never against an implementation, so a trainer in this process
+(``LocalTrainer``) and one of many ranks (``TrainerExecutor``) are interchangeable, as NeMo-RL's
+``PolicyInterface`` / ``GenerationInterface`` make theirs. tests/test_role_protocols.py calls
+every method of each on every implementation.
 """
 
 from __future__ import annotations
 
 import os
 import signal
-from typing import Protocol, Self, runtime_checkable
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol, Self, runtime_checkable
 
+if TYPE_CHECKING:  # annotations only: at run time this module imports nothing of megarl
+    import torch
+
+    from megarl.batch import RolloutBatch
+    from megarl.ddma.layouts import TrainerTopology
+    from megarl.ddma.sync import SyncSpec
+    from megarl.rollout import Sample
 
 
 class ExecutorError(RuntimeError):
@@ -54,6 +70,109 @@ class Executor(Protocol):
     @property
     def pids(self) -> list[int]:
         """The pids of the executor's processes (to check that none outlives it)."""
+
+
+class Trainer(Protocol):
+    """The learner, as the controller's loop and weight sync drive it. Calls are made one at a time;
+    between :meth:`start_sync` and :meth:`finish_sync` (or :meth:`abandon_sync`) only
+    :meth:`raise_if_dead` may be called."""
+
+    @property
+    def step_count(self) -> int:
+        """Optimizer steps taken (= the policy version of the weights); after a resume, the
+        checkpoint's step."""
+
+    def step(self, batch: RolloutBatch) -> dict[str, float]:
+        """One optimizer step on the whole global batch; the step's metrics (``train/*`` without
+        the prefix)."""
+
+    def logprobs(self, batch: RolloutBatch, temperature: float | None = None) -> torch.Tensor:
+        """Per-token logprobs ``[b, s]`` under the current weights (``temperature``: default
+        ``trainer.logprob_temperature``); the weight probe compares them with the engine's."""
+
+    def save(self) -> Path:
+        """Checkpoint everything a resume needs; the step folder it wrote."""
+
+    def topology(self) -> TrainerTopology:
+        """The layout (tp, pp, dp) the DDMA planner plans the trainer's side of a sync for."""
+
+    def hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, full tensor) of every weight: gathered in the caller's process, so for checks
+        and the full-tensor push only, never on the DDMA path."""
+
+    def start_sync(self, spec: SyncSpec, version: int) -> None:
+        """Start sending this trainer's shards of weights ``version`` for ``spec``; returns at once,
+        so the generator can be told to receive meanwhile."""
+
+    def finish_sync(self) -> list[dict]:
+        """Wait for the send :meth:`start_sync` began; one stats dict per rank (rank, tp, pp, dp,
+        bytes_sent, transfer_s, quantize_s, verify_s), in rank order."""
+
+    def abandon_sync(self, why: str) -> None:
+        """The receivers failed mid-sync: stop the send now instead of waiting out its timeout
+        (which hides the cause). A trainer of several processes is unusable afterwards."""
+
+    def raise_if_dead(self) -> None:
+        """Raise :class:`ExecutorError` if the trainer cannot go on (:class:`ProcessDied`: one of
+        its processes exited); cheap, reads no message, so it is safe while a sync is in flight
+        (the generator's wait calls it)."""
+
+
+class Generator(Protocol):
+    """The rollout engines, as the controller's rollout queue, evaluation and weight sync drive
+    them. Samples come back as :class:`megarl.rollout.Sample`; a weight update lands between decode
+    steps, so a sample's tokens carry the versions that made them."""
+
+    def submit(self, prompts: Sequence[Sequence[int]], n_samples: int | None = None,
+               max_new_tokens: int | None = None, prompt_indices: Sequence[int] | None = None,
+               sampling: dict | None = None, round_token_budget: int | None = None) -> list[int]:
+        """Queue ``n_samples`` generations of each prompt (token ids); their group ids, one per
+        prompt. ``sampling`` overrides the configured sampling for these prompts."""
+
+    def collect(self, min_samples: int | None = None, timeout_s: float | None = None) -> list[Sample]:
+        """Finished samples, waiting until ``min_samples`` are ready (default: all submitted)."""
+
+    def poll(self) -> list[Sample]:
+        """Finished samples so far, without waiting."""
+
+    def generate(self, prompts: Sequence[Sequence[int]], n_samples: int | None = None,
+                 max_new_tokens: int | None = None, sampling: dict | None = None,
+                 round_token_budget: int | None = None) -> list[Sample]:
+        """Submit and wait for all samples of ``prompts``, ordered by prompt then sample index;
+        samples of earlier submits stay collectable."""
+
+    def snapshot(self, groups: set[int]) -> list[dict]:
+        """The unfinished samples of ``groups`` as plain data, for the controller's checkpoint."""
+
+    def restore(self, tracks: Sequence[dict], groups: Sequence[int] = ()) -> dict[int, int]:
+        """Continue :meth:`snapshot`'s samples under the current weights; ``{old group id: new}``
+        for every group of ``tracks`` and ``groups``."""
+
+    def activity(self) -> dict[str, float]:
+        """Seconds spent decoding (``busy_s``) and loading weights (``load_s``) since start, per
+        replica on average: the controller's busy/idle accounting."""
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
+                       version: int | None = None) -> float:
+        """Load full HF tensors into every engine as policy ``version``; the seconds it took."""
+
+    def update_weights_from_source(self, source: dict, version: int, *,
+                                   peer_check: Callable[[], None] | None = None) -> float:
+        """Load weights ``version`` from a prepared source (e.g. ``SyncSpec.weight_source``) into
+        every engine; ``peer_check`` is called while waiting and raises if the sender died. The
+        seconds it took."""
+
+
+class RewardScorer(Protocol):
+    """Scores samples in place: the training reward (``RewardPool``) and the strict held-out scorer
+    (``controller.evaluation.StrictScorer``) take the same call, so a sample is one record from
+    the generator to the metrics."""
+
+    def score(self, samples: Sequence[Sample], answers: Sequence[str],
+              decode: Callable[[Sequence[int]], str]) -> None:
+        """Set ``reward``, ``correct`` and ``formatted`` of every sample. ``answers[i]``: the gold
+        answer of prompt ``i`` (a sample's is ``answers[sample.prompt_index]``); ``decode``: token
+        ids to text."""
 
 
 class ExecutorBase:

@@ -50,7 +50,7 @@ import torch
 from megarl.algorithms.config import AlgorithmConfig
 from megarl.executors.attach import AttachError, AttachSpec, RemoteProcess, accept_ranks, shutdown
 from megarl.executors.base import ExecutorBase, ExecutorError, ExecutorTimeout, ProcessDied, exit_cause, kill_processes
-from megarl.trainer.batch import RolloutBatch
+from megarl.batch import RolloutBatch
 from megarl.trainer.config import TrainerConfig
 from megarl.trainer.worker import rank_main
 from megarl.utils.dist import free_tcp_port

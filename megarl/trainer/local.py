@@ -21,7 +21,7 @@ from typing import Iterator
 import torch
 
 from megarl.algorithms.config import AlgorithmConfig, loss_params, needs_ref
-from megarl.trainer.batch import RolloutBatch
+from megarl.batch import RolloutBatch
 from megarl.trainer.config import TrainerConfig
 
 log = logging.getLogger(__name__)

@@ -19,7 +19,7 @@ from typing import Callable
 
 import torch
 
-from megarl.trainer.batch import RolloutBatch
+from megarl.batch import RolloutBatch
 
 _MASKED_LOGIT = -1e30  # finite, so 0 * logit stays 0 in the entropy sum
 

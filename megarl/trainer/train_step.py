@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from megarl.trainer.batch import RolloutBatch
+from megarl.batch import RolloutBatch
 from megarl.trainer.logprobs import dp_share, run_pipeline, token_logprobs
 
 

@@ -1,0 +1,147 @@
+"""The rollout batch the trainer consumes, built by the controller from generated samples.
+
+Sequences are right-padded to a rectangle ``[batch, seq]``. Every per-token tensor is aligned to
+token positions: ``x[b, t]`` is about token ``input_ids[b, t]`` (e.g. ``behav_logprobs[b, t]`` is
+the generator's log-probability of token t given tokens ``< t``); position 0 of a sequence has
+no logprob and must be outside ``loss_mask``. Right padding + a causal mask gives every sequence
+positions 0..len-1 without packing, which RoPE in the local (CPU) layer spec requires.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import torch
+
+
+@dataclasses.dataclass
+class RolloutBatch:
+    """A right-padded batch of rollouts.
+
+    input_ids:      [B, S] long, prompt + response tokens, padded with ``pad_id``.
+    lengths:        [B] long, number of real tokens per row.
+    loss_mask:      [B, S] float, 1 on tokens that are trained on (response tokens), else 0.
+    behav_logprobs: [B, S] float, behaviour-policy (generator) logprob of each token; 0 off-mask.
+    advantages:     [B, S] float, per-token advantage (a sequence advantage broadcast over tokens).
+    versions:       [B, S] long, policy version that generated each token (-1 for prompt/pad).
+    prox_logprobs:  optional [B, S] float, proximal-policy logprobs (decoupled PPO and friends).
+    ref_logprobs:   optional [B, S] float, reference-policy logprobs (the KL penalty).
+    """
+
+    input_ids: torch.Tensor
+    lengths: torch.Tensor
+    loss_mask: torch.Tensor
+    behav_logprobs: torch.Tensor
+    advantages: torch.Tensor
+    versions: torch.Tensor
+    prox_logprobs: torch.Tensor | None = None
+    ref_logprobs: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        b, s = self.input_ids.shape
+        for f in dataclasses.fields(self):
+            t = getattr(self, f.name)
+            if t is None or f.name in ("input_ids", "lengths"):
+                continue
+            if tuple(t.shape) != (b, s):
+                raise ValueError(f"RolloutBatch.{f.name} has shape {tuple(t.shape)}, expected {(b, s)} "
+                                 f"like input_ids")
+        if tuple(self.lengths.shape) != (b,):
+            raise ValueError(f"RolloutBatch.lengths has shape {tuple(self.lengths.shape)}, expected ({b},)")
+        if b and int(self.lengths.max()) > s:
+            raise ValueError("RolloutBatch.lengths exceeds the padded sequence length")
+        if s and bool((self.loss_mask[:, 0] != 0).any()):
+            raise ValueError("RolloutBatch.loss_mask is set on position 0, which has no logprob")
+
+    @classmethod
+    def from_sequences(cls, tokens: Sequence[Sequence[int]], loss_masks: Sequence[Sequence[float]],
+                       behav_logprobs: Sequence[Sequence[float]] | None = None,
+                       advantages: Sequence[float] | Sequence[Sequence[float]] | None = None,
+                       versions: Sequence[Sequence[int]] | None = None, pad_id: int = 0,
+                       pad_to_multiple_of: int = 1) -> "RolloutBatch":
+        """Right-pad variable-length sequences. ``advantages`` may be one scalar per sequence
+        (broadcast over its tokens) or per-token lists; missing fields default to zeros (-1 for
+        versions)."""
+        n = len(tokens)
+        lengths = [len(t) for t in tokens]
+        s = max(lengths, default=0)
+        s = -(-s // pad_to_multiple_of) * pad_to_multiple_of
+
+        def pad(rows, fill, dtype, name):
+            out = torch.full((n, s), fill, dtype=dtype)
+            if rows is None:
+                return out
+            if len(rows) != n:
+                raise ValueError(f"{name}: {len(rows)} rows for {n} sequences")
+            for i, row in enumerate(rows):
+                if isinstance(row, (int, float)):
+                    out[i, :lengths[i]] = row
+                    continue
+                if len(row) != lengths[i]:
+                    raise ValueError(f"{name}[{i}] has {len(row)} entries for a {lengths[i]}-token sequence")
+                out[i, :lengths[i]] = torch.as_tensor(row, dtype=dtype)
+            return out
+
+        return cls(
+            input_ids=pad(tokens, pad_id, torch.long, "tokens"),
+            lengths=torch.tensor(lengths, dtype=torch.long),
+            loss_mask=pad(loss_masks, 0.0, torch.float32, "loss_masks"),
+            behav_logprobs=pad(behav_logprobs, 0.0, torch.float32, "behav_logprobs"),
+            advantages=pad(advantages, 0.0, torch.float32, "advantages"),
+            versions=pad(versions, -1, torch.long, "versions"),
+        )
+
+    @classmethod
+    def from_samples(cls, samples: Sequence, advantages: Sequence[float] | None = None,
+                     pad_id: int = 0) -> "RolloutBatch":
+        """Rows of prompt + completion from generator ``megarl.rollout.Sample``s; the loss covers
+        the completion tokens, which carry their behaviour logprobs and policy versions."""
+        tokens, masks, behav, versions = [], [], [], []
+        for s in samples:
+            p = len(s.prompt_ids)
+            tokens.append(s.token_ids)
+            masks.append([0.0] * p + [1.0] * len(s.completion_ids))
+            behav.append([0.0] * p + list(s.behav_logprobs))
+            versions.append([-1] * p + list(s.versions))
+        return cls.from_sequences(tokens, masks, behav, advantages, versions, pad_id=pad_id)
+
+    @property
+    def batch_size(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def num_loss_tokens(self) -> int:
+        return int(self.loss_mask.sum().item())
+
+    def select(self, rows: slice | torch.Tensor) -> "RolloutBatch":
+        """Rows of the batch, trimmed to their longest sequence."""
+        lengths = self.lengths[rows]
+        s = int(lengths.max()) if lengths.numel() else 0
+        kw = {f.name: (None if getattr(self, f.name) is None else
+                       getattr(self, f.name)[rows] if f.name == "lengths" else getattr(self, f.name)[rows, :s])
+              for f in dataclasses.fields(self)}
+        return RolloutBatch(**kw)
+
+    def to(self, device: torch.device | str) -> "RolloutBatch":
+        """The batch with every tensor on ``device`` (the model's device on GPU machines)."""
+        return RolloutBatch(**{f.name: (None if getattr(self, f.name) is None else getattr(self, f.name).to(device))
+                               for f in dataclasses.fields(self)})
+
+    def micro_batches(self, micro_batch_size: int) -> list["RolloutBatch"]:
+        """Consecutive micro-batches of ``micro_batch_size`` rows (the last may be smaller)."""
+        if micro_batch_size < 1:
+            raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
+        return [self.select(slice(i, i + micro_batch_size)) for i in range(0, self.batch_size, micro_batch_size)]
+
+    def model_inputs(self) -> dict[str, torch.Tensor]:
+        """input_ids, position_ids and the explicit causal bool attention mask [b,1,s,s]
+        (True = masked) that megatron's local attention takes on CPU."""
+        b, s = self.input_ids.shape
+        dev = self.input_ids.device
+        causal = torch.triu(torch.ones(s, s, dtype=torch.bool, device=dev), diagonal=1)
+        return {
+            "input_ids": self.input_ids,
+            "position_ids": torch.arange(s, dtype=torch.long, device=dev).unsqueeze(0).expand(b, s),
+            "attention_mask": causal.view(1, 1, s, s).expand(b, 1, s, s),
+        }
