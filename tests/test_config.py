@@ -232,3 +232,20 @@ def test_threads_bind_shape_is_checked_before_start(overrides, words):
     with pytest.raises(ConfigError) as e:
         load_config("configs/quickstart.yaml", ["cluster.device=cpu", *overrides])
     assert words in str(e.value)
+
+
+@pytest.mark.parametrize("fields,words", [
+    ({"model_type": "mistral"}, "model_type='mistral' is not supported"),
+    ({"model_type": "qwen2", "architectures": ["Qwen2ForSequenceClassification"]}, "only Qwen2ForCausalLM"),
+    ({"attention_bias": True}, "attention_bias=true"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_type='yarn'"),
+])
+def test_unsupported_architecture_is_refused_before_start(tmp_path, model_dir, fields, words):
+    """A family outside what DDMA verifies (tests/test_ddma_landing.py) is refused by validation,
+    in one line naming the family and the supported ones."""
+    config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps({**config, **fields}))
+    cfg = write(tmp_path / "c.yaml", f"model: {{path: {model_dir}}}\n")
+    (msg,) = problems_of(cfg)
+    assert msg.startswith("model.path=") and words in msg, msg
+    assert "supported: llama (LlamaForCausalLM), qwen2 (Qwen2ForCausalLM)" in msg and "\n" not in msg

@@ -16,7 +16,8 @@ import torch
 
 from megarl.generator.config import GeneratorConfig
 from megarl.generator.executor import GeneratorEngineDied, GeneratorExecutor, GeneratorTimeout
-from megarl.generator.weights import pack_to_shm, open_weight_source
+from megarl.generator.shm_source import pack_to_shm
+from megarl.generator.weight_source import open_weight_source
 
 PROMPTS = [[1, 504, 3012, 281], [1, 9038, 17, 6124, 88], [1, 42, 4711]]
 

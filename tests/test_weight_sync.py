@@ -12,7 +12,7 @@ import torch
 
 from megarl.config import load_config
 from megarl.generator.executor import GeneratorExecutor
-from megarl.trainer.batch import RolloutBatch
+from megarl.batch import RolloutBatch
 from megarl.trainer.local import LocalTrainer
 from megarl.trainer.logprobs import compute_logprobs
 
@@ -82,3 +82,11 @@ def test_ddma_push_verified_and_probe_catches_stale_weights(tiny_llama_tied_dir,
                 sync.probe(2)  # weights changed, never pushed: ~0.6 nats (see above), far over 1e-3
     finally:
         trainer.close()
+
+
+def test_probe_runs_at_the_first_sync_then_every_probe_every():
+    from megarl.controller.weight_sync import probe_due
+
+    assert [n for n in range(1, 32) if probe_due(n, 10)] == [1, 11, 21, 31]
+    assert [n for n in range(1, 6) if probe_due(n, 1)] == [1, 2, 3, 4, 5]
+    assert [n for n in range(1, 30) if probe_due(n, 0)] == [1]  # 0: the first sync only, never none

@@ -160,7 +160,7 @@ def _role_main(role: str, index: int, dims, src, dst, port: int, cmds, out) -> N
                     for j in range(len(dst_ranks)):
                         pg.send([flat], n_src + j, 2).wait()
                 elif hf is not None:
-                    from megarl.generator.weights import pack_to_shm
+                    from megarl.generator.shm_source import pack_to_shm
 
                     shm = pack_to_shm(sorted(hf.items()))
                     store.set(f"shm{version}", pickle.dumps(shm.source()))
@@ -181,7 +181,8 @@ def _role_main(role: str, index: int, dims, src, dst, port: int, cmds, out) -> N
                     landed = _narrow_into_layout(views.__getitem__, layouts)
                     del flat, views
                 else:
-                    from megarl.generator.weights import open_weight_source
+                    from megarl.generator import shm_source  # noqa: F401 - registers "shm"
+                    from megarl.generator.weight_source import open_weight_source
 
                     source = pickle.loads(store.get(f"shm{version}"))
                     views = dict(open_weight_source(source))

@@ -14,6 +14,7 @@ from typing import Any
 
 from megarl.algorithms.config import OWN_BEHAVIOUR_CORRECTION
 from megarl.config.placement import device_plan
+from megarl.models.families import architecture_problem
 from megarl.config.schema import BUILTIN_ARITHMETIC, BUILTIN_SMOLLM2, MegaRLConfig
 
 # Shape of the built-in model, so a config using it validates before the (slow) first conversion.
@@ -126,8 +127,14 @@ def check(cfg: MegaRLConfig) -> list[str]:
         if value and value != BUILTIN_ARITHMETIC and not Path(value).is_file():
             problems.append(f"{key}={value!r}: no such file; give a GSM8K-format jsonl or '{BUILTIN_ARITHMETIC}'")
 
-    # Parallel sizes against the model's shape.
+    # The model's family: only what DDMA and the conversions verify may start.
     shape = model_shape(cfg.model.path)
+    if shape and "model_type" in shape:
+        problem = architecture_problem(shape)
+        if problem:
+            problems.append(f"model.path={cfg.model.path!r}: {problem}")
+
+    # Parallel sizes against the model's shape.
     if shape:
         heads, groups = shape["num_attention_heads"], shape["num_key_value_heads"]
         layers = shape["num_hidden_layers"]

@@ -6,8 +6,9 @@ while every generator worker receives and lands only its shard (``update_weights
 The controller holds no weights. ``sync.method=shm``: the single-rank trainer assembles full HF
 tensors and the generator maps them from one shared-memory file (the path before DDMA).
 
-Proof: DDMA checksums every destination slice every ``sync.verify_every`` syncs (both sides; a
-mismatch raises on the worker and stops the job). Every ``sync.probe_every`` syncs a logprob probe
+Proof: DDMA checksums every destination slice every ``sync.verify_every`` syncs, the receiver's
+taken on the engine's parameters as they landed (a mismatch raises on the worker and stops the
+job). At the first sync, always, and then every ``sync.probe_every`` syncs, a logprob probe
 generates greedily from a fixed prompt and compares the engine's logprobs with the trainer's on the
 same tokens. The default bound (``sync.probe_max_gap=0``) follows the engine's precision:
 
@@ -27,7 +28,14 @@ import logging
 import os
 import time
 
+from typing import TYPE_CHECKING
+
 from megarl.ddma.config import SyncConfig
+
+if TYPE_CHECKING:
+    from megarl.executors.base import Generator, Trainer
+    from megarl.generator.config import GeneratorConfig
+    from megarl.trainer.layouts import ModelDims
 
 log = logging.getLogger("megarl")
 
@@ -45,63 +53,90 @@ def default_probe_gap(dtype: str, quantization: str) -> float:
     return 1e-3 if dtype == "float32" else 0.25
 
 
-class WeightSync:
-    """``push(version)`` moves the trainer's weights into every generator engine and checks them."""
+def probe_due(sync_number: int, probe_every: int) -> bool:
+    """Whether the ``sync_number``-th sync of this process (1 = the first) is probed: the first
+    always (a wrong landing must stop the job before a single step trains on it), then every
+    ``probe_every``-th after it (0: none after the first)."""
+    return sync_number == 1 or (probe_every > 0 and (sync_number - 1) % probe_every == 0)
 
-    def __init__(self, cfg: SyncConfig, trainer, generator, *, dims, generator_cfg, probe_prompt: list[int],
-                 pad_id: int = 0):
+
+class DdmaPush:
+    """``sync.method=ddma``: every trainer rank sends its own shards straight to the generator
+    workers that need them (megarl/ddma/); the controller only hosts the rendezvous store."""
+
+    def __init__(self, cfg: SyncConfig, trainer: Trainer, generator: Generator, *, dims: ModelDims,
+                 generator_cfg: GeneratorConfig):
+        from megarl.ddma.layouts import GeneratorTopology
+        from megarl.ddma.sync import SyncSpec, host_store
+
+        self.trainer, self.generator = trainer, generator
+        self._store = host_store()  # kept alive: workers and trainer ranks rendezvous here
+        # Trainer ranks on other nodes (megarl.cluster) reach the store at the controller's address.
+        store_host = os.environ.get("MEGARL_CONTROLLER_ADDR", "127.0.0.1")
+        self.spec = SyncSpec(dims, trainer.topology(), GeneratorTopology(generator_cfg.tp, generator_cfg.replicas),
+                             store_host, self._store.port, transport=cfg.transport, wire=cfg.wire,
+                             engine_dtype=generator_cfg.dtype, verify_every=cfg.verify_every,
+                             timeout_s=cfg.timeout_s)
+
+    def push(self, version: int) -> dict[str, float]:
+        self.trainer.start_sync(self.spec, version)
+        try:
+            self.generator.update_weights_from_source(self.spec.weight_source(version), version,
+                                                      peer_check=self.trainer.raise_if_dead)
+        except BaseException as e:
+            # The receivers failed mid-sync. The senders would wait for them until the sync's
+            # timeout and hide the cause (measured: 6 min): the trainer stops them now.
+            self.trainer.abandon_sync(f"the generator failed: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
+            raise
+        ranks = self.trainer.finish_sync()
+        return {"sync/bytes_sent": float(sum(r["bytes_sent"] for r in ranks)),
+                "sync/sender_transfer_s": max(r["transfer_s"] for r in ranks),
+                "sync/sender_quantize_s": max(r["quantize_s"] for r in ranks),
+                "sync/sender_verify_s": max(r["verify_s"] for r in ranks),
+                "sync/verified": float(self.spec.verifies(version))}
+
+
+class ShmPush:
+    """``sync.method=shm``: the single-rank trainer assembles full HF tensors and every generator
+    worker reads them from one shared-memory file through vLLM's own loaders (the path before DDMA)."""
+
+    def __init__(self, cfg: SyncConfig, trainer: Trainer, generator: Generator, **_: object):
+        self.trainer, self.generator = trainer, generator
+
+    def push(self, version: int) -> dict[str, float]:
+        self.generator.update_weights(self.trainer.hf_weights(), version=version)
+        return {}
+
+
+STRATEGIES: dict[str, type] = {"ddma": DdmaPush, "shm": ShmPush}  # sync.method -> its push
+
+
+class WeightSync:
+    """``push(version)`` moves the trainer's weights into every generator engine (the strategy of
+    ``sync.method``) and proves they arrived (the logprob probe)."""
+
+    def __init__(self, cfg: SyncConfig, trainer: Trainer, generator: Generator, *, dims: ModelDims,
+                 generator_cfg: GeneratorConfig, probe_prompt: list[int], pad_id: int = 0):
         self.cfg, self.trainer, self.generator = cfg, trainer, generator
         self.probe_prompt, self.pad_id = list(probe_prompt), pad_id
         self.max_gap = cfg.probe_max_gap or default_probe_gap(generator_cfg.dtype, generator_cfg.quantization)
-        self.spec = None
+        self.strategy = STRATEGIES[cfg.method](cfg, trainer, generator, dims=dims, generator_cfg=generator_cfg)
         self.syncs = 0
-        if cfg.method == "ddma":
-            from megarl.ddma.layouts import GeneratorTopology
-            from megarl.ddma.sync import SyncSpec, host_store
-
-            self._store = host_store()  # kept alive: workers and trainer ranks rendezvous here
-            # Trainer ranks on other nodes (megarl.cluster) reach the store at the controller's address.
-            store_host = os.environ.get("MEGARL_CONTROLLER_ADDR", "127.0.0.1")
-            self.spec = SyncSpec(dims, trainer.topology(), GeneratorTopology(generator_cfg.tp, generator_cfg.replicas),
-                                 store_host, self._store.port, transport=cfg.transport, wire=cfg.wire,
-                                 engine_dtype=generator_cfg.dtype, verify_every=cfg.verify_every,
-                                 timeout_s=cfg.timeout_s)
 
     def push(self, version: int) -> dict[str, float]:
         """Sync weights ``version`` to the generator; returns ``sync/*`` metrics."""
         t0 = time.monotonic()
-        out: dict[str, float] = {}
-        if self.spec is None:
-            self.generator.update_weights(self.trainer.hf_weights(), version=version)
-        else:
-            self.trainer.start_sync(self.spec, version)
-            try:
-                self.generator.update_weights_from_source(self.spec.weight_source(version), version,
-                                                          peer_check=self.trainer.raise_if_dead)
-            except BaseException as e:
-                self._abandon(e)
-                raise
-            ranks = self.trainer.finish_sync()
-            out.update({"sync/bytes_sent": float(sum(r["bytes_sent"] for r in ranks)),
-                        "sync/sender_transfer_s": max(r["transfer_s"] for r in ranks),
-                        "sync/sender_quantize_s": max(r["quantize_s"] for r in ranks),
-                        "sync/sender_verify_s": max(r["verify_s"] for r in ranks),
-                        "sync/verified": float(self.spec.verifies(version))})
+        out = self.strategy.push(version)
         self.syncs += 1
-        if self.cfg.probe_every and self.syncs % self.cfg.probe_every == 0:
+        if probe_due(self.syncs, self.cfg.probe_every):
             out["sync/probe_gap"] = self.probe(version)
         out["sync/total_s"] = time.monotonic() - t0
         return out
 
-    def _abandon(self, error: BaseException) -> None:
-        """The receivers failed mid-sync. The senders would wait for them until the sync's timeout
-        and hide the cause (measured: 6 min): the trainer stops them now."""
-        self.trainer.abandon_sync(f"the generator failed: {str(error).splitlines()[0] if str(error) else type(error).__name__}")
-
     def probe(self, version: int) -> float:
         """Greedy tokens from the probe prompt; max |generator - trainer| logprob over them (nats).
         Raises ProbeMismatch over the bound."""
-        from megarl.trainer.batch import RolloutBatch
+        from megarl.batch import RolloutBatch
 
         samples = self.generator.generate([self.probe_prompt], n_samples=1, max_new_tokens=PROBE_TOKENS,
                                           sampling={"temperature": 0.0})
@@ -117,4 +152,4 @@ class WeightSync:
         return gap
 
 
-__all__ = ["WeightSync", "ProbeMismatch", "default_probe_gap"]
+__all__ = ["WeightSync", "DdmaPush", "ShmPush", "STRATEGIES", "ProbeMismatch", "default_probe_gap", "probe_due"]

@@ -25,8 +25,9 @@ class SyncConfig:
         "Checksum every destination slice on both sides every N syncs; a mismatch names the tensor and stops "
         "the job (syncs; 0 = never). Default 1."))
     probe_every: int = knob(10, help=(
-        "Logprob probe every N syncs: the generator's greedy logprobs on a fixed prompt against the trainer's "
-        "own on the same tokens; a gap over probe_max_gap stops the job (syncs; 0 = never). Default 10."))
+        "Logprob probe at the first sync, always, then every N syncs: the generator's greedy logprobs on a fixed "
+        "prompt against the trainer's own on the same tokens; a gap over probe_max_gap stops the job, naming the "
+        "version and the gap (syncs; 0 = only the first sync). Default 10."))
     probe_max_gap: float = knob(0.0, help=(
         "Largest allowed |generator - trainer| logprob on the probe (nats; 0 = by the engine's precision: "
         "1e-3 float32, 0.25 bfloat16/float16, 1.0 with FP8 weights; see megarl/controller/weight_sync.py)."))
@@ -37,9 +38,9 @@ class SyncConfig:
         if self.method == "shm" and trainer_ranks > 1:
             out.append(f"sync.method=shm: needs a single-rank trainer (it assembles the whole model in one "
                        f"process); this trainer has {trainer_ranks} ranks: use sync.method=ddma")
-        for key in ("verify_every", "probe_every"):
+        for key, zero in (("verify_every", "never"), ("probe_every", "only the first sync")):
             if getattr(self, key) < 0:
-                out.append(f"sync.{key}={getattr(self, key)}: must be >= 0 (0 = never)")
+                out.append(f"sync.{key}={getattr(self, key)}: must be >= 0 (0 = {zero})")
         if self.probe_max_gap < 0 or self.timeout_s <= 0:
             out.append("sync.probe_max_gap must be >= 0 and sync.timeout_s > 0")
         return out

@@ -11,10 +11,17 @@ topologies, where the rendezvous store is), so no plan travels. Per sync (one ``
   every worker has read; the receivers pull their runs straight out of its memory
   (process_vm_readv, :mod:`megarl.ddma.zero_copy`). ``p2p``: it sends one message per
   (destination, parameter) over a gloo group of its own (a bounded window of messages in flight).
-- **Receiver** (:class:`DdmaReceiver`, one per vLLM worker): yields ``(vllm_param_name, staging)``
-  one parameter at a time in vLLM's local layout; the staging tensor is one reused buffer, valid
-  until the next item (the loader copies it: peak extra memory is the largest parameter), then checks its checksums against the senders' and raises
-  :class:`DdmaVerifyError` naming the tensor, the ranks and the byte range on a mismatch.
+- **Receiver** (:class:`DdmaReceiver`, one per vLLM worker): :meth:`DdmaReceiver.stream` yields
+  ``(vllm_param_name, staging)`` one parameter at a time in vLLM's local layout. Each staging tensor
+  is its own: vLLM's layerwise reload keeps a layer's tensors until the whole layer has arrived
+  (``online_process_loader`` in vllm/model_executor/model_loader/reload/layerwise.py buffers the
+  loader's arguments), so a reused buffer would be overwritten before it is copied -- Qwen2's
+  ``qkv_proj`` (weight, then bias, one layer) landed wrong that way. The engine reports each
+  parameter as it landed (:meth:`DdmaReceiver.check_landed`, from inside the engine), and
+  :meth:`DdmaReceiver.verify_landed` compares those checksums with the senders' and raises
+  :class:`DdmaVerifyError` naming the tensor, the ranks and the byte range on a mismatch, or the
+  parameters that never landed. :meth:`DdmaReceiver.receive` does all three for a receiver without
+  an engine (the staging tensors are then what lands).
 
 Rendezvous: a TCPStore (the controller hosts it: :func:`host_store`). The p2p group is a
 ``ProcessGroupGloo`` built directly on that store, like vLLM's ``StatelessProcessGroup``, so
@@ -80,8 +87,7 @@ class SyncSpec:
 
     def weight_source(self, version: int) -> dict:
         """The generator's weight source for this sync (see megarl/generator/weights.py)."""
-        return {"kind": "ddma", "module": "megarl.generator.ddma_source", "layout": "local",
-                "spec": self, "version": int(version)}
+        return {"kind": "ddma", "spec": self, "version": int(version)}
 
     def verifies(self, version: int) -> bool:
         return self.verify_every > 0 and version % self.verify_every == 0
@@ -301,7 +307,7 @@ class DdmaSender(_Side):
 
 
 class DdmaReceiver(_Side):
-    """One vLLM worker's side: :meth:`receive` yields its parameters, one staging tensor at a time."""
+    """One vLLM worker's side: :meth:`stream` yields its parameters, one staging tensor each."""
 
     def __init__(self, spec: SyncSpec, rank: DstRank):
         super().__init__(spec)
@@ -317,14 +323,27 @@ class DdmaReceiver(_Side):
         self.last_stats: dict = {}
 
     def receive(self, version: int) -> Iterator[tuple[str, torch.Tensor]]:
+        """:meth:`stream`, each staging tensor checked as what lands, then :meth:`verify_landed`
+        (a receiver without an engine: tools and the transport tests)."""
+        for name, staging in self.stream(version):
+            if self.spec.verifies(version):
+                self.check_landed(name, staging)
+            yield name, staging
+        self.verify_landed(version)
+
+    def stream(self, version: int) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield this worker's parameters for weights ``version`` (vLLM names, local layout), one
+        new staging tensor each; the caller lands them, reports each through :meth:`check_landed`
+        and ends with :meth:`verify_landed`."""
         spec, me = self.spec, self.group_rank(self.rank)
         t0 = time.perf_counter()
         keys = [_key(spec, version, f"src{self.group_rank(s)}") for s in self.src_ranks]
         _wait_keys(self.store, keys, f"{len(keys)} trainer rank(s) to publish weights v{version}", spec.timeout_s)
-        tables = {s: pickle.loads(self.store.get(k)) for s, k in zip(self.src_ranks, keys)}
-        dtype, verify = _engine_dtype(spec), spec.verifies(version)
-        sums: dict[str, int] = collections.defaultdict(int)
-        transfer = verify_s = land = 0.0
+        self._tables = {s: pickle.loads(self.store.get(k)) for s, k in zip(self.src_ranks, keys)}
+        self._landed: dict[str, dict[str, int]] = {}  # engine parameter -> its HF tensors' checksums
+        self._verify_s = 0.0
+        dtype = _engine_dtype(spec)
+        transfer = land = 0.0
         received = peak = 0
         scale_cache: dict[tuple[SrcRank, str], torch.Tensor] = {}
         for dparam, layout in self.layouts.items():
@@ -332,35 +351,57 @@ class DdmaReceiver(_Side):
             shape = layout.local_shape
             numel = math.prod(shape)
             padded = sum(c.numel for _, cs in self.incoming[dparam] for c in cs) < numel
-            staging = self._staging(numel, dtype).view(shape)
-            if padded:  # vocab padding rows: no sender writes them
-                staging.zero_()
-            held = self._staging_buf.numel() * self._staging_buf.element_size()
+            # vocab padding rows: no sender writes them
+            staging = torch.zeros(shape, dtype=dtype) if padded else torch.empty(shape, dtype=dtype)
+            held = staging.numel() * staging.element_size()
             for s, copies in self.incoming[dparam]:
-                held += self._land(staging.view(-1), s, copies, tables[s], scale_cache)
+                held += self._land(staging.view(-1), s, copies, self._tables[s], scale_cache)
                 received += sum(c.numel for c in copies)
             peak = max(peak, held)
             tb = time.perf_counter()
             transfer += tb - ta
-            if verify:
-                for p in layout.pieces:
-                    if p.hf_name not in sums:
-                        sums[p.hf_name] = 0
-                self._checksum(staging.view(-1), dparam, layout, sums)
-            tc = time.perf_counter()
-            verify_s += tc - tb
             yield dparam, staging
-            land += time.perf_counter() - tc
+            land += time.perf_counter() - tb
             del staging
         self.store.set(_key(spec, version, f"done{me}"), b"1")
-        if verify:
-            t = time.perf_counter()
-            self._compare(sums, tables)
-            verify_s += time.perf_counter() - t
         self.peak_bytes = peak
-        self.last_stats = {"transfer_s": transfer, "verify_s": verify_s, "land_s": land,
+        self.last_stats = {"transfer_s": transfer, "verify_s": 0.0, "land_s": land,
                            "total_s": time.perf_counter() - t0, "elements_received": received,
                            "peak_extra_bytes": peak}
+
+    def check_landed(self, name: str, landed: torch.Tensor) -> None:
+        """Checksum parameter ``name`` as the engine holds it after landing (its local layout)."""
+        layout = self.layouts.get(name)
+        if layout is None:  # an engine parameter DDMA does not send (none for supported families)
+            return
+        t = time.perf_counter()
+        flat = landed.detach().reshape(-1)
+        if flat.dtype != _engine_dtype(self.spec) or flat.numel() != math.prod(layout.local_shape):
+            raise DdmaVerifyError(f"ddma: engine parameter {name} landed as {landed.dtype} {tuple(landed.shape)}; "
+                                  f"the sync sent {self.spec.engine_dtype} {tuple(layout.local_shape)}")
+        sums: dict[str, int] = collections.defaultdict(int)
+        self._checksum(flat, name, layout, sums)
+        self._landed[name] = sums  # a parameter reported again replaces its earlier report
+        self._verify_s += time.perf_counter() - t
+
+    def verify_landed(self, version: int) -> None:
+        """After the engine landed weights ``version``: every parameter landed, and its checksums
+        are the senders'. Raises :class:`DdmaVerifyError`."""
+        if not self.spec.verifies(version):
+            return
+        t = time.perf_counter()
+        missing = [n for n in self.layouts if n not in self._landed]
+        if missing:
+            raise DdmaVerifyError(
+                f"ddma verification failed on generator replica {self.rank.replica} tp {self.rank.tp}: "
+                f"{len(missing)} parameter(s) never landed in the engine after weights v{version}: {missing[:4]}")
+        sums: dict[str, int] = collections.defaultdict(int)
+        for per_param in self._landed.values():
+            for hf_name, v in per_param.items():
+                sums[hf_name] = (sums[hf_name] + v) & 0xFFFFFFFFFFFFFFFF
+        self._compare(sums, self._tables)
+        self._verify_s += time.perf_counter() - t
+        self.last_stats["verify_s"] = self._verify_s
 
     def _pull(self, pid: int, entry: dict, src_off: torch.Tensor, dst_addr: torch.Tensor, nbytes: torch.Tensor) -> None:
         """Copy runs (byte offsets in the sender's tensor ``entry``) to local addresses: memcpy out of
@@ -385,15 +426,6 @@ class DdmaReceiver(_Side):
             cache[key] = tuple(torch.tensor([getattr(c, f) * es for c in copies], dtype=torch.int64)
                                for f in ("src_offset", "dst_offset", "numel"))
         return cache[key]
-
-    def _staging(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """One reusable staging buffer (the largest parameter): memory stays one tensor, and its
-        pages are faulted in once, not on every sync."""
-        buf = getattr(self, "_staging_buf", None)
-        if buf is None or buf.dtype != dtype or buf.numel() < numel:
-            buf = self._staging_buf = torch.empty(max(math.prod(l.local_shape) for l in self.layouts.values()),
-                                                  dtype=dtype)
-        return buf[:numel]
 
     def _land(self, flat: torch.Tensor, s: SrcRank, copies: list[Copy], table: dict,
               scale_cache: dict) -> int:

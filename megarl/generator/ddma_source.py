@@ -9,6 +9,12 @@ plain shape-checked copy. The layerwise reload still runs around it (it restores
 pre-processing parameters, then re-quantizes FP8 and repacks for the CPU kernels layer by layer),
 so the engine ends up exactly as if it had loaded the checkpoint, while the bytes on the wire and
 the memory held are one shard's.
+
+Verification looks at the engine, not at the wire: the receiver checksums each parameter as the
+engine's loader filled it (:func:`megarl.generator.landing.watch_landing`), after the reload, and
+compares with the senders' sums. (It once checksummed its staging buffer instead: the reload
+buffers a layer's tensors until the whole layer has arrived, so a reused staging buffer was
+overwritten before Qwen2's ``qkv_proj`` weight was copied, while every checksum passed.)
 """
 
 from __future__ import annotations
@@ -19,7 +25,8 @@ from typing import Any
 
 import torch
 
-from megarl.generator.weights import register_weight_source
+from megarl.generator.landing import watch_landing
+from megarl.generator.weight_source import WeightSource, register_weight_source
 
 _MISSING = object()
 
@@ -71,23 +78,40 @@ def local_layout_loading(model: torch.nn.Module) -> Iterator[None]:
                 d[key] = old
 
 
-def _open_ddma(source: dict, worker: Any) -> Iterator[tuple[str, torch.Tensor]]:
-    from vllm.distributed import get_tensor_model_parallel_rank
+class DdmaSource(WeightSource):
+    """One worker's side of one DDMA sync (its receiver is kept on the worker across syncs)."""
 
-    from megarl.ddma.layouts import DstRank
-    from megarl.ddma.sync import DdmaReceiver
+    def __init__(self, source: dict, worker: Any):
+        from vllm.distributed import get_tensor_model_parallel_rank
 
-    spec = source["spec"]
-    rank = DstRank(int(source.get("replica", 0)), get_tensor_model_parallel_rank())
-    cache = worker.__dict__.setdefault("_megarl_ddma", {})
-    if spec not in cache:
-        cache.clear()  # a new topology or store: one receiver at a time
-        cache[spec] = DdmaReceiver(spec, rank)
-    receiver = cache[spec]
-    yield from receiver.receive(int(source["version"]))
-    worker.__dict__["_megarl_ddma_stats"] = receiver.last_stats
+        from megarl.ddma.layouts import DstRank
+        from megarl.ddma.sync import DdmaReceiver
+
+        spec = source["spec"]
+        rank = DstRank(int(source.get("replica", 0)), get_tensor_model_parallel_rank())
+        cache = worker.__dict__.setdefault("_megarl_ddma", {})
+        if spec not in cache:
+            cache.clear()  # a new topology or store: one receiver at a time
+            cache[spec] = DdmaReceiver(spec, rank)
+        self.receiver, self.worker = cache[spec], worker
+        self.version = int(source["version"])
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return self.receiver.stream(self.version)
+
+    @contextlib.contextmanager
+    def landing(self, model: torch.nn.Module) -> Iterator[None]:
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(local_layout_loading(model))
+            if self.receiver.spec.verifies(self.version):
+                stack.enter_context(watch_landing(model, self.receiver.check_landed))
+            yield
+
+    def after_landing(self) -> None:
+        self.receiver.verify_landed(self.version)
+        self.worker.__dict__["_megarl_ddma_stats"] = self.receiver.last_stats
 
 
-register_weight_source("ddma", _open_ddma)
+register_weight_source("ddma", DdmaSource)
 
-__all__ = ["local_layout_loading"]
+__all__ = ["DdmaSource", "local_layout_loading"]

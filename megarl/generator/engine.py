@@ -157,12 +157,15 @@ class _Replica:
             self.update(msg[1], int(msg[2]))
         elif kind == "health":
             self.conn.send(("health", msg[1], self.info()))
-        elif kind == "inspect":
+        elif kind == "rpc":  # a read-only MegarlWorkerExtension method on every TP worker
+            method = msg[2]
+            if not method.startswith("megarl_"):
+                raise ValueError(f"rpc {method!r}: only MegarlWorkerExtension methods (megarl_*)")
             try:
-                out: Any = self.engine.collective_rpc("megarl_dequantized_weight", args=(msg[2],))
+                out: Any = self.engine.collective_rpc(method, args=tuple(msg[3]))
             except Exception as e:  # reported to the caller, the engine itself is fine
                 out = f"{type(e).__name__}: {e}"
-            self.conn.send(("inspect", msg[1], out))
+            self.conn.send(("rpc", msg[1], out))
         elif kind == "shutdown":
             self.running = False
         else:

@@ -39,7 +39,7 @@ from megarl.executors.base import ExecutorBase, ExecutorError, ExecutorTimeout, 
 from megarl.generator.config import GeneratorConfig
 from megarl.generator.threads import threads_binds
 from megarl.generator.engine import replica_main
-from megarl.generator.weights import pack_to_shm
+from megarl.generator.shm_source import pack_to_shm
 from megarl.rollout import Sample
 from megarl.utils.procs import spawned_from_main_thread
 
@@ -406,14 +406,23 @@ class GeneratorExecutor(ExecutorBase):
     def inspect_weight(self, vllm_param_name: str, replica: int = 0) -> list[torch.Tensor]:
         """A parameter as every TP rank of ``replica`` holds it, float32 ``[out, in]`` with FP8
         dequantized (verification after an update; see MegarlWorkerExtension)."""
-        token = ("inspect", next(self._round_ids))
+        return self._rpc(replica, "megarl_dequantized_weight", vllm_param_name)
+
+    def landed_weights(self, replica: int = 0) -> list[dict[str, torch.Tensor]]:
+        """Per TP rank of ``replica``: every parameter as the last update with ``"capture": True``
+        in its source landed it (vLLM names; see megarl/generator/landing.py). For landing tests."""
+        return self._rpc(replica, "megarl_landed_weights")
+
+    def _rpc(self, replica: int, method: str, *args) -> Any:
+        """Call a worker-extension method on every TP worker of ``replica``; one result per worker."""
+        token = ("rpc", next(self._round_ids))
         self._replies[token] = None
-        self._send(self._replicas[replica], ("inspect", token, vllm_param_name))
+        self._send(self._replicas[replica], ("rpc", token, method, args))
         self._wait(lambda: self._replies[token] is not None, self.cfg.request_timeout_s,
-                   f"replica {replica} to read back {vllm_param_name}", progress_resets=False)
+                   f"replica {replica} to answer {method}", progress_resets=False)
         out = self._replies.pop(token)
         if isinstance(out, str):
-            raise GeneratorError(f"reading {vllm_param_name} from replica {replica} failed: {out}")
+            raise GeneratorError(f"{method} on replica {replica} failed: {out}")
         return out
 
     def health(self, timeout_s: float = 30.0) -> list[dict]:
@@ -501,7 +510,7 @@ class GeneratorExecutor(ExecutorBase):
             acked = self._replies.get(("updated", msg[1]))
             if acked is not None:
                 acked.add(h.index)
-        elif kind in ("health", "inspect"):
+        elif kind in ("health", "rpc"):
             if msg[1] in self._replies:
                 self._replies[msg[1]] = msg[2]
         elif kind == "error":

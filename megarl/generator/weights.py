@@ -1,131 +1,29 @@
-"""The generator's weight-update entry point.
+"""The generator's weight-update entry point: methods vLLM mixes into every worker.
 
 A weight update reaches every vLLM worker (each TP rank of each replica) as a small, picklable
-*weight source* ``{"kind": ..., ...}``. The worker opens it into an iterator of checkpoint-format
-``(hf_name, tensor)`` pairs and hands that to vLLM's layerwise reload
-(``Worker.reload_weights(weights_iterator=..., is_checkpoint_format=True)``), which narrows each
-tensor to the worker's TP shard, re-quantizes FP8 and repacks (oneDNN on CPU) layer by layer, in
-place. Writing into vLLM's parameters directly (``model.load_weights`` after start-up) breaks once
-they have been repacked; this path does not.
+weight source (``megarl/generator/weight_source.py``). The worker opens it and hands its tensors
+to vLLM's layerwise reload (``Worker.reload_weights(weights_iterator=..., is_checkpoint_format=True)``)
+inside the source's own loading context, which re-quantizes FP8 and repacks (oneDNN on CPU) layer
+by layer, in place; then the source checks what landed. Writing into vLLM's parameters directly
+(``model.load_weights`` after start-up) breaks once they have been repacked; this path does not.
 
-Sources are a registry (:func:`register_weight_source`), so a transport plugs in without touching
-the engine: the built-in ``"shm"`` source is one host shared-memory file holding full HF-format
-tensors that every worker of every replica maps read-only (one copy on the host, no bytes pickled).
-DDMA will register its own kind whose opener receives only the rows/columns this rank's shard
-needs into a staging buffer laid out as the loader expects, yielding the same ``(hf_name, tensor)``
-pairs (see DESIGN §5).
+Sources: ``shm`` (full HF tensors in one shared-memory file, ``shm_source.py``) and ``ddma``
+(each worker receives only its shard from the trainer ranks, ``ddma_source.py``); importing them
+here registers them in every worker.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import os
-import tempfile
-import uuid
-from collections.abc import Callable, Iterable, Iterator
-from typing import Any
 
 import torch
 
-_ALIGN = 64  # bytes; every tensor starts on a cache-line boundary in the shared file
+from megarl.generator import ddma_source, shm_source  # noqa: F401 - register the "ddma" and "shm" kinds
+from megarl.generator.landing import watch_landing
+from megarl.generator.weight_source import open_weight_source
 
-WeightOpener = Callable[[dict, Any], Iterator[tuple[str, torch.Tensor]]]
-_SOURCES: dict[str, WeightOpener] = {}
-
-
-def register_weight_source(kind: str, opener: WeightOpener) -> None:
-    """Teach every worker to open weight sources of ``kind``.
-
-    ``opener(source, worker)`` yields ``(hf_name, tensor)`` pairs in checkpoint format (HF names,
-    full logical shape or the slice vLLM's loader expects), ideally grouped by layer so the
-    layerwise reload processes and frees each layer as soon as it is complete. Register at import
-    time of a module the workers import (this one, or one named in the source's ``"module"``).
-    """
-    _SOURCES[kind] = opener
-
-
-def open_weight_source(source: dict, worker: Any = None) -> Iterator[tuple[str, torch.Tensor]]:
-    kind = source.get("kind")
-    if kind not in _SOURCES and source.get("module"):
-        __import__(source["module"])  # a transport's module registers its kind on import
-    if kind not in _SOURCES:
-        raise ValueError(f"unknown weight source kind {kind!r}; registered: {sorted(_SOURCES)}")
-    return _SOURCES[kind](source, worker)
-
-
-# ----------------------------------------------------------------------------------------------
-# "shm": one shared-memory file with every tensor, written once by the sender.
-
-@dataclasses.dataclass
-class ShmWeights:
-    """A packed set of tensors in a host shared-memory file; ``source()`` is what workers get."""
-
-    path: str
-    nbytes: int
-    entries: list[tuple[str, str, tuple[int, ...], int]]  # (hf_name, dtype, shape, byte offset)
-
-    def source(self) -> dict:
-        return {"kind": "shm", "path": self.path, "nbytes": self.nbytes, "entries": self.entries}
-
-    def unlink(self) -> None:
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
-
-
-def _shm_dir() -> str:
-    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-
-
-def pack_to_shm(named_tensors: Iterable[tuple[str, torch.Tensor]],
-                dtype: torch.dtype | None = None) -> ShmWeights:
-    """Copy ``(hf_name, tensor)`` pairs into one shared-memory file (floating tensors cast to
-    ``dtype`` when given: the engine's dtype, so bytes are not wasted on fp32)."""
-    items = []
-    offset = 0
-    for name, t in named_tensors:
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"weight {name!r} is a {type(t).__name__}, expected a torch.Tensor")
-        out_dtype = dtype if (dtype is not None and t.is_floating_point()) else t.dtype
-        nbytes = t.numel() * out_dtype.itemsize
-        items.append((name, t, out_dtype, offset))
-        offset += -(-nbytes // _ALIGN) * _ALIGN
-    total = max(offset, _ALIGN)
-    path = os.path.join(_shm_dir(), f"megarl-weights-{os.getpid()}-{uuid.uuid4().hex[:12]}")
-    buf = torch.from_file(path, shared=True, size=total, dtype=torch.uint8)
-    entries = []
-    try:
-        for name, t, out_dtype, off in items:
-            n = t.numel() * out_dtype.itemsize
-            buf[off:off + n].view(out_dtype).view(t.shape).copy_(t.detach().to("cpu"))
-            entries.append((name, str(out_dtype).removeprefix("torch."), tuple(t.shape), off))
-    except BaseException:
-        os.unlink(path)
-        raise
-    del buf
-    return ShmWeights(path=path, nbytes=total, entries=entries)
-
-
-def _open_shm(source: dict, worker: Any = None) -> Iterator[tuple[str, torch.Tensor]]:
-    path = source["path"]
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"weight file {path} is gone: the sender unlinked it before this "
-                                f"worker read it (update timed out?)")
-    buf = torch.from_file(path, shared=True, size=source["nbytes"], dtype=torch.uint8)
-    for name, dtype_name, shape, off in source["entries"]:
-        dtype = getattr(torch, dtype_name)
-        n = int(torch.Size(shape).numel()) * dtype.itemsize
-        yield name, buf[off:off + n].view(dtype).view(shape)
-
-
-register_weight_source("shm", _open_shm)
-
-
-# ----------------------------------------------------------------------------------------------
-# Worker side: mixed into every vLLM worker via EngineArgs(worker_extension_cls=...).
-
+# vLLM's API takes the extension as a class path (EngineArgs(worker_extension_cls=...)) and
+# imports it in each worker process; it is the one place a module is named by a string.
 WORKER_EXTENSION = "megarl.generator.weights.MegarlWorkerExtension"
 
 
@@ -133,24 +31,32 @@ class MegarlWorkerExtension:
     """Methods vLLM mixes into its worker class; called through ``collective_rpc``."""
 
     def megarl_reload_weights(self, source: dict) -> int:
-        """Layerwise-reload this worker's shard from ``source``; returns tensors consumed."""
+        """Layerwise-reload this worker's shard from ``source``; returns tensors consumed. With
+        ``source["capture"]`` every landed parameter is also kept (a copy) for
+        :meth:`megarl_landed_weights`: the landing tests compare them bit for bit."""
+        weights = open_weight_source(source, self)
+        model = self.model_runner.model
         count = 0
 
         def counted():
             nonlocal count
-            for item in open_weight_source(source, self):
+            for item in weights:
                 count += 1
                 yield item
 
-        loading = contextlib.nullcontext()
-        if source.get("layout") == "local":  # tensors already in this worker's layout (DDMA)
-            from megarl.generator.ddma_source import local_layout_loading
-
-            loading = local_layout_loading(self.model_runner.model)
-        with loading:
+        landed: dict[str, torch.Tensor] = {}
+        with weights.landing(model), (watch_landing(model, lambda n, t: landed.__setitem__(n, t.cpu().clone()))
+                                      if source.get("capture") else contextlib.nullcontext()):
             self.reload_weights(weights_iterator=counted(), is_checkpoint_format=True)
-        _refresh_tied_lm_head(self.model_runner.model)
+        weights.after_landing()
+        _refresh_tied_lm_head(model)
+        if source.get("capture"):
+            self.__dict__["_megarl_landed"] = landed
         return count
+
+    def megarl_landed_weights(self) -> dict[str, torch.Tensor]:
+        """Every parameter as the last capturing update landed it (vLLM names, this rank's shard)."""
+        return self.__dict__.pop("_megarl_landed", {})
 
     def megarl_ddma_stats(self) -> dict:
         """Phase seconds and bytes of this worker's last DDMA receive (empty before the first)."""

@@ -28,7 +28,9 @@ from typing import Callable, Mapping
 
 import torch
 
-SUPPORTED_FAMILIES = ("llama", "qwen2")
+from megarl.models.families import VERIFIED_FAMILIES, architecture_problem
+
+SUPPORTED_FAMILIES = tuple(VERIFIED_FAMILIES)
 NORM_STYLES = ("local", "te")
 
 
@@ -53,20 +55,12 @@ class ModelDims:
     @classmethod
     def from_hf_config(cls, cfg: Mapping) -> "ModelDims":
         """Read an HF ``config.json`` dict; raise ValueError naming the key for anything unsupported."""
-        family = cfg.get("model_type")
-        if family not in SUPPORTED_FAMILIES:
-            raise ValueError(f"HF config model_type={family!r} is not supported; supported: {SUPPORTED_FAMILIES}")
-        if cfg.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"HF config hidden_act={cfg.get('hidden_act')!r}: only 'silu' (SwiGLU) is supported")
-        if cfg.get("mlp_bias", False):
-            raise ValueError("HF config mlp_bias=true is not supported (Megatron model is built without MLP bias)")
+        problem = architecture_problem(cfg)
+        if problem:
+            raise ValueError(f"HF config: {problem}")
+        family = cfg["model_type"]
         rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type != "default":
-            raise ValueError(f"HF config rope_type={rope_type!r} (rope scaling) is not supported; only 'default'")
         rope_theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
-        if family == "qwen2" and cfg.get("use_sliding_window", False):
-            raise ValueError("HF config use_sliding_window=true is not supported")
         heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
         head_dim = cfg.get("head_dim") or hidden // heads
