@@ -23,6 +23,9 @@ class Sample:
     stop_reason:    the stop string or token id that ended it, if any.
     num_rounds:     generation rounds it took (> 1 for a resumed partial rollout).
     uid:            the controller's id once trained (``s<step>p<prompt>k<sample>``), '' before.
+    reward, correct, formatted: set by a scorer (``RewardScorer.score``), None before: the
+                    reward trained on, whether the final answer is right, whether one could be
+                    extracted in the expected format.
     """
 
     prompt_ids: list[int]
@@ -36,6 +39,9 @@ class Sample:
     stop_reason: str | int | None = None
     num_rounds: int = 1
     uid: str = ""
+    reward: float | None = None
+    correct: bool | None = None
+    formatted: bool | None = None
 
     def __post_init__(self) -> None:
         n = len(self.completion_ids)
@@ -47,6 +53,11 @@ class Sample:
     def token_ids(self) -> list[int]:
         """Prompt followed by completion: the sequence the trainer scores."""
         return list(self.prompt_ids) + list(self.completion_ids)
+
+    @property
+    def truncated(self) -> bool:
+        """Cut at its token limit (finish reason 'length'): it never finished its answer."""
+        return self.finish_reason == "length"
 
     @property
     def min_version(self) -> int:

@@ -26,6 +26,6 @@ def test_failures_share_the_base_classes():
 def test_reward_pool_lifecycle():
     with RewardPool(RewardConfig(), 24) as pool:
         assert isinstance(pool, Executor)
-        assert pool.score(["3 + 4 = 7"], ["7"], ["stop"], [4])[0].correct
+        assert pool.score_texts(["3 + 4 = 7"], ["7"], ["stop"], [4])[0].correct
         assert all(h["alive"] for h in pool.health())
     assert pool.pids == []  # closed: no scoring process left

@@ -36,7 +36,7 @@ def math_(reply, gold, strict=False):
 def score(cfg: RewardConfig, replies, golds, reasons=None, lengths=None, max_new_tokens=100):
     n = len(replies)
     with RewardPool(cfg, max_new_tokens=max_new_tokens) as pool:
-        return pool.score(replies, golds, reasons or ["stop"] * n, lengths or [1] * n)
+        return pool.score_texts(replies, golds, reasons or ["stop"] * n, lengths or [1] * n)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -230,8 +230,8 @@ def test_overlong_off_by_default():
 def test_score_checks_lengths():
     with RewardPool(RewardConfig(), max_new_tokens=10) as pool:
         with pytest.raises(ValueError, match="2 completions but 1 finish reasons"):
-            pool.score(["1", "2"], ["1", "2"], ["stop"], [1, 1])
-        assert pool.score([], [], [], []) == []
+            pool.score_texts(["1", "2"], ["1", "2"], ["stop"], [1, 1])
+        assert pool.score_texts([], [], [], []) == []
 
 
 # ---------------------------------------------------------------------------------------------
@@ -264,7 +264,7 @@ def test_reward_by_import_path_in_the_pool(plugin):
     cfg = RewardConfig(fn=f"{plugin}:says_yes", workers=1, correct=2.0, wrong=-1.0)
     with RewardPool(cfg, max_new_tokens=10) as pool:
         assert not pool.in_process
-        got = pool.score(["yes", "no", "yes"], ["", "", ""], ["stop", "stop", "length"], [1, 1, 10])
+        got = pool.score_texts(["yes", "no", "yes"], ["", "", ""], ["stop", "stop", "length"], [1, 1, 10])
     # formatted follows correct for a reward without an extractor.
     assert got == [ScoredSample(2.0, True, True, False), ScoredSample(-1.0, False, False, False),
                    ScoredSample(-1.0, False, False, True)]
@@ -390,7 +390,7 @@ def test_reward_config_and_scoring_import_no_torch_or_sympy():
             "from megarl.config.validate import check; "
             "from megarl.reward import RewardPool, RewardConfig; "
             "check(MegaRLConfig(reward=RewardConfig(fn='math'))); "
-            "p = RewardPool(RewardConfig(), 10); s = p.score(['12 + 7 = 19'], ['19'], ['stop'], [3]); "
+            "p = RewardPool(RewardConfig(), 10); s = p.score_texts(['12 + 7 = 19'], ['19'], ['stop'], [3]); "
             "print(json.dumps([s[0].reward, [m for m in ('torch', 'sympy', 'math_verify') if m in sys.modules]]))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=60)
     assert out.returncode == 0, out.stdout + out.stderr

@@ -1,5 +1,6 @@
 """Every implementation of a role interface (megarl/executors/base.py) answers every method of it,
-on a tiny job: TrainerExecutor and LocalTrainer are Trainers, GeneratorExecutor is a Generator.
+on a tiny job: TrainerExecutor and LocalTrainer are Trainers, GeneratorExecutor is a Generator,
+RewardPool and the strict held-out scorer are RewardScorers.
 
 Each implementation is wrapped in a recorder that notes which of the protocol's members the test
 used; a test passes only when it used them all and every one returned what the protocol says. The
@@ -18,11 +19,13 @@ import torch
 
 from megarl.batch import RolloutBatch
 from megarl.config import load_config
+from megarl.controller.evaluation import EvalResult, StrictScorer, score_replies, strict_correct
 from megarl.controller.loop import model_dims
 from megarl.ddma.layouts import GeneratorTopology, TrainerTopology
 from megarl.ddma.sync import SyncSpec, host_store
-from megarl.executors.base import ExecutorError, Generator, Trainer
+from megarl.executors.base import ExecutorError, Generator, RewardScorer, Trainer
 from megarl.generator.executor import GeneratorExecutor
+from megarl.reward import RewardConfig, RewardPool
 from megarl.rollout import Sample
 from megarl.trainer.executor import TrainerExecutor
 from megarl.trainer.local import LocalTrainer
@@ -135,6 +138,8 @@ def test_signatures_fit_their_protocols():
     for impl in (TrainerExecutor, LocalTrainer):
         assert_signatures_fit(impl, Trainer)
     assert_signatures_fit(GeneratorExecutor, Generator)
+    for impl in (RewardPool, StrictScorer):
+        assert_signatures_fit(impl, RewardScorer)
 
 
 def test_local_trainer_is_a_trainer(cfg, gen, tiny_llama_dir, tmp_path):
@@ -183,3 +188,38 @@ def test_generator_executor_is_a_generator(cfg, gen, tiny_llama_dir, tmp_path):
         trainer.close()
     assert all(v == 6 for v in g.generate(PROMPTS[:1], n_samples=1)[0].versions)
     assert g.used == members(Generator), members(Generator) - g.used
+
+
+# One character per token: the scorers see the text the test wrote.
+def _decode(ids) -> str:
+    return "".join(map(chr, ids))
+
+
+def _replies() -> list[Sample]:
+    rows = [("3 + 4 = 7", 0, "stop"), ("3 + 4 = 8", 0, "stop"), ("so 12", 1, "stop"), ("12 and more", 1, "length"),
+            ("no number", 1, "stop")]
+    return [Sample(prompt_ids=[1], completion_ids=[ord(c) for c in text], behav_logprobs=[0.0] * len(text),
+                   versions=[0] * len(text), finish_reason=reason, prompt_index=i) for text, i, reason in rows]
+
+
+@pytest.mark.parametrize("make", [lambda: RewardPool(RewardConfig(overlong_buffer=4), 12), StrictScorer],
+                         ids=["RewardPool", "StrictScorer"])
+def test_scorers_are_reward_scorers(make):
+    """``score`` sets on each sample exactly what the scorer's text path gives for its reply."""
+    answers = ["7", "12"]
+    samples = _replies()
+    texts, golds = [_decode(s.completion_ids) for s in samples], [answers[s.prompt_index] for s in samples]
+    reasons, lengths = [s.finish_reason for s in samples], [len(s.completion_ids) for s in samples]
+    impl = make()
+    r = Recorder(impl, RewardScorer)
+    if isinstance(impl, RewardPool):
+        with impl:
+            r.score(samples, answers, _decode)
+            want = [(x.reward, x.correct, x.formatted) for x in impl.score_texts(texts, golds, reasons, lengths)]
+    else:
+        r.score(samples, answers, _decode)
+        want = [(float(c), c, f) for c, f in (strict_correct(t, g, why) for t, g, why in zip(texts, golds, reasons))]
+        assert EvalResult.of_samples(samples) == score_replies(texts, golds, reasons, lengths)[0]
+    assert [(s.reward, s.correct, s.formatted) for s in samples] == want
+    assert [s.correct for s in samples] == [True, False, True, False, False]
+    assert r.used == members(RewardScorer)

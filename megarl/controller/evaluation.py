@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Sequence
+
+from megarl.rollout import Sample
 
 # A plain decimal number with optional thousands groups; a minus sign only when it is not a
 # subtraction (not right after a digit, letter or closing bracket).
@@ -53,15 +55,42 @@ class EvalResult:
                 "eval/truncated_frac": self.truncated_frac, "eval/mean_length": self.mean_length,
                 "eval/n": float(self.n)}
 
+    @classmethod
+    def of(cls, correct: Sequence[bool], formatted: Sequence[bool], truncated: Sequence[bool],
+           lengths: Sequence[int]) -> "EvalResult":
+        """The summary of replies judged one by one (each sequence: one entry per reply)."""
+        n = max(len(correct), 1)
+        return cls(accuracy=sum(correct) / n, format_rate=sum(formatted) / n, truncated_frac=sum(truncated) / n,
+                   mean_length=sum(lengths) / n, n=len(correct))
+
+    @classmethod
+    def of_samples(cls, samples: Sequence[Sample]) -> "EvalResult":
+        """The summary of samples a :class:`StrictScorer` scored."""
+        return cls.of([bool(s.correct) for s in samples], [bool(s.formatted) for s in samples],
+                      [s.truncated for s in samples], [len(s.completion_ids) for s in samples])
+
+
+class StrictScorer:
+    """The strict held-out scorer behind the ``RewardScorer`` call the training reward takes, so
+    evaluation reads the same records: ``correct`` / ``formatted`` by :func:`strict_correct`, and
+    ``reward`` 1 for a correct reply, else 0 (never the training reward's shaping)."""
+
+    def score(self, samples: Sequence[Sample], answers: Sequence[str],
+              decode: Callable[[Sequence[int]], str]) -> None:
+        """Set every sample's ``correct``, ``formatted`` and ``reward``; ``answers[i]``: the gold
+        answer of prompt ``i``."""
+        for s in samples:
+            s.correct, s.formatted = strict_correct(decode(s.completion_ids), answers[s.prompt_index], s.finish_reason)
+            s.reward = float(s.correct)
+
 
 def score_replies(replies: Sequence[str], golds: Sequence[str], finish_reasons: Sequence[str | None],
                   lengths: Sequence[int]) -> tuple[EvalResult, list[bool]]:
-    """Strict scores of held-out replies; returns the summary and each reply's correctness."""
+    """Strict scores of held-out replies given as text (tools/eval_hf.py scores an HF model's);
+    returns the summary and each reply's correctness."""
     judged = [strict_correct(r, g, f) for r, g, f in zip(replies, golds, finish_reasons, strict=True)]
-    n = max(len(judged), 1)
-    result = EvalResult(accuracy=sum(c for c, _ in judged) / n, format_rate=sum(f for _, f in judged) / n,
-                        truncated_frac=sum(f == "length" for f in finish_reasons) / n,
-                        mean_length=sum(lengths) / n, n=len(judged))
+    result = EvalResult.of([c for c, _ in judged], [f for _, f in judged], [f == "length" for f in finish_reasons],
+                           lengths)
     return result, [c for c, _ in judged]
 
 

@@ -90,10 +90,8 @@ def run_job(cfg: MegaRLConfig) -> int:
             with timer.phase("generate"):  # waiting for this step's rollouts
                 tasks, prompt_ids, samples, lag_metrics = rollouts.take(step, trainer.step_count)
             with timer.phase("reward"):
-                scored = reward.score([prompts.decode(s.completion_ids) for s in samples],
-                                      [tasks[s.prompt_index].answer for s in samples],
-                                      [s.finish_reason for s in samples], [len(s.completion_ids) for s in samples])
-            advantages = group_advantages(cfg, samples, [s.reward for s in scored])
+                reward.score(samples, [t.answer for t in tasks], prompts.decode)
+            advantages = group_advantages(cfg, samples, [s.reward for s in samples])
             with timer.phase("train"):
                 train_metrics = trainer.step(RolloutBatch.from_samples(samples, advantages, pad_id=prompts.pad_id))
             with timer.phase("sync"):
@@ -102,7 +100,7 @@ def run_job(cfg: MegaRLConfig) -> int:
             busy = activity.end(times)
             metrics = {**{f"train/{k}": v for k, v in train_metrics.items()}, **times, **busy, **sync_metrics,
                        **lag_metrics,
-                       **rollout_metrics(samples, scored, busy["exec/generator_busy_s"] or lag_metrics["gen/batch_latency_s"]),
+                       **rollout_metrics(samples, busy["exec/generator_busy_s"] or lag_metrics["gen/batch_latency_s"]),
                        "data/prompts_crc32": prompts_crc32(prompt_ids)}
             run.log_samples(step, [trained_record(s) for s in samples])
             if every and (step % every == 0 or step == steps):
@@ -118,19 +116,16 @@ def run_job(cfg: MegaRLConfig) -> int:
 
 def evaluate(generator, prompts, run: RunFolder, *, step: int) -> dict[str, float]:
     """Greedy replies to the held-out prompts, scored strictly (never by the training reward)."""
-    from megarl.controller.evaluation import score_replies
+    from megarl.controller.evaluation import EvalResult, StrictScorer
 
     t0 = time.monotonic()
     tasks, prompt_ids = prompts.eval_set()
     samples = generator.generate(prompt_ids, n_samples=1, sampling={"temperature": 0.0})
-    replies = [prompts.decode(s.completion_ids) for s in samples]
-    golds = [tasks[s.prompt_index].answer for s in samples]
-    result, correct = score_replies(replies, golds, [s.finish_reason for s in samples],
-                                    [len(s.completion_ids) for s in samples])
-    run.write_eval_samples(step, [{"question": tasks[s.prompt_index].question, "gold": g, "reply": r,
-                                   "finish_reason": s.finish_reason, "correct": c}
-                                  for s, g, r, c in zip(samples, golds, replies, correct)])
-    return {**result.metrics(), "eval/seconds": time.monotonic() - t0}
+    StrictScorer().score(samples, [t.answer for t in tasks], prompts.decode)
+    run.write_eval_samples(step, [{"question": tasks[s.prompt_index].question, "gold": tasks[s.prompt_index].answer,
+                                   "reply": prompts.decode(s.completion_ids), "finish_reason": s.finish_reason,
+                                   "correct": s.correct} for s in samples])
+    return {**EvalResult.of_samples(samples).metrics(), "eval/seconds": time.monotonic() - t0}
 
 
 def group_advantages(cfg: MegaRLConfig, samples, rewards: list[float]) -> list[float]:
@@ -144,17 +139,17 @@ def group_advantages(cfg: MegaRLConfig, samples, rewards: list[float]) -> list[f
                               group_ids=group_ids, **advantage_params(cfg.algorithm)).tolist()
 
 
-def rollout_metrics(samples, scored, gen_seconds: float) -> dict[str, float]:
-    """What the samples of one step look like: reward, and the signs of a hacked reward (length,
-    truncation, format). ``gen_seconds``: the generator's busy seconds of the step, so
+def rollout_metrics(samples, gen_seconds: float) -> dict[str, float]:
+    """What the scored samples of one step look like: reward, and the signs of a hacked reward
+    (length, truncation, format). ``gen_seconds``: the generator's busy seconds of the step, so
     ``gen/tokens_per_s`` is the engines' rate also when generation overlaps training."""
     n = max(len(samples), 1)
     tokens = sum(len(s.completion_ids) for s in samples)
-    return {"reward/mean": sum(s.reward for s in scored) / n,
-            "reward/correct_frac": sum(s.correct for s in scored) / n,
-            "reward/format_rate": sum(s.formatted for s in scored) / n,
+    return {"reward/mean": sum(s.reward for s in samples) / n,
+            "reward/correct_frac": sum(s.correct for s in samples) / n,
+            "reward/format_rate": sum(s.formatted for s in samples) / n,
             "gen/samples": len(samples), "gen/tokens": tokens, "gen/tokens_per_s": tokens / max(gen_seconds, 1e-9),
-            "gen/mean_length": tokens / n, "gen/truncated_frac": sum(s.truncated for s in scored) / n}
+            "gen/mean_length": tokens / n, "gen/truncated_frac": sum(s.truncated for s in samples) / n}
 
 
 def resume_controller(cfg: MegaRLConfig, run: RunFolder, version: int, rollouts) -> None:

@@ -18,12 +18,15 @@ import os
 import time
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Sequence
 
 from megarl.executors.base import ExecutorBase
 from megarl.reward.config import RewardConfig
 from megarl.reward.registry import get_reward, reward_meta
 from megarl.utils.procs import spawned_from_main_thread, watch_parent
+
+if TYPE_CHECKING:
+    from megarl.rollout import Sample
 
 log = logging.getLogger(__name__)
 
@@ -91,10 +94,21 @@ class RewardPool(ExecutorBase):
     def truncated_score(self) -> float:
         return self.cfg.wrong if self.cfg.truncated is None else self.cfg.truncated
 
-    def score(self, completions: Sequence[str], golds: Sequence[str], finish_reasons: Sequence[Optional[str]],
-              lengths: Sequence[int]) -> List[ScoredSample]:
-        """One :class:`ScoredSample` per reply. ``finish_reasons``: the generator's ('stop', 'length',
-        ...); ``lengths``: completion lengths (tokens)."""
+    def score(self, samples: Sequence[Sample], answers: Sequence[str],
+              decode: Callable[[Sequence[int]], str]) -> None:
+        """Set every sample's ``reward``, ``correct`` and ``formatted`` (the ``RewardScorer`` call).
+        ``answers[i]``: the gold answer of prompt ``i``; ``decode``: completion token ids to text."""
+        scored = self.score_texts([decode(s.completion_ids) for s in samples],
+                                  [answers[s.prompt_index] for s in samples],
+                                  [s.finish_reason for s in samples], [len(s.completion_ids) for s in samples])
+        for s, r in zip(samples, scored):
+            s.reward, s.correct, s.formatted = r.reward, r.correct, r.formatted
+
+    def score_texts(self, completions: Sequence[str], golds: Sequence[str], finish_reasons: Sequence[Optional[str]],
+                    lengths: Sequence[int]) -> List[ScoredSample]:
+        """One :class:`ScoredSample` per reply, from text (what :meth:`score` does for samples).
+        ``finish_reasons``: the generator's ('stop', 'length', ...); ``lengths``: completion
+        lengths (tokens)."""
         n = len(completions)
         for name, seq in (("gold answers", golds), ("finish reasons", finish_reasons), ("lengths", lengths)):
             if len(seq) != n:
