@@ -50,7 +50,10 @@ ALL_DIMS = {**DIMS, **MORE_DIMS}
 def _dims(name: str) -> ModelDims:
     cfg = dict(rms_norm_eps=1e-5, tie_word_embeddings=False)
     cfg.update(ALL_DIMS[name])
-    return ModelDims.from_hf_config(cfg)
+    # Llama with q/k/v biases: a layout case for the planner only. Real Llama attention_bias=true also
+    # has an o_proj bias, which no verified layout holds, so from_hf_config refuses that config.
+    qkv_bias = cfg.pop("attention_bias", False)
+    return dataclasses.replace(ModelDims.from_hf_config(cfg), qkv_bias=True) if qkv_bias else ModelDims.from_hf_config(cfg)
 
 
 def _valid(d: ModelDims, ttp: int, pp: int, gtp: int) -> bool:

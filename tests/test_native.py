@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import megarl.native as native
-from megarl.ddma.runs import merge_contiguous_runs_ref
+from megarl.ddma.runs import merge_contiguous_runs, merge_contiguous_runs_ref
 
 # CI builds the extension and sets MEGARL_REQUIRE_NATIVE=1 so a broken build fails instead of skipping.
 requires_native = pytest.mark.skipif(
@@ -86,7 +86,7 @@ def test_merged_plan_moves_the_same_bytes(seed):
     """Independent of both implementations: executing the merged plan gives the same result."""
     generator = torch.Generator().manual_seed(seed)
     plan = _random_plan(generator, 200)
-    merged = native.merge_contiguous_runs(*plan)
+    merged = merge_contiguous_runs(*plan)
     source = torch.arange(int((plan[0] + plan[2]).max()) + 1)
     size = int((plan[1] + plan[2]).max()) + 1
     assert torch.equal(_apply(merged, source, size), _apply(plan, source, size))
@@ -127,7 +127,7 @@ def test_merge_rejects_bad_plans(merge, inputs, message):
 
 
 def test_native_wrapper_accepts_lists():
-    assert [t.tolist() for t in native.merge_contiguous_runs([0, 2], [5, 7], [2, 2])] == [[0], [5], [4]]
+    assert [t.tolist() for t in merge_contiguous_runs([0, 2], [5, 7], [2, 2])] == [[0], [5], [4]]
 
 
 def test_fallback_without_extension_warns_once_and_works():
@@ -137,11 +137,12 @@ def test_fallback_without_extension_warns_once_and_works():
         import sys, warnings
         sys.modules["megarl._C"] = None  # makes `from megarl import _C` raise ImportError
         import megarl.native as native
+        from megarl.ddma.runs import merge_contiguous_runs
         assert not native.HAS_NATIVE
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            first = native.merge_contiguous_runs([0, 4], [0, 4], [4, 4])
-            second = native.merge_contiguous_runs([0], [1], [2])
+            first = merge_contiguous_runs([0, 4], [0, 4], [4, 4])
+            second = merge_contiguous_runs([0], [1], [2])
         assert [t.tolist() for t in first] == [[0], [0], [8]], first
         assert [t.tolist() for t in second] == [[0], [1], [2]], second
         messages = [str(w.message) for w in caught]

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from megarl import native
-from megarl.ddma.runs import merge_contiguous_runs_ref
+from megarl.ddma.runs import merge_contiguous_runs, merge_contiguous_runs_ref
 
 
 def make_row_plan(num_rows: int, row_len: int = 64, break_every: int = 8, seed: int = 0):
@@ -54,10 +54,10 @@ def main() -> None:
     for size in args.sizes:
         plan = make_row_plan(size)
         expected = merge_contiguous_runs_ref(*plan)
-        got = native.merge_contiguous_runs(*plan)
+        got = merge_contiguous_runs(*plan)
         assert all(torch.equal(g, e) for g, e in zip(got, expected)), "C++ and reference disagree"
         ref_s = best_time(lambda: merge_contiguous_runs_ref(*plan), args.repeats)
-        cpp_s = best_time(lambda: native.merge_contiguous_runs(*plan), args.repeats)
+        cpp_s = best_time(lambda: merge_contiguous_runs(*plan), args.repeats)
         results.append(
             {"copies": size, "merged_copies": int(got[0].numel()), "python_ref_s": ref_s, "cpp_s": cpp_s,
              "speedup": ref_s / cpp_s}

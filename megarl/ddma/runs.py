@@ -1,7 +1,7 @@
 """Copy runs: (src_offset, dst_offset, length) element ranges that a DDMA plan executes.
 
 `merge_contiguous_runs_ref` is the pure-Python reference of the C++ `megarl._C.merge_contiguous_runs`
-(csrc/merge_runs.cpp); use `megarl.native.merge_contiguous_runs`, which picks the C++ one when built.
+(csrc/merge_runs.cpp); use :func:`merge_contiguous_runs`, which picks the C++ one when built.
 """
 
 from __future__ import annotations
@@ -9,6 +9,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+
+from megarl import native
 
 RunsLike = torch.Tensor | Sequence[int]
 
@@ -58,3 +60,15 @@ def merge_contiguous_runs_ref(
             out_len.append(n)
     as_tensor = lambda values: torch.tensor(values, dtype=torch.int64)  # noqa: E731
     return as_tensor(out_src), as_tensor(out_dst), as_tensor(out_len)
+
+
+def merge_contiguous_runs(
+    src_offsets: RunsLike, dst_offsets: RunsLike, lengths: RunsLike
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`merge_contiguous_runs_ref` in C++ (``megarl._C``) when built, else the reference."""
+    merge = native.native_function("merge_contiguous_runs")
+    if merge is None:
+        native.warn_fallback_once()
+        return merge_contiguous_runs_ref(src_offsets, dst_offsets, lengths)
+    return merge(as_run_tensor(src_offsets, "src_offsets"), as_run_tensor(dst_offsets, "dst_offsets"),
+                 as_run_tensor(lengths, "lengths"))

@@ -314,13 +314,6 @@ class GeneratorExecutor(ExecutorBase):
             self._send_round(r, ts)
         return len(tracks)
 
-    def abort_all(self) -> None:
-        """Abort everything in flight (their samples come back with finish_reason 'abort')."""
-        for h in self._replicas:
-            rids = [rid for rid in self._tracks if self._tracks[rid].replica == h.index]
-            if rids:
-                self._send(h, ("abort", rids))
-
     @property
     def num_outstanding(self) -> int:
         """Samples submitted but not yet collectable (in flight or cached partials)."""
