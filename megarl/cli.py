@@ -340,7 +340,7 @@ def _cmd_plan_sync(args: argparse.Namespace) -> int:
         cfg.pop("rope_parameters", None)
         from megarl.ddma.layouts import GeneratorTopology, TrainerTopology, validate_vllm_tp
         from megarl.ddma.project import format_projection, project_sync
-        from megarl.trainer.layouts import ModelDims, validate_parallel
+        from megarl.models.layouts import ModelDims, validate_parallel
 
         try:
             dims = ModelDims.from_hf_config(cfg)

@@ -32,7 +32,7 @@ CRASH_EXIT_CODE = 17
 
 
 def _dims(ffn: int = 128):
-    from megarl.trainer.layouts import ModelDims
+    from megarl.models.layouts import ModelDims
     return ModelDims(family="llama", num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2,
                      head_dim=16, ffn_hidden_size=ffn, vocab_size=512, rms_norm_eps=1e-5,
                      rope_theta=10000.0, max_position_embeddings=64, tie_word_embeddings=False,

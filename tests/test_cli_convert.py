@@ -145,7 +145,7 @@ def _save_multirank(rank: int, world_size: int, sources: dict, root: str) -> Non
     from megarl.trainer.checkpoint import TrainProgress, save_checkpoint
     from megarl.trainer.config import TrainerConfig
     from megarl.trainer.convert import load_hf_into_model
-    from megarl.trainer.layouts import ModelDims
+    from megarl.models.layouts import ModelDims
     from megarl.trainer.model import build_gpt_model, read_hf_config
     from megarl.trainer.optimizer import build_training
     from megarl.utils.dist import init_model_parallel

@@ -31,7 +31,7 @@ from megarl.models.tiny import make_tiny_hf_checkpoint
 from megarl.trainer.config import TrainerConfig
 from megarl.trainer.convert import HFReader
 from megarl.trainer.executor import TrainerExecutor
-from megarl.trainer.layouts import ModelDims
+from megarl.models.layouts import ModelDims
 from megarl.trainer.model import read_hf_config
 
 REPO = Path(__file__).resolve().parents[1]

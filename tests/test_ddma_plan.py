@@ -1,6 +1,6 @@
 """DDMA layouts + reference planner: trainer (Megatron TP x PP x DP) -> generator (vLLM TP x replicas).
 
-Each case builds a random HF state dict, every trainer rank's local tensors (trainer.layouts), and every
+Each case builds a random HF state dict, every trainer rank's local tensors (models.layouts), and every
 vLLM worker's EXPECTED tensors with an independent reference (narrowing the HF tensors as vLLM's
 loaders do), then runs the plan into zeroed buffers and checks exact equality, single writes and the
 DP load balance."""
@@ -17,7 +17,7 @@ import torch
 from megarl.ddma.layouts import (DstRank, GeneratorTopology, SrcRank, TrainerTopology, destination_layouts,
                                  source_layouts, validate_vllm_tp, vllm_param_layouts)
 from megarl.ddma.plan import execute_plan_ref, plan_sync
-from megarl.trainer.layouts import ModelDims, hf_tensor_shapes, hf_to_local, local_param_layouts
+from megarl.models.layouts import ModelDims, hf_tensor_shapes, hf_to_local, local_param_layouts
 
 DIMS = {
     # vocab 300: padded by both Megatron (128*tp) and vLLM (64)

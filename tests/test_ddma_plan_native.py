@@ -21,7 +21,7 @@ from megarl.ddma import plan_native
 from megarl.ddma.layouts import (DstRank, GeneratorTopology, SrcRank, TrainerTopology, destination_layouts,
                                  source_layouts, validate_vllm_tp)
 from megarl.ddma.plan import Copy, _plan_layouts, execute_plan_ref, plan_sync
-from megarl.trainer.layouts import ModelDims, ParamLayout, Piece, hf_to_local, local_param_layouts, validate_parallel
+from megarl.models.layouts import ModelDims, ParamLayout, Piece, hf_to_local, local_param_layouts, validate_parallel
 from tests.test_ddma_plan import DIMS, _expected_vllm, _random_hf
 
 requires_native = pytest.mark.skipif(

@@ -21,7 +21,7 @@ import torch
 
 from megarl.ddma.layouts import GeneratorTopology, SrcRank, TrainerTopology
 from megarl.ddma.sync import DdmaReceiver, DdmaSender, DdmaVerifyError, SyncSpec, host_store
-from megarl.trainer.layouts import ModelDims, hf_to_local
+from megarl.models.layouts import ModelDims, hf_to_local
 from tests.test_ddma_plan import DIMS, _expected_vllm, _random_hf
 
 TIMEOUT_S = 60.0

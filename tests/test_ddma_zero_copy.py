@@ -17,7 +17,7 @@ from megarl.ddma import zero_copy
 from megarl.ddma.layouts import vllm_param_layouts
 from megarl.ddma.verify import (checksum_segments, hf_flat_index, hf_segments, run_indices, value_bits,
                                 weighted_checksum)
-from megarl.trainer.layouts import ModelDims, local_param_layouts
+from megarl.models.layouts import ModelDims, local_param_layouts
 
 
 def _holder(q, done) -> None:

@@ -109,7 +109,7 @@ def test_build_marks_tp_sharded_weights_like_megatron_init(tiny_llama_dir):
 
 
 def _tp_attributes(rank, world, model_dir):
-    from megarl.trainer.layouts import ModelDims
+    from megarl.models.layouts import ModelDims
     from megarl.trainer.local import set_tp_attributes
     from megarl.trainer.model import build_gpt_model, read_hf_config
     from megarl.utils.dist import init_model_parallel
@@ -215,7 +215,7 @@ def test_ddma_sync_from_tp2_equals_shm_push_of_its_weights(tiny_llama_dir, tmp_p
     from megarl.ddma.layouts import GeneratorTopology, TrainerTopology
     from megarl.ddma.sync import SyncSpec, host_store
     from megarl.generator.executor import GeneratorExecutor
-    from megarl.trainer.layouts import ModelDims
+    from megarl.models.layouts import ModelDims
     from megarl.trainer.model import read_hf_config
 
     batch, _ = reference

@@ -4,7 +4,7 @@ reshape-based references and by exact round trips."""
 import pytest
 import torch
 
-from megarl.trainer.layouts import (ModelDims, hf_tensor_shapes, hf_to_local, local_param_layouts, local_to_hf,
+from megarl.models.layouts import (ModelDims, hf_tensor_shapes, hf_to_local, local_param_layouts, local_to_hf,
                                     padded_vocab_size, validate_parallel)
 
 

@@ -39,7 +39,7 @@ def _hf_logprobs(logits: torch.Tensor, batch: RolloutBatch, temperature: float =
 def _model_worker(rank, world, tp, pp, source, kind, batch, temperature, want_logits):
     """Build at (tp, pp), load weights from an HF dir (kind='hf') or a Megatron checkpoint ('mcore')."""
     from megarl.trainer.convert import load_pretrained, read_meta
-    from megarl.trainer.layouts import ModelDims
+    from megarl.models.layouts import ModelDims
     from megarl.trainer.logprobs import compute_logprobs
     from megarl.trainer.model import build_gpt_model, read_hf_config
     from megarl.utils.dist import init_model_parallel
@@ -117,7 +117,7 @@ LAYOUTS = [(2, 2), (2, 1), (1, 2), (1, 1)]
 def _layouts_worker(rank, world, ckpt, wrong_ckpt, batch):
     """On 4 ranks: logprobs at every layout, shard specs at TP2xPP2, a mismatching checkpoint."""
     from megarl.trainer.convert import load_model_checkpoint, read_meta
-    from megarl.trainer.layouts import ModelDims
+    from megarl.models.layouts import ModelDims
     from megarl.trainer.logprobs import compute_logprobs
     from megarl.trainer.model import build_gpt_model
     from megarl.trainer.shards import local_shard_specs
@@ -193,7 +193,7 @@ def test_bad_tp_names_the_problem(tiny_llama_dir, tmp_path):
 
 def test_bad_tp_when_building_the_model(tiny_llama_dir):
     # num_key_value_heads=2 with tp=4: the model config builder refuses, naming key and tp
-    from megarl.trainer.layouts import ModelDims
+    from megarl.models.layouts import ModelDims
     from megarl.trainer.model import read_hf_config, transformer_config
 
     dims = ModelDims.from_hf_config(read_hf_config(tiny_llama_dir))

@@ -23,7 +23,7 @@ def _batch(vocab: int) -> RolloutBatch:
 def _train_worker(rank, world, hf_dir, batch, layouts, steps):
     from megarl.trainer.config import TrainerConfig
     from megarl.trainer.convert import load_hf_into_model
-    from megarl.trainer.layouts import ModelDims
+    from megarl.models.layouts import ModelDims
     from megarl.trainer.model import build_gpt_model, read_hf_config
     from megarl.trainer.optimizer import build_training
     from megarl.trainer.train_step import train_step

@@ -40,7 +40,7 @@ import torch
 
 from megarl.ddma.layouts import GeneratorTopology, TrainerTopology, source_rank_layouts, vllm_param_layouts
 from megarl.ddma.sync import DdmaReceiver, DdmaSender, SyncSpec, gloo_group, host_store
-from megarl.trainer.layouts import ModelDims, hf_tensor_shapes, hf_to_local
+from megarl.models.layouts import ModelDims, hf_tensor_shapes, hf_to_local
 
 METHODS = ("ddma_zero_copy", "ddma_zero_copy_verify", "ddma_p2p", "gather_broadcast", "shm_push")
 BENCH_DIMS = dict(model_type="llama", num_hidden_layers=12, hidden_size=768, num_attention_heads=12,

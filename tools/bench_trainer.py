@@ -36,7 +36,7 @@ QUICK = dict(layers=2, hidden=64, heads=4, kv_heads=2, vocab=512, batch=2, seq=3
 
 
 def _dims(a: argparse.Namespace):
-    from megarl.trainer.layouts import ModelDims
+    from megarl.models.layouts import ModelDims
     if a.model:
         from megarl.trainer.model import read_hf_config
         return ModelDims.from_hf_config(read_hf_config(a.model))

@@ -174,7 +174,7 @@ def resume_controller(cfg: MegaRLConfig, run: RunFolder, version: int, rollouts)
 
 def model_dims(model_dir: Path):
     """The architecture facts the DDMA planner needs, from the HF config (no weights)."""
-    from megarl.trainer.layouts import ModelDims
+    from megarl.models.layouts import ModelDims
     from megarl.trainer.model import read_hf_config
 
     return ModelDims.from_hf_config(read_hf_config(model_dir))

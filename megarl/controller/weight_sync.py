@@ -35,7 +35,7 @@ from megarl.ddma.config import SyncConfig
 if TYPE_CHECKING:
     from megarl.executors.base import Generator, Trainer
     from megarl.generator.config import GeneratorConfig
-    from megarl.trainer.layouts import ModelDims
+    from megarl.models.layouts import ModelDims
 
 log = logging.getLogger("megarl")
 

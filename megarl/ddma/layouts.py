@@ -1,12 +1,12 @@
 """DDMA layouts: which HF slices every trainer rank and every vLLM worker holds (dims only).
 
-One vocabulary for both sides, :class:`megarl.trainer.layouts.Piece` / ``ParamLayout``:
+One vocabulary for both sides, :class:`megarl.models.layouts.Piece` / ``ParamLayout``:
 a piece says ``local[param].narrow(dim, local_start, length) == hf[hf_name].narrow(dim, hf_start,
 length)`` with every other dim whole. Nothing here touches weights or imports vLLM/Megatron, so
 405B-sized layouts are computed instantly.
 
 Source (trainer, Megatron): :func:`source_layouts` gives, for every rank ``SrcRank(tp, pp, dp)`` of a
-TP x PP x DP trainer, the pieces of :func:`megarl.trainer.layouts.local_param_layouts` (DP replicas
+TP x PP x DP trainer, the pieces of :func:`megarl.models.layouts.local_param_layouts` (DP replicas
 hold identical pieces). With tied embeddings the last PP stage's ``output_layer.weight`` (a synced
 copy of ``model.embed_tokens.weight``) is skipped: it would duplicate the embedding.
 
@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from megarl.trainer.layouts import ModelDims, ParamLayout, Piece, local_param_layouts
+from megarl.models.layouts import ModelDims, ParamLayout, Piece, local_param_layouts
 
 VLLM_VOCAB_PADDING = 64  # vllm.model_executor.layers.vocab_parallel_embedding.DEFAULT_VOCAB_PADDING_SIZE
 TIED_COPY_PARAM = "output_layer.weight"

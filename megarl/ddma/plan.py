@@ -38,7 +38,7 @@ import torch
 from megarl.ddma.layouts import (DstRank, GeneratorTopology, SrcRank, TrainerTopology, destination_layouts,
                                  source_layouts)
 from megarl.ddma.runs import merge_contiguous_runs_ref
-from megarl.trainer.layouts import ModelDims, ParamLayout
+from megarl.models.layouts import ModelDims, ParamLayout
 
 
 @dataclasses.dataclass(frozen=True)

@@ -23,7 +23,7 @@ import torch
 from megarl.ddma.layouts import DstRank, GeneratorTopology, SrcRank, TrainerTopology
 from megarl.ddma.plan import Copy, SyncPlan, local_shapes
 from megarl.native import native_function
-from megarl.trainer.layouts import ParamLayout
+from megarl.models.layouts import ParamLayout
 
 _FUNCTION = "plan_copies"
 

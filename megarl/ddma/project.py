@@ -29,7 +29,7 @@ import time
 
 from megarl.ddma.layouts import GeneratorTopology, TrainerTopology, source_rank_layouts
 from megarl.ddma.plan import plan_sync
-from megarl.trainer.layouts import ModelDims, hf_tensor_shapes
+from megarl.models.layouts import ModelDims, hf_tensor_shapes
 
 BYTES_PER_ELEMENT = {"bf16": 2, "fp8": 1}
 

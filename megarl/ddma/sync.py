@@ -48,7 +48,7 @@ from megarl.ddma.layouts import (DstRank, GeneratorTopology, SrcRank, TrainerTop
 from megarl.ddma.plan import Copy, SyncPlan, plan_sync
 from megarl.ddma.verify import DdmaVerifyError, Segments, checksum_segments, hf_segments, run_indices
 from megarl.ddma.zero_copy import allow_readers, copy_runs, map_shared, read_runs, share
-from megarl.trainer.layouts import ModelDims
+from megarl.models.layouts import ModelDims
 
 log = logging.getLogger(__name__)
 

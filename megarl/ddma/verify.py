@@ -8,7 +8,7 @@ plain sum of bytes).
 The sender computes it for every (destination rank, HF tensor) from the values it sends and the
 HF positions its *trainer* layout says they have; the receiver computes it from the staging
 tensor it hands to the engine and the positions its *vLLM* layout says they have. The two
-layouts are derived independently (megarl/trainer/layouts.py and megarl/ddma/layouts.py), so a
+layouts are derived independently (megarl/models/layouts.py and megarl/ddma/layouts.py), so a
 wrong plan, a wrong offset or a corrupted transfer shows up as a mismatch that names the tensor,
 the ranks and the byte range. (A wrong vLLM layout that both the plan and the receiver share is
 what the logprob probe catches.)
@@ -20,7 +20,7 @@ import math
 
 import torch
 
-from megarl.trainer.layouts import ParamLayout
+from megarl.models.layouts import ParamLayout
 
 try:
     from megarl import _C  # type: ignore[attr-defined]

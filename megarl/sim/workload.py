@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from megarl.sim.hardware import Hardware
-from megarl.trainer.layouts import ModelDims, hf_tensor_shapes
+from megarl.models.layouts import ModelDims, hf_tensor_shapes
 
 BYTES = {"bf16": 2, "fp8": 1}
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -270,7 +270,7 @@ def sync_seconds(dims: ModelDims, trainer: tuple[int, int, int], generator: tupl
     over a minute to plan), so that case uses :func:`analytic_sync`."""
     from megarl.ddma.layouts import GeneratorTopology, TrainerTopology, validate_vllm_tp
     from megarl.ddma.project import project_sync
-    from megarl.trainer.layouts import validate_parallel
+    from megarl.models.layouts import validate_parallel
 
     tp, pp, dp = trainer
     gtp, reps = generator

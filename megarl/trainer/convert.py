@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from megarl.trainer.checkpoint import LATEST, CheckpointError, check_checkpoint, resolve_checkpoint
-from megarl.trainer.layouts import ModelDims, ParamLayout, hf_to_local, local_param_layouts, local_to_hf
+from megarl.models.layouts import ModelDims, ParamLayout, hf_to_local, local_param_layouts, local_to_hf
 from megarl.trainer.model import DEFAULT_VOCAB_DIVISIBLE_BY, read_hf_config
 
 log = logging.getLogger(__name__)
@@ -238,7 +238,7 @@ def hf_to_mcore(hf_dir: str | Path, out_dir: str | Path, tp: int = 1, pp: int = 
     The checkpoint loads at any TP/PP (megatron reshards on load)."""
     from megarl.utils.dist import run_multiprocess
 
-    from megarl.trainer.layouts import validate_parallel
+    from megarl.models.layouts import validate_parallel
 
     hf_config = read_hf_config(hf_dir)
     validate_parallel(ModelDims.from_hf_config(hf_config), tp, pp)  # fail before spawning

@@ -64,7 +64,7 @@ class RankTrainer:
                  total_steps: int, run_dir: str | Path):
         from megarl.trainer.checkpoint import TrainProgress, checkpoint_root, load_checkpoint, resume_path
         from megarl.trainer.convert import load_pretrained
-        from megarl.trainer.layouts import ModelDims
+        from megarl.models.layouts import ModelDims
         from megarl.trainer.model import build_gpt_model, read_hf_config
         from megarl.trainer.optimizer import build_training, params_dtype
 
@@ -150,6 +150,7 @@ class LocalTrainer(RankTrainer):
         init_distributed(0, 1, master_port=free_tcp_port())
         init_model_parallel(1, 1, seed=cfg.seed)
         super().__init__(cfg, algo, model_dir, total_steps=total_steps, run_dir=run_dir)
+        self._sender = None  # made at the first start_sync, again when the spec changes
 
     def hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, full tensor) of every weight. One Megatron parameter at a time is assembled
@@ -170,7 +171,7 @@ class LocalTrainer(RankTrainer):
 
         from megarl.trainer.ddma import make_sender
 
-        if getattr(self, "_sender", None) is None or self._sender.spec != spec:
+        if self._sender is None or self._sender.spec != spec:
             self._sender = make_sender(self.model, spec)
         result: dict = {}
 

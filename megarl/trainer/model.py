@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from megarl.trainer.layouts import ModelDims, padded_vocab_size, validate_parallel
+from megarl.models.layouts import ModelDims, padded_vocab_size, validate_parallel
 
 DEFAULT_VOCAB_DIVISIBLE_BY = 128
 

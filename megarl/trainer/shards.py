@@ -14,7 +14,7 @@ row-major tensor, or a whole local tensor for dim-1 pieces).
 Replicas: norms appear on every TP rank and every tensor on every DP replica; with tied embeddings
 and PP > 1 the last stage's output layer is a copy of ``model.embed_tokens.weight``
 (``is_tied_copy=True``). The DDMA planner chooses which replica sends.
-The layout logic itself lives in :mod:`megarl.trainer.layouts` (shared with conversion).
+The layout logic itself lives in :mod:`megarl.models.layouts` (shared with conversion).
 
 Build the specs after ``build_training`` (megatron DDP moves every parameter into its contiguous
 buffer when it wraps the model, so views taken before would point at the old storage); after that

@@ -133,7 +133,7 @@ def build_reference_model(model_dir, params_dtype: torch.dtype = torch.float32):
     (or megarl Megatron checkpoint) the trainer started from, never a resumed checkpoint, so a
     resumed run keeps the same reference. In eval mode, no grads, never wrapped in DDP/optimizer."""
     from megarl.trainer.convert import load_pretrained
-    from megarl.trainer.layouts import ModelDims
+    from megarl.models.layouts import ModelDims
     from megarl.trainer.model import build_gpt_model, read_hf_config
 
     dims = ModelDims.from_hf_config(read_hf_config(model_dir))
