@@ -58,12 +58,3 @@ class Sample:
     def truncated(self) -> bool:
         """Cut at its token limit (finish reason 'length'): it never finished its answer."""
         return self.finish_reason == "length"
-
-    @property
-    def min_version(self) -> int:
-        """Oldest policy that produced any token (what the staleness gate compares); -1 if empty."""
-        return min(self.versions) if self.versions else -1
-
-    @property
-    def max_version(self) -> int:
-        return max(self.versions) if self.versions else -1

@@ -7,13 +7,17 @@ Every case states the exact score it must get. The ``math`` reward runs math-ver
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
 
+from megarl.executors.base import ProcessDied
 from megarl.reward import (RewardConfig, RewardPool, ScoredSample, get_reward, known_rewards,
                            overlong_penalty, register_reward)
 from megarl.reward import answers
@@ -268,6 +272,23 @@ def test_reward_by_import_path_in_the_pool(plugin):
     # formatted follows correct for a reward without an extractor.
     assert got == [ScoredSample(2.0, True, True, False), ScoredSample(-1.0, False, False, False),
                    ScoredSample(-1.0, False, False, True)]
+
+
+def test_health_names_a_dead_scoring_process_and_the_pool_restarts(plugin):
+    """The executor protocol: health raises for a dead process, naming it; the next score runs on
+    fresh workers."""
+    with RewardPool(RewardConfig(fn=f"{plugin}:says_yes", workers=1), max_new_tokens=10) as pool:
+        assert pool.score_texts(["yes"], [""], ["stop"], [1])[0].correct  # the worker is up
+        (h,) = pool.health()
+        assert h["alive"] and h["pid"] in pool.pids
+        os.kill(h["pid"], signal.SIGKILL)
+        deadline = time.monotonic() + 10.0
+        with pytest.raises(ProcessDied, match=rf"scoring process pid {h['pid']} was killed by signal SIGKILL"):
+            while time.monotonic() < deadline:
+                pool.health()
+                time.sleep(0.05)
+        assert pool.score_texts(["yes"], [""], ["stop"], [1])[0].correct
+        assert h["pid"] not in pool.pids and all(x["alive"] for x in pool.health())
 
 
 def test_a_reward_that_raises_scores_wrong(plugin):

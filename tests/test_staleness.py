@@ -1,14 +1,133 @@
-"""The staleness gate (megarl.controller.staleness): admission capacity and the lag bound, with
-values computed by hand from DESIGN's formulas."""
+"""The staleness rule (megarl.controller.staleness): admission capacity and the lag bound, with
+values computed by hand from DESIGN's formulas.
+
+``StalenessGate`` below is the rule per sample, with its counters and checkpoint, as a loop that
+admits samples one by one would keep it. It is the reference the batch loop is held against:
+``RolloutQueue.fill`` must admit, step by step, exactly the batches this gate admits."""
 
 from __future__ import annotations
 
+import itertools
 import json
+from collections.abc import Callable, Iterable, Sequence
 from types import SimpleNamespace
+from typing import TypeVar
 
 import pytest
 
-from megarl.controller.staleness import StalenessGate, admission_capacity, policy_lag
+from megarl.controller.rollouts import RolloutQueue
+from megarl.controller.staleness import admission_capacity, policy_lag
+from megarl.rollout import Sample
+
+S = TypeVar("S")
+
+
+class StalenessGate:
+    """Admission control and the lag bound for samples of ``batch_size`` per trainer step.
+
+    Counters: ``running`` (submitted, not back), ``accepted`` (accepted for training since the
+    job began; a buffered sample that goes stale before training is taken off again),
+    ``rejected_stale`` (samples found too old and sent back for regeneration, cumulative)."""
+
+    def __init__(self, max_policy_lag: int, batch_size: int):
+        if max_policy_lag < 0:
+            raise ValueError(f"max_policy_lag={max_policy_lag} must be >= 0")
+        if batch_size <= 0:
+            raise ValueError(f"batch_size={batch_size} must be > 0")
+        self.max_policy_lag = int(max_policy_lag)
+        self.batch_size = int(batch_size)
+        self.running = 0
+        self.accepted = 0
+        self.rejected_stale = 0
+
+    # ----------------------------------------------------------------------- admission
+    def capacity(self, version: int, accepted: int | None = None, running: int | None = None) -> int:
+        """Samples that may be admitted at trainer version ``version`` (default counts: this
+        gate's own)."""
+        return admission_capacity(self.max_policy_lag, self.batch_size, version,
+                                  self.accepted if accepted is None else accepted,
+                                  self.running if running is None else running)
+
+    def admit(self, n: int, version: int) -> None:
+        """Record ``n`` samples submitted to the generator at trainer version ``version``;
+        raises if that is more than :meth:`capacity` allows."""
+        if n < 0:
+            raise ValueError(f"admit({n}): n must be >= 0")
+        room = self.capacity(version)
+        if n > room:
+            raise ValueError(f"admit({n}) at version {version}: only {room} sample(s) may be outstanding "
+                             f"(max_policy_lag={self.max_policy_lag}, batch_size={self.batch_size}, "
+                             f"accepted={self.accepted}, running={self.running})")
+        self.running += n
+
+    def cancel(self, n: int = 1) -> None:
+        """``n`` admitted samples will not come back (aborted, or lost with a dead engine and not
+        resubmitted): release their slots."""
+        if not 0 <= n <= self.running:
+            raise ValueError(f"cancel({n}) with {self.running} sample(s) running")
+        self.running -= n
+
+    # ----------------------------------------------------------------------- the lag bound
+    def trainable(self, versions: Sequence[int], trainer_version: int) -> bool:
+        """Whether a sample with these per-token versions may be trained at ``trainer_version``."""
+        return policy_lag(versions, trainer_version) <= self.max_policy_lag
+
+    def accept(self, sample_versions: Sequence[int], trainer_version: int, *, buffered: bool = False) -> bool:
+        """Book one sample and say whether it is trainable at ``trainer_version``.
+
+        ``buffered=False``: the sample just came back from the generator (it leaves ``running``;
+        trainable -> ``accepted``). ``buffered=True``: an accepted sample re-checked when the
+        trainer takes it (the trainer may have moved on meanwhile); if stale it leaves
+        ``accepted``. A stale sample counts in ``rejected_stale``: the caller must regenerate it
+        (and :meth:`admit` it again)."""
+        ok = self.trainable(sample_versions, trainer_version)
+        if buffered:
+            if self.accepted <= 0:
+                raise ValueError("accept(buffered=True) but no sample is accepted")
+            if not ok:
+                self.accepted -= 1
+        else:
+            if self.running <= 0:
+                raise ValueError("accept() of a sample that was never admitted (running is 0)")
+            self.running -= 1
+            if ok:
+                self.accepted += 1
+        if not ok:
+            self.rejected_stale += 1
+        return ok
+
+    def filter(self, samples: Iterable[S], trainer_version: int, *, buffered: bool = False,
+               versions_of: Callable[[S], Sequence[int]] | None = None) -> tuple[list[S], list[S]]:
+        """``(trainable, to_regenerate)`` of ``samples`` (objects with ``.versions``, or
+        ``versions_of(sample)``), booked as :meth:`accept` does; order is kept. Every sample is
+        in exactly one of the two lists: the second is to be resubmitted, never dropped."""
+        get = versions_of or (lambda s: s.versions)
+        keep: list[S] = []
+        again: list[S] = []
+        for s in samples:
+            (keep if self.accept(get(s), trainer_version, buffered=buffered) else again).append(s)
+        return keep, again
+
+    # ----------------------------------------------------------------------- checkpoint
+    def state_dict(self) -> dict[str, int]:
+        """The counters, for the controller's checkpoint (JSON-serializable)."""
+        return {"max_policy_lag": self.max_policy_lag, "batch_size": self.batch_size,
+                "running": self.running, "accepted": self.accepted, "rejected_stale": self.rejected_stale}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Restore the counters. The batch size must match (``accepted`` counts samples of past
+        batches); ``max_policy_lag`` may change between runs (the config's wins). ``running``
+        is restored as saved: the loop either resubmits the in-flight samples it checkpointed or
+        releases them with :meth:`cancel`."""
+        if int(state["batch_size"]) != self.batch_size:
+            raise ValueError(f"staleness state was saved with batch_size={state['batch_size']}, "
+                             f"this job has {self.batch_size}: admission counts would be wrong")
+        for key in ("running", "accepted", "rejected_stale"):
+            if int(state[key]) < 0:
+                raise ValueError(f"staleness state: {key}={state[key]} is negative")
+        self.running = int(state["running"])
+        self.accepted = int(state["accepted"])
+        self.rejected_stale = int(state["rejected_stale"])
 
 
 def test_capacity_formula_by_hand():
@@ -138,3 +257,56 @@ def test_state_round_trip():
     assert relaxed.capacity(1) == 5 * 4 - 9 == 11
     with pytest.raises(ValueError, match="batch_size=4"):
         StalenessGate(max_policy_lag=2, batch_size=8).load_state_dict(state)
+
+
+class _Engines:
+    """A generator that answers at once, every token from the weights it holds when submitted."""
+
+    def __init__(self):
+        self.version, self.admitted, self._done, self._groups = 0, [], [], itertools.count()
+
+    def submit(self, prompts, n_samples=None, max_new_tokens=None, prompt_indices=None, sampling=None,
+               round_token_budget=None) -> list[int]:
+        groups = []
+        for index in prompt_indices:
+            g = next(self._groups)
+            groups.append(g)
+            self._done += [Sample([1], [2, 3], [0.0, 0.0], [self.version] * 2, "stop", group_id=g, sample_index=k,
+                                  prompt_index=index) for k in range(n_samples)]
+        self.admitted.append(len(prompts) * n_samples)
+        return groups
+
+    def collect(self, min_samples=None, timeout_s=None) -> list[Sample]:
+        out, self._done = self._done, []
+        return out
+
+
+class _Prompts:
+    def batch(self, index: int, size: int):
+        return [SimpleNamespace(answer="1")] * size, [[1, 100 + index]] * size
+
+
+@pytest.mark.parametrize("lag", [0, 1, 2])
+def test_batch_loop_admits_what_the_per_sample_gate_admits(lag):
+    per_step, n, steps = 2, 3, 6
+    batch = per_step * n
+    engines = _Engines()
+    queue = RolloutQueue(engines, _Prompts(), prompts_per_step=per_step, n_samples=n, max_policy_lag=lag,
+                         last_step=steps)
+    gate, batches = StalenessGate(lag, batch), 0
+    for step in range(1, steps + 1):
+        version = step - 1  # the trainer's, while it waits for this step's batch
+        queue.fill(step)
+        admitted_now = []
+        while batches < steps and gate.capacity(version) >= batch:
+            gate.admit(batch, version)
+            admitted_now.append(batch)
+            batches += 1
+        assert engines.admitted == admitted_now, (step, engines.admitted, admitted_now)
+        engines.admitted = []
+        _, _, samples, lag_metrics = queue.take(step, version)
+        assert len(samples) == batch and lag_metrics["lag/max"] <= lag
+        keep, again = gate.filter(samples, version)
+        assert len(keep) == batch and again == []
+        engines.version = step  # trained: the engines get weights v = step
+    assert batches == steps

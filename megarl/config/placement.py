@@ -36,7 +36,7 @@ def device_plan(cfg, visible: int) -> DevicePlan:
     """
     c = cfg.cluster
     n_train, n_gen = needed(cfg)
-    if getattr(c, "launcher", "local") == "slurm":  # ranks on other nodes take their GPU there (megarl.cluster)
+    if c.launcher == "slurm":  # ranks on other nodes take their GPU there (megarl.cluster)
         n_train = 0
     if visible == 0:
         if c.trainer_devices or c.generator_devices:

@@ -20,7 +20,7 @@ from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Sequence
 
-from megarl.executors.base import ExecutorBase
+from megarl.executors.base import ExecutorBase, ProcessDied, exit_cause
 from megarl.reward.config import RewardConfig
 from megarl.reward.registry import get_reward, reward_meta
 from megarl.utils.procs import spawned_from_main_thread, watch_parent
@@ -78,13 +78,23 @@ class RewardPool(ExecutorBase):
 
     @property
     def pids(self) -> list[int]:
-        return [p.pid for p in (getattr(self._pool, "_processes", None) or {}).values()] if self._pool else []
+        return [p.pid for p in self._processes()]
 
     def health(self) -> list[dict]:
-        """One dict per scoring process; a dead one is replaced by the pool at its next use (a
-        worker that dies mid-score makes that sample score wrong, logged), so it is not fatal."""
-        procs = (getattr(self._pool, "_processes", None) or {}).values() if self._pool else []
-        return [{"pid": p.pid, "alive": p.is_alive()} for p in procs]
+        """One dict per scoring process (pid, alive); raises :class:`ProcessDied` naming a worker
+        that has exited. The pool is then restarted, so the next :meth:`score` runs on fresh
+        workers instead of failing on the broken pool."""
+        procs = self._processes()
+        dead = [p for p in procs if not p.is_alive()]
+        if dead:
+            self.close()
+            raise ProcessDied(f"reward: scoring process pid {dead[0].pid} {exit_cause(dead[0].exitcode)} "
+                              f"({len(dead)} of {len(procs)} dead); the pool restarts at the next score")
+        return [{"pid": p.pid, "alive": True} for p in procs]
+
+    def _processes(self) -> list:
+        """The pool's worker processes (none for an in-process reward or a closed pool)."""
+        return list((getattr(self._pool, "_processes", None) or {}).values()) if self._pool else []
 
     @property
     def correct(self) -> float:
@@ -165,7 +175,7 @@ class RewardPool(ExecutorBase):
 
     def close(self) -> None:
         if self._pool is not None:
-            procs = list((getattr(self._pool, "_processes", None) or {}).values())
+            procs = self._processes()
             self._pool.shutdown(wait=False, cancel_futures=True)
             for proc in procs:
                 proc.kill()  # a stuck sympy call ignores shutdown

@@ -111,7 +111,7 @@ class _Rank:
         self.info: dict = {}
         self.last_beat = time.monotonic()
         self.exit_acked = False
-        self.remote = hasattr(process, "mark_gone")  # an attached rank (megarl.executors.attach.RemoteProcess)
+        self.remote = isinstance(process, RemoteProcess)  # attached (started elsewhere), not spawned here
 
     @property
     def name(self) -> str:
