@@ -182,3 +182,28 @@ def test_wrong_landing_fails_verification_naming_the_tensor():
     assert "ddma verification failed" in msgs[0] and "model.layers." in msgs[0] and "_proj.weight" in msgs[0]
     assert "trainer rank(s)" in msgs[0] and "bytes [" in msgs[0]
 
+
+
+def test_landing_check_names_missing_and_unsent_engine_weights():
+    """What the engine holds is checked, not what was staged: an engine weight that never landed,
+    or one no DDMA layout sends (a model variant DDMA does not know), fails the sync by name."""
+    from megarl.ddma.layouts import DstRank
+
+    dims = _dims("qwen2_kv2")
+    store = host_store()
+    spec = SyncSpec(dims, TrainerTopology(1, 1, 1), GeneratorTopology(1, 1), "127.0.0.1", store.port,
+                    engine_dtype="float32", timeout_s=TIMEOUT_S)
+    recv = DdmaReceiver(spec, DstRank(0, 0))
+    tables = {SrcRank(0, 0, 0): {"sums": {}}}
+    recv.begin_landing(tables)
+    with pytest.raises(DdmaVerifyError, match=r"never landed in the engine after weights v3.*model\.embed_tokens"):
+        recv.verify_landed(3)
+    recv.begin_landing(tables)
+    for name, layout in recv.layouts.items():
+        recv.check_landed(name, torch.zeros(layout.local_shape))
+    recv.check_landed("model.layers.0.self_attn.o_proj.bias", torch.zeros(dims.hidden_size))
+    recv.check_landed("model.layers.0.self_attn.qkv_proj.weight_scale", torch.ones(1))  # the engine's own
+    with pytest.raises(DdmaVerifyError, match=r"no DDMA layout sends.*o_proj\.bias"):
+        recv.verify_landed(3)
+    with pytest.raises(DdmaVerifyError, match="landed as torch.bfloat16"):
+        recv.check_landed("model.norm.weight", torch.zeros(dims.hidden_size, dtype=torch.bfloat16))

@@ -339,9 +339,7 @@ class DdmaReceiver(_Side):
         t0 = time.perf_counter()
         keys = [_key(spec, version, f"src{self.group_rank(s)}") for s in self.src_ranks]
         _wait_keys(self.store, keys, f"{len(keys)} trainer rank(s) to publish weights v{version}", spec.timeout_s)
-        self._tables = {s: pickle.loads(self.store.get(k)) for s, k in zip(self.src_ranks, keys)}
-        self._landed: dict[str, dict[str, int]] = {}  # engine parameter -> its HF tensors' checksums
-        self._verify_s = 0.0
+        self.begin_landing({s: pickle.loads(self.store.get(k)) for s, k in zip(self.src_ranks, keys)})
         dtype = _engine_dtype(spec)
         transfer = land = 0.0
         received = peak = 0
@@ -369,10 +367,19 @@ class DdmaReceiver(_Side):
                            "total_s": time.perf_counter() - t0, "elements_received": received,
                            "peak_extra_bytes": peak}
 
+    def begin_landing(self, tables: Mapping[SrcRank, dict]) -> None:
+        """Start checking one sync's landing against the senders' published ``tables``."""
+        self._tables = dict(tables)
+        self._landed: dict[str, dict[str, int]] = {}  # engine parameter -> its HF tensors' checksums
+        self._unsent: set[str] = set()  # engine weights no layout covers
+        self._verify_s = 0.0
+
     def check_landed(self, name: str, landed: torch.Tensor) -> None:
         """Checksum parameter ``name`` as the engine holds it after landing (its local layout)."""
         layout = self.layouts.get(name)
-        if layout is None:  # an engine parameter DDMA does not send (none for supported families)
+        if layout is None:
+            if name.endswith((".weight", ".bias")):  # a weight DDMA sends nothing for (quantization
+                self._unsent.add(name)                 # scales are the engine's own): never right
             return
         t = time.perf_counter()
         flat = landed.detach().reshape(-1)
@@ -390,6 +397,11 @@ class DdmaReceiver(_Side):
         if not self.spec.verifies(version):
             return
         t = time.perf_counter()
+        if self._unsent:
+            raise DdmaVerifyError(
+                f"ddma verification failed on generator replica {self.rank.replica} tp {self.rank.tp}: the engine "
+                f"has {len(self._unsent)} weight(s) that no DDMA layout sends, so they keep stale or uninitialised "
+                f"values: {sorted(self._unsent)[:4]} (a model variant outside megarl/models/families.py?)")
         missing = [n for n in self.layouts if n not in self._landed]
         if missing:
             raise DdmaVerifyError(
