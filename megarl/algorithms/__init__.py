@@ -20,11 +20,11 @@ def __getattr__(name: str):
     from megarl.algorithms.registry import (get_advantage, get_loss, known_advantages, known_losses,
                                             register_advantage, register_loss)
     from megarl.algorithms.losses import LossInputs, LossTerms, a3po_alpha
-    from megarl.algorithms.advantages import compute_advantages, expand_to_tokens, group_stats
+    from megarl.algorithms.advantages import advantage_params, compute_advantages, expand_to_tokens, group_stats
     from megarl.algorithms.policy_loss import (aggregate, centered_score_logprobs, kl_penalty, loss_knobs,
-                                               policy_loss)
+                                               loss_params, policy_loss)
     from megarl.algorithms.metrics import importance_metrics, staleness_metrics, to_floats
-    from megarl.algorithms.config import AlgorithmConfig, advantage_params, loss_params
+    from megarl.algorithms.config import AlgorithmConfig
 
     globals().update({key: value for key, value in locals().items() if key in __all__})
     return globals()[name]

@@ -9,10 +9,11 @@ carries no relative signal: its advantage is 0 under every estimator.
 from __future__ import annotations
 
 import inspect
-from typing import Any, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 
+from megarl.algorithms.config import AlgorithmConfig
 from megarl.algorithms.registry import get_advantage, register_advantage
 
 Tensor = torch.Tensor
@@ -82,6 +83,12 @@ def advantage_knobs(name: str) -> Tuple[str, ...]:
     params = list(inspect.signature(get_advantage(name)).parameters.values())[1:]
     return tuple(p.name for p in params
                  if p.kind is inspect.Parameter.KEYWORD_ONLY and p.name not in ("group_ids", "group_size"))
+
+
+def advantage_params(cfg: AlgorithmConfig) -> Dict[str, Any]:
+    """Keyword arguments for ``compute_advantages(cfg.advantage, ...)`` (besides the grouping)."""
+    rename = {"eps": "adv_eps"}
+    return {name: getattr(cfg, rename.get(name, name)) for name in advantage_knobs(cfg.advantage)}
 
 
 def compute_advantages(name: str, rewards: Tensor, *, group_ids: Optional[Tensor] = None,

@@ -2,13 +2,15 @@
 
 The lead composes :class:`AlgorithmConfig` into the top-level config; the trainer calls
 ``policy_loss(cfg.loss, ..., **loss_params(cfg))`` and
-``compute_advantages(cfg.advantage, rewards, group_ids=..., **advantage_params(cfg))``.
+``compute_advantages(cfg.advantage, rewards, group_ids=..., **advantage_params(cfg))``. Those two
+live beside the code whose parameters they pick (policy_loss.py, advantages.py): this module
+imports no torch, so config validation stays fast.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Dict, List, Optional
+from typing import List, Optional
 
 from megarl.utils.knobs import knob
 
@@ -19,10 +21,6 @@ KL_ESTIMATORS = ("k1", "k2", "k3")
 
 LOSS_NAMES = ("aipo", "ppo", "grpo", "decoupled_ppo", "a3po", "vaco")
 ADVANTAGE_NAMES = ("grpo", "dr_grpo", "rloo")
-
-# Options of policy_loss that apply to every loss (the rest of loss_params is per loss).
-_COMMON_LOSS_OPTIONS = ("aggregation", "tis", "tis_cap", "score_centering", "kl_coef", "kl_estimator",
-                        "entropy_coef")
 
 
 @dataclasses.dataclass
@@ -88,15 +86,6 @@ class AlgorithmConfig:
         return found
 
 
-def loss_params(cfg: AlgorithmConfig) -> Dict[str, Any]:
-    """Keyword arguments for ``policy_loss(cfg.loss, ...)``: the common options plus the loss's own knobs."""
-    from megarl.algorithms.policy_loss import loss_knobs
-
-    params = {name: getattr(cfg, name) for name in _COMMON_LOSS_OPTIONS}
-    params.update({name: getattr(cfg, name) for name in loss_knobs(cfg.loss)})
-    return params
-
-
 # Losses that correct prox/mu themselves (policy_loss rejects tis != 'none' for them); a3po also
 # approximates prox from the token versions instead of taking it.
 OWN_BEHAVIOUR_CORRECTION = ("decoupled_ppo", "a3po")
@@ -115,11 +104,3 @@ def needs_ref(cfg: AlgorithmConfig) -> bool:
     """Whether the step needs reference-policy logprobs (a frozen copy of the initial model and a
     no-grad forward pass of it): the KL(pi || ref) penalty is on."""
     return cfg.kl_coef > 0
-
-
-def advantage_params(cfg: AlgorithmConfig) -> Dict[str, Any]:
-    """Keyword arguments for ``compute_advantages(cfg.advantage, ...)`` (besides the grouping)."""
-    from megarl.algorithms.advantages import advantage_knobs
-
-    rename = {"eps": "adv_eps"}
-    return {name: getattr(cfg, rename.get(name, name)) for name in advantage_knobs(cfg.advantage)}

@@ -14,6 +14,7 @@ from typing import Any, Dict, Optional, Tuple, Union
 import torch
 
 from megarl.algorithms import losses as _losses  # noqa: F401  (registers the losses)
+from megarl.algorithms.config import AGGREGATIONS, KL_ESTIMATORS, TIS_MODES, AlgorithmConfig
 from megarl.algorithms.losses import LossInputs
 from megarl.algorithms.metrics import (fraction, importance_metrics, masked_mean, staleness_metrics,
                                        to_floats)
@@ -21,7 +22,9 @@ from megarl.algorithms.registry import get_loss
 
 Tensor = torch.Tensor
 
-from megarl.algorithms.config import AGGREGATIONS, KL_ESTIMATORS, TIS_MODES  # noqa: E402
+# Options of policy_loss that apply to every loss (the rest of loss_params is per loss).
+_COMMON_LOSS_OPTIONS = ("aggregation", "tis", "tis_cap", "score_centering", "kl_coef", "kl_estimator",
+                        "entropy_coef")
 
 
 def loss_knobs(name: str) -> Tuple[str, ...]:
@@ -29,6 +32,13 @@ def loss_knobs(name: str) -> Tuple[str, ...]:
     fn = get_loss(name)
     params = list(inspect.signature(fn).parameters.values())[1:]
     return tuple(p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY)
+
+
+def loss_params(cfg: AlgorithmConfig) -> Dict[str, Any]:
+    """Keyword arguments for ``policy_loss(cfg.loss, ...)``: the common options plus the loss's own knobs."""
+    params = {name: getattr(cfg, name) for name in _COMMON_LOSS_OPTIONS}
+    params.update({name: getattr(cfg, name) for name in loss_knobs(cfg.loss)})
+    return params
 
 
 def aggregate(per_token: Tensor, mask: Tensor, mode: str = "token-mean",

@@ -1,7 +1,7 @@
 """Glue between the DDMA layouts and the C++ planner (``megarl._C.plan_copies``, csrc/plan.cpp).
 
 :func:`plan_layouts_native` flattens the layouts into int64 tables, calls C++ once, and turns the
-answer back into the same :class:`~megarl.ddma.plan.SyncPlan` that the Python reference
+answer back into the same :class:`~megarl.ddma.plan_types.SyncPlan` that the Python reference
 (:func:`megarl.ddma.plan._plan_layouts`) builds, copy for copy.
 
 Tables (the column order is csrc/plan.cpp's ``SrcCol`` / ``DstCol``): strings (HF names and local
@@ -21,7 +21,7 @@ from typing import Mapping, Sequence
 import torch
 
 from megarl.ddma.layouts import DstRank, GeneratorTopology, SrcRank, TrainerTopology
-from megarl.ddma.plan import Copy, SyncPlan, local_shapes
+from megarl.ddma.plan_types import Copy, SyncPlan, local_shapes
 from megarl.native import native_function
 from megarl.models.layouts import ParamLayout
 

@@ -6,8 +6,10 @@ A reward function decides whether one reply's final answer is right::
 
 Built-in rewards (:mod:`megarl.reward.rewards`) register themselves by name with
 :func:`register_reward` (as losses and advantage estimators do in :mod:`megarl.algorithms.registry`),
-so ``reward.fn`` in a config selects one and a typo fails loudly with the known names. A reward
-of your own needs no registration: set ``reward.fn: my_pkg.my_module:my_reward``.
+so ``reward.fn`` in a config selects one and a typo fails loudly with the known names. The package
+(``megarl/reward/__init__.py``) imports them, so they are registered before any module of it is
+used; this module imports none of them. A reward of your own needs no registration: set
+``reward.fn: my_pkg.my_module:my_reward``.
 """
 
 from __future__ import annotations
@@ -48,13 +50,8 @@ def register_reward(name: str, *, extract: Optional[Callable[..., object]] = Non
     return decorator
 
 
-def _ensure_builtins() -> None:
-    import megarl.reward.rewards  # noqa: F401  (registers arithmetic, gsm8k, math)
-
-
 def known_rewards() -> List[str]:
     """Registered reward names, sorted."""
-    _ensure_builtins()
     return sorted(_REWARDS)
 
 
@@ -74,7 +71,6 @@ def get_reward(spec: str) -> Callable:
     if not isinstance(spec, str) or not spec:
         raise ValueError(f"reward {spec!r}: {unknown_message(spec)}")
     if ":" not in spec:
-        _ensure_builtins()
         try:
             return _REWARDS[spec]
         except KeyError:

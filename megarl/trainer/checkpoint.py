@@ -46,6 +46,9 @@ log = logging.getLogger(__name__)
 FORMAT = "megarl-trainer-checkpoint-v1"
 LATEST = "latest"
 STEP_PREFIX = "step_"
+EXTRA_DIR = "hf_extra"  # the source HF folder's tokenizer files, in step folders and model checkpoints
+_HF_EXTRA_SUFFIXES = (".json", ".txt", ".model", ".jinja", ".tiktoken")
+_NOT_EXTRA = {"config.json", "model.safetensors.index.json"}
 # DP-reshardable optimizer layout: fully parallel save/load, no gather on one rank.
 OPTIM_SHARDING = "dp_reshardable"
 
@@ -155,7 +158,7 @@ def _sharded_state(model_chunks: list, optimizer: Any, is_loading: bool) -> dict
     return out
 
 
-def _in_process_write_queue() -> None:
+def use_in_process_write_queue() -> None:
     """Our saves are synchronous: megatron's writer then runs in this process and only needs an
     in-process queue for its results. Its default is a multiprocessing Manager server per rank,
     which outlives a rank that is killed and leaks one process per crash."""
@@ -185,6 +188,19 @@ def _fsync_dir(path: Path) -> None:
 def _manifest(root: Path) -> dict:
     return {str(p.relative_to(root)): p.stat().st_size
             for p in sorted(root.rglob("*")) if p.is_file() and p.name != "meta.json"}
+
+
+def copy_hf_extra(src_dir: str | Path, dst_dir: str | Path) -> list[str]:
+    """Copy an HF folder's tokenizer / generation-config / chat-template files (not config.json,
+    not weights) into dst_dir; returns the names copied."""
+    dst = Path(dst_dir)
+    dst.mkdir(parents=True, exist_ok=True)
+    names = []
+    for f in sorted(Path(src_dir).iterdir()):
+        if f.is_file() and f.suffix in _HF_EXTRA_SUFFIXES and f.name not in _NOT_EXTRA:
+            shutil.copy2(f, dst / f.name)
+            names.append(f.name)
+    return names
 
 
 def write_text_atomic(path: Path, text: str) -> None:
@@ -295,14 +311,13 @@ def save_checkpoint(checkpoint_dir: str | Path, *, model: list, optimizer: Any =
         (tmp / "rng").mkdir()
     _barrier("temp dir created")
 
-    _in_process_write_queue()
+    use_in_process_write_queue()
     dist_checkpointing.save(_sharded_state(model, optimizer, is_loading=False), str(tmp / "dist"))
     torch.save(_rng_state(), tmp / "rng" / f"rank_{rank:05d}.pt")
     _barrier("shards written")
 
     if rank == 0:
         if hf_extra_from is not None:
-            from megarl.trainer.convert import EXTRA_DIR, copy_hf_extra
             copy_hf_extra(hf_extra_from, tmp / EXTRA_DIR)
         meta = {
             "format": FORMAT, "step": progress.step, "consumed_samples": progress.consumed_samples,

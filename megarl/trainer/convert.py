@@ -21,23 +21,20 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from megarl.trainer.checkpoint import LATEST, CheckpointError, check_checkpoint, resolve_checkpoint
+from megarl.trainer.checkpoint import (EXTRA_DIR, LATEST, CheckpointError, check_checkpoint, copy_hf_extra,
+                                      load_checkpoint, resolve_checkpoint, use_in_process_write_queue)
 from megarl.models.layouts import ModelDims, ParamLayout, hf_to_local, local_param_layouts, local_to_hf
 from megarl.trainer.model import DEFAULT_VOCAB_DIVISIBLE_BY, read_hf_config
 
 log = logging.getLogger(__name__)
 
 META_FILE = "megarl_model.json"
-EXTRA_DIR = "hf_extra"
 MODEL_KEY = "model"
-_HF_EXTRA_SUFFIXES = (".json", ".txt", ".model", ".jinja", ".tiktoken")
-_NOT_EXTRA = {"config.json", "model.safetensors.index.json"}
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # ModelDims field -> HF config key, to name the key in mismatch errors
 _HF_KEY = {"family": "model_type", "num_layers": "num_hidden_layers", "num_heads": "num_attention_heads",
@@ -145,9 +142,7 @@ def save_model_checkpoint(model, out_dir: str | Path, hf_config: dict, hf_dtype:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     m = unwrap(model)
-    from megarl.trainer.checkpoint import _in_process_write_queue
-
-    _in_process_write_queue()  # same writer setup as training checkpoints (no Manager process)
+    use_in_process_write_queue()  # same writer setup as training checkpoints (no Manager process)
     dist_checkpointing.save({MODEL_KEY: m.sharded_state_dict()}, str(out))
     torch.distributed.barrier()
     if torch.distributed.get_rank() == 0:
@@ -164,19 +159,6 @@ def save_model_checkpoint(model, out_dir: str | Path, hf_config: dict, hf_dtype:
                           if f.is_file() and f.name != META_FILE}}
         (out / META_FILE).write_text(json.dumps(meta, indent=1))  # last: marks the folder complete
     torch.distributed.barrier()
-
-
-def copy_hf_extra(src_dir: str | Path, dst_dir: str | Path) -> list[str]:
-    """Copy an HF folder's tokenizer / generation-config / chat-template files (not config.json,
-    not weights) into dst_dir; returns the names copied."""
-    dst = Path(dst_dir)
-    dst.mkdir(parents=True, exist_ok=True)
-    names = []
-    for f in sorted(Path(src_dir).iterdir()):
-        if f.is_file() and f.suffix in _HF_EXTRA_SUFFIXES and f.name not in _NOT_EXTRA:
-            shutil.copy2(f, dst / f.name)
-            names.append(f.name)
-    return names
 
 
 def load_model_checkpoint(model, mcore_dir: str | Path) -> dict:
@@ -414,7 +396,6 @@ def _mcore_to_hf_worker(rank: int, world_size: int, mcore_dir: str, out_dir: str
 
 def _train_to_hf_worker(rank: int, world_size: int, step_dir: str, out_dir: str, hf_config: dict,
                         extra_dir: str | None, dtype: str | None) -> None:
-    from megarl.trainer.checkpoint import load_checkpoint
     from megarl.trainer.model import build_gpt_model
     from megarl.utils.dist import init_model_parallel
 

@@ -20,7 +20,8 @@ from typing import Iterator
 
 import torch
 
-from megarl.algorithms.config import AlgorithmConfig, loss_params, needs_ref
+from megarl.algorithms.config import AlgorithmConfig, needs_ref
+from megarl.algorithms.policy_loss import loss_params
 from megarl.batch import RolloutBatch
 from megarl.trainer.config import TrainerConfig
 
