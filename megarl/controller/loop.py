@@ -19,11 +19,28 @@ import sys
 import time
 from contextlib import ExitStack
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from megarl.config import ConfigError
+from megarl.config.placement import DevicePlan, device_plan
 from megarl.config.schema import BUILTIN_SMOLLM2, MegaRLConfig
+from megarl.controller.evaluation import EvalResult, StrictScorer
+from megarl.controller.prompts import PromptSource
+from megarl.controller.rollouts import RolloutQueue, prompts_crc32, trained_record
 from megarl.controller.run import RunFolder
-from megarl.utils.procs import signals_raise
+from megarl.controller.state import save_controller_state
+from megarl.controller.summary import ExecutorActivity
+from megarl.executors.base import Generator, RewardScorer, Trainer
+from megarl.rollout import Sample
+from megarl.utils.metrics import PhaseTimer
+from megarl.utils.procs import parse_cpu_list, signals_raise
+
+if TYPE_CHECKING:  # these import (or may import) torch, which must wait until _select_device has run
+    from megarl.controller.weight_sync import WeightSync
+    from megarl.generator.executor import GeneratorExecutor
+    from megarl.models.layouts import ModelDims
+    from megarl.reward import RewardPool
+    from megarl.trainer.executor import TrainerExecutor
 
 log = logging.getLogger("megarl")
 
@@ -32,92 +49,111 @@ def run_job(cfg: MegaRLConfig) -> int:
     """Run the job described by ``cfg``; returns a process exit code."""
     _setup_logging()
     _select_device(cfg.cluster.device)
-
-    from megarl.controller.prompts import PromptSource
-    from megarl.controller.rollouts import RolloutQueue, prompts_crc32, trained_record
-    from megarl.controller.state import save_controller_state
-    from megarl.controller.summary import ExecutorActivity
     from megarl.controller.weight_sync import WeightSync
-    from megarl.trainer.executor import TrainerExecutor
-    from megarl.generator.executor import GeneratorExecutor
-    from megarl.reward import RewardPool
-    from megarl.batch import RolloutBatch
-    from megarl.trainer.checkpoint import should_save
-    from megarl.utils.metrics import PhaseTimer
-    from megarl.utils.procs import parse_cpu_list
 
     model_dir = resolve_model(cfg.model.path)
     devices = place_devices(cfg)
     prompts = PromptSource(cfg, model_dir)
-    steps, every = cfg.controller.steps, cfg.controller.eval_every
     with ExitStack() as stack:
         # First in, last out: SIGTERM/SIGINT/SIGHUP raise JobInterrupted here, the stack closes
         # every executor below, then the handlers are restored (megarl.utils.procs).
         stack.enter_context(signals_raise())
         run = stack.enter_context(RunFolder(cfg, n_eval=len(prompts.held)))
-        t = cfg.trainer
-        log.info("starting the trainer (Megatron, tp=%d pp=%d dp=%d, one process per rank) from %s",
-                 t.tp, t.pp, t.dp, model_dir)
-        cpus = parse_cpu_list(cfg.cluster.trainer_cpus) or None  # cluster.trainer_cpus: pin the ranks
-        trainer = stack.enter_context(TrainerExecutor(t, cfg.algorithm, model_dir, total_steps=steps, run_dir=run.path,
-                                                      cpus=cpus, devices=devices.trainer, launcher=cfg.cluster.launcher))
-        if cpus:
-            log.info("trainer ranks pinned: %s", "; ".join(f"rank {h['rank']} cores {h['cores']}"
-                                                           for h in trainer.health()))
-        if trainer.step_count:
-            log.info("trainer: resuming from the step-%d checkpoint (trainer.resume_from=%s)", trainer.step_count,
-                     t.resume_from)
-        log.info("starting the generator (%d vLLM replica(s), tp=%d)", cfg.generator.replicas, cfg.generator.tp)
-        generator = stack.enter_context(GeneratorExecutor(cfg.generator, model_dir,
-                                                                cuda_devices=devices.generator).start())
-        reward = stack.enter_context(RewardPool(cfg.reward, cfg.generator.max_new_tokens))
+        trainer, generator, reward = start_executors(cfg, stack, model_dir, devices, run)
         weights = WeightSync(cfg.sync, trainer, generator, dims=model_dims(model_dir), generator_cfg=cfg.generator,
                              probe_prompt=prompts.eval_set()[1][0], pad_id=prompts.pad_id)
         log.info("weight sync: %s", describe_sync(cfg))
-        weights.push(trainer.step_count)  # resume-safe start: the engines get the trainer's weights
-        if every and trainer.step_count == 0:  # the baseline the run improves on
-            run.log_eval(0, steps, evaluate(generator, prompts, run, step=0))
-
-        rollouts = RolloutQueue(generator, prompts, prompts_per_step=cfg.controller.prompts_per_step,
-                                n_samples=cfg.generator.n_samples, max_policy_lag=cfg.controller.max_policy_lag,
-                                last_step=steps)
-        resume_controller(cfg, run, trainer.step_count, rollouts)
-        activity = ExecutorActivity(generator)
-        for step in range(trainer.step_count + 1, steps + 1):
-            timer = PhaseTimer()
-            activity.begin()
-            rollouts.fill(step)  # up to max_policy_lag later batches generate while this one trains
-            with timer.phase("generate"):  # waiting for this step's rollouts
-                tasks, prompt_ids, samples, lag_metrics = rollouts.take(step, trainer.step_count)
-            with timer.phase("reward"):
-                reward.score(samples, [t.answer for t in tasks], prompts.decode)
-            advantages = group_advantages(cfg, samples, [s.reward for s in samples])
-            with timer.phase("train"):
-                train_metrics = trainer.step(RolloutBatch.from_samples(samples, advantages, pad_id=prompts.pad_id))
-            with timer.phase("sync"):
-                sync_metrics = weights.push(trainer.step_count)
-            times = timer.finish()
-            busy = activity.end(times)
-            metrics = {**{f"train/{k}": v for k, v in train_metrics.items()}, **times, **busy, **sync_metrics,
-                       **lag_metrics,
-                       **rollout_metrics(samples, busy["exec/generator_busy_s"] or lag_metrics["gen/batch_latency_s"]),
-                       "data/prompts_crc32": prompts_crc32(prompt_ids)}
-            run.log_samples(step, [trained_record(s) for s in samples])
-            if every and (step % every == 0 or step == steps):
-                metrics.update(evaluate(generator, prompts, run, step=step))
-            if should_save(cfg.trainer, step, steps):
-                metrics["checkpoint/seconds"] = _timed(lambda: save_controller_state(
-                    trainer.save(), policy_version=trainer.step_count, data_seed=cfg.data.seed,
-                    rollouts=rollouts.state_dict()))
-            run.log(step, steps, metrics)
-        run.finish(steps)
+        train(cfg, run, prompts, trainer, generator, reward, weights)
+        run.finish(cfg.controller.steps)
     return 0
 
 
-def evaluate(generator, prompts, run: RunFolder, *, step: int) -> dict[str, float]:
-    """Greedy replies to the held-out prompts, scored strictly (never by the training reward)."""
-    from megarl.controller.evaluation import EvalResult, StrictScorer
+def train(cfg: MegaRLConfig, run: RunFolder, prompts: PromptSource, trainer: Trainer, generator: Generator,
+          reward: RewardScorer, weights: WeightSync) -> None:
+    """The RL loop. Each step: keep up to ``max_policy_lag`` later batches generating, take this
+    step's rollouts, score them, train, sync the weights; evaluate and checkpoint on schedule."""
+    from megarl.batch import RolloutBatch
+    from megarl.trainer.checkpoint import should_save
 
+    steps, every = cfg.controller.steps, cfg.controller.eval_every
+    weights.push(trainer.step_count)  # resume-safe start: the engines get the trainer's weights
+    if every and trainer.step_count == 0:  # the baseline the run improves on
+        run.log_eval(0, steps, evaluate(generator, prompts, run, step=0))
+    rollouts = RolloutQueue(generator, prompts, prompts_per_step=cfg.controller.prompts_per_step,
+                            n_samples=cfg.generator.n_samples, max_policy_lag=cfg.controller.max_policy_lag,
+                            last_step=steps)
+    resume_controller(cfg, run, trainer.step_count, rollouts)
+    activity = ExecutorActivity(generator)
+    for step in range(trainer.step_count + 1, steps + 1):
+        timer = PhaseTimer()
+        activity.begin()
+        rollouts.fill(step)  # up to max_policy_lag later batches generate while this one trains
+        with timer.phase("generate"):  # waiting for this step's rollouts
+            tasks, prompt_ids, samples, lag_metrics = rollouts.take(step, trainer.step_count)
+        with timer.phase("reward"):
+            reward.score(samples, [t.answer for t in tasks], prompts.decode)
+        advantages = group_advantages(cfg, samples, [s.reward for s in samples])
+        with timer.phase("train"):
+            train_metrics = trainer.step(RolloutBatch.from_samples(samples, advantages, pad_id=prompts.pad_id))
+        with timer.phase("sync"):
+            sync_metrics = weights.push(trainer.step_count)
+        times = timer.finish()
+        metrics = step_metrics(train_metrics, times, activity.end(times), sync_metrics, lag_metrics, samples,
+                               prompt_ids)
+        run.log_samples(step, [trained_record(s) for s in samples])
+        if every and (step % every == 0 or step == steps):
+            metrics.update(evaluate(generator, prompts, run, step=step))
+        if should_save(cfg.trainer, step, steps):
+            metrics["checkpoint/seconds"] = checkpoint(cfg, trainer, rollouts)
+        run.log(step, steps, metrics)
+
+
+def start_executors(cfg: MegaRLConfig, stack: ExitStack, model_dir: Path, devices: DevicePlan,
+                    run: RunFolder) -> tuple[TrainerExecutor, GeneratorExecutor, RewardPool]:
+    """Start trainer, generator and reward pool on ``stack`` (closed in reverse when the job ends)."""
+    from megarl.generator.executor import GeneratorExecutor
+    from megarl.reward import RewardPool
+    from megarl.trainer.executor import TrainerExecutor
+
+    t = cfg.trainer
+    log.info("starting the trainer (Megatron, tp=%d pp=%d dp=%d, one process per rank) from %s",
+             t.tp, t.pp, t.dp, model_dir)
+    cpus = parse_cpu_list(cfg.cluster.trainer_cpus) or None  # cluster.trainer_cpus: pin the ranks
+    trainer = stack.enter_context(TrainerExecutor(t, cfg.algorithm, model_dir, total_steps=cfg.controller.steps,
+                                                  run_dir=run.path, cpus=cpus, devices=devices.trainer,
+                                                  launcher=cfg.cluster.launcher))
+    if cpus:
+        log.info("trainer ranks pinned: %s", "; ".join(f"rank {h['rank']} cores {h['cores']}"
+                                                       for h in trainer.health()))
+    if trainer.step_count:
+        log.info("trainer: resuming from the step-%d checkpoint (trainer.resume_from=%s)", trainer.step_count,
+                 t.resume_from)
+    log.info("starting the generator (%d vLLM replica(s), tp=%d)", cfg.generator.replicas, cfg.generator.tp)
+    generator = stack.enter_context(GeneratorExecutor(cfg.generator, model_dir, cuda_devices=devices.generator).start())
+    reward = stack.enter_context(RewardPool(cfg.reward, cfg.generator.max_new_tokens))
+    return trainer, generator, reward
+
+
+def step_metrics(train: dict[str, float], times: dict[str, float], busy: dict[str, float], sync: dict[str, float],
+                 lag: dict[str, float], samples: list[Sample], prompt_ids: list[list[int]]) -> dict[str, float]:
+    """One step's row of metrics.jsonl: the trainer's (``train/*``), phase times, busy/idle, sync,
+    lag, what the samples look like, and the data stream's CRC (a resumed run continues it)."""
+    gen_seconds = busy["exec/generator_busy_s"] or lag["gen/batch_latency_s"]
+    return {**{f"train/{k}": v for k, v in train.items()}, **times, **busy, **sync, **lag,
+            **rollout_metrics(samples, gen_seconds), "data/prompts_crc32": prompts_crc32(prompt_ids)}
+
+
+def checkpoint(cfg: MegaRLConfig, trainer: Trainer, rollouts: RolloutQueue) -> float:
+    """Save the trainer and, beside it, the controller's part (data cursor, admitted rollouts);
+    the seconds it took."""
+    t0 = time.monotonic()
+    save_controller_state(trainer.save(), policy_version=trainer.step_count, data_seed=cfg.data.seed,
+                          rollouts=rollouts.state_dict())
+    return time.monotonic() - t0
+
+
+def evaluate(generator: Generator, prompts: PromptSource, run: RunFolder, *, step: int) -> dict[str, float]:
+    """Greedy replies to the held-out prompts, scored strictly (never by the training reward)."""
     t0 = time.monotonic()
     tasks, prompt_ids = prompts.eval_set()
     samples = generator.generate(prompt_ids, n_samples=1, sampling={"temperature": 0.0})
@@ -128,7 +164,7 @@ def evaluate(generator, prompts, run: RunFolder, *, step: int) -> dict[str, floa
     return {**EvalResult.of_samples(samples).metrics(), "eval/seconds": time.monotonic() - t0}
 
 
-def group_advantages(cfg: MegaRLConfig, samples, rewards: list[float]) -> list[float]:
+def group_advantages(cfg: MegaRLConfig, samples: list[Sample], rewards: list[float]) -> list[float]:
     """Advantages within each prompt's group, found by the samples' group ids (not their order)."""
     import torch
 
@@ -139,7 +175,7 @@ def group_advantages(cfg: MegaRLConfig, samples, rewards: list[float]) -> list[f
                               group_ids=group_ids, **advantage_params(cfg.algorithm)).tolist()
 
 
-def rollout_metrics(samples, gen_seconds: float) -> dict[str, float]:
+def rollout_metrics(samples: list[Sample], gen_seconds: float) -> dict[str, float]:
     """What the scored samples of one step look like: reward, and the signs of a hacked reward
     (length, truncation, format). ``gen_seconds``: the generator's busy seconds of the step, so
     ``gen/tokens_per_s`` is the engines' rate also when generation overlaps training."""
@@ -152,7 +188,7 @@ def rollout_metrics(samples, gen_seconds: float) -> dict[str, float]:
             "gen/mean_length": tokens / n, "gen/truncated_frac": sum(s.truncated for s in samples) / n}
 
 
-def resume_controller(cfg: MegaRLConfig, run: RunFolder, version: int, rollouts) -> None:
+def resume_controller(cfg: MegaRLConfig, run: RunFolder, version: int, rollouts: RolloutQueue) -> None:
     """After the trainer resumed at ``version``: drop what later steps of the killed run logged,
     and put back the rollouts admitted ahead of it (controller/state.py)."""
     from megarl.controller.state import load_controller_state
@@ -172,7 +208,7 @@ def resume_controller(cfg: MegaRLConfig, run: RunFolder, version: int, rollouts)
         raise ConfigError([f"trainer.resume_from={cfg.trainer.resume_from!r}: {e}"]) from None
 
 
-def model_dims(model_dir: Path):
+def model_dims(model_dir: Path) -> ModelDims:
     """The architecture facts the DDMA planner needs, from the HF config (no weights)."""
     from megarl.models.layouts import ModelDims
     from megarl.trainer.model import read_hf_config
@@ -181,6 +217,7 @@ def model_dims(model_dir: Path):
 
 
 def describe_sync(cfg: MegaRLConfig) -> str:
+    """One line for the log: how the weights travel and how often they are proven."""
     s = cfg.sync
     if s.method == "shm":
         return "full HF tensors through one shared-memory file (sync.method=shm)"
@@ -198,10 +235,8 @@ def resolve_model(path: str) -> Path:
     return Path(path)
 
 
-def place_devices(cfg: MegaRLConfig):
+def place_devices(cfg: MegaRLConfig) -> DevicePlan:
     """Each executor's GPUs (megarl.config.placement); a layout that does not fit is a ConfigError."""
-    from megarl.config.placement import device_plan
-
     visible = 0
     if cfg.cluster.device != "cpu":
         import torch
@@ -229,12 +264,6 @@ def _select_device(device: str) -> None:
         if not torch.cuda.is_available():
             raise ConfigError(["cluster.device=cuda: no CUDA device is visible to this process; use "
                                "cluster.device=auto or cpu, or check CUDA_VISIBLE_DEVICES"])
-
-
-def _timed(fn) -> float:
-    t0 = time.monotonic()
-    fn()
-    return time.monotonic() - t0
 
 
 def _setup_logging() -> None:
