@@ -13,11 +13,11 @@ Every generated token is tagged with the policy version the engine held when the
 it ran, so per-token versions are exact.
 
 Wire protocol (tuples; the first item names the message):
-  executor -> replica: ("submit", [spec, ...]), ("abort", [rid, ...]), ("update", source, version),
-                       ("health", token), ("inspect", token, param_name), ("shutdown",)
+  executor -> replica: ("submit", [spec, ...]), ("update", source, version),
+                       ("health", token), ("rpc", token, megarl_method, args), ("shutdown",)
   replica -> executor: ("ready", info), ("done", [result, ...]), ("progress", info),
                        ("updated", version, seconds),
-                       ("health", token, info), ("inspect", token, tensor_or_error),
+                       ("health", token, info), ("rpc", token, per_worker_results_or_error),
                        ("error", traceback_text)
 """
 
@@ -148,11 +148,6 @@ class _Replica:
                 self.engine.add_request(rid, {"prompt_token_ids": list(spec["prompt_ids"])},
                                         self.sampling_params(int(spec["max_tokens"]),
                                                              spec.get("sampling") or {}))
-        elif kind == "abort":
-            rids = [r for r in msg[1] if r in self.pending]
-            if rids:
-                self.engine.abort_request(rids)
-                self.conn.send(("done", [self._result(r, "abort", None) for r in rids]))
         elif kind == "update":
             self.update(msg[1], int(msg[2]))
         elif kind == "health":
