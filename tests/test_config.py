@@ -6,7 +6,6 @@ import json
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
@@ -174,13 +173,12 @@ def test_cli_help():
 ])
 def test_cli_bad_config_fails_fast_naming_key(tmp_path, model_dir, override, key):
     cfg = write(tmp_path / "c.yaml", f"model: {{path: {model_dir}}}\n")
-    start = time.monotonic()
     out = _megarl("train", str(cfg), override)
-    elapsed = time.monotonic() - start
     assert out.returncode == 2, out.stderr
     assert key in out.stderr
-    # no engine import: far below the ~40 s vLLM start on 2 cores (test_train_every_loss.py docstring)
-    assert elapsed < 5.0, f"validation took {elapsed:.1f}s"
+    # That validation imports no engine is checked directly by test_validation_does_not_import_engines
+    # (a wall-clock bound here would fail on a loaded machine and pass a slow import on a fast one);
+    # its speed is measured by tools/bench_fast_paths.py.
 
 
 def test_validation_does_not_import_engines(tmp_path, model_dir):

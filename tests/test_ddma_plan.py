@@ -8,7 +8,6 @@ DP load balance."""
 import dataclasses
 import itertools
 import random
-import time
 import zlib
 
 import pytest
@@ -176,12 +175,12 @@ _LLAMA_405B = dict(model_type="llama", num_hidden_layers=126, hidden_size=16384,
                    rms_norm_eps=1e-5, tie_word_embeddings=False)
 
 
-def test_layouts_405b_instant():
+def test_layouts_405b():
+    # How fast this is (layouts only, no copy plan) is measured by tools/bench_fast_paths.py, not
+    # asserted here: a wall-clock bound fails on a loaded machine and proves nothing on an idle one.
     d = ModelDims.from_hf_config(_LLAMA_405B)
-    t0 = time.perf_counter()
     src = source_layouts(d, TrainerTopology(8, 9, 4))
     dst = destination_layouts(d, GeneratorTopology(16, 2))  # tp 16 > 8 kv heads: replicated
-    assert time.perf_counter() - t0 < 2.0
     assert len(src) == 8 * 9 * 4 and len(dst) == 32
     qkv = dst[DstRank(1, 15)]["model.layers.0.self_attn.qkv_proj.weight"]
     assert qkv.local_shape == (8 * 128 + 2 * 128, 16384)
@@ -192,9 +191,7 @@ def test_layouts_405b_instant():
 
 def test_plan_405b_matching_tp():
     d = ModelDims.from_hf_config(_LLAMA_405B)
-    t0 = time.perf_counter()
-    plan = plan_sync(d, TrainerTopology(8, 2, 2), GeneratorTopology(8, 1))
-    elapsed = time.perf_counter() - t0
+    plan = plan_sync(d, TrainerTopology(8, 2, 2), GeneratorTopology(8, 1))  # timed in tools/bench_fast_paths.py
     sent = plan.elements_sent()
     shapes = hf_tensor_shapes(d)
     n_params = sum(torch.Size(s).numel() for s in shapes.values())
@@ -202,7 +199,6 @@ def test_plan_405b_matching_tp():
     assert sum(sent.values()) == n_params + 7 * norms
     assert max(sent.values()) - min(sent.values()) < 0.05 * max(sent.values())
     assert min(sent.values()) > 0
-    assert elapsed < 30, elapsed
 
 
 def test_vllm_tp_errors():

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -93,11 +92,10 @@ def test_model_folder_is_accepted(tiny, tmp_path):
     assert r["model_params"] == PARAMS
 
 
-def test_llama_8b_projection_is_fast():
-    t0 = time.perf_counter()
+def test_llama_8b_projection():
+    # its speed is measured by tools/bench_fast_paths.py (no wall-clock bound in a test)
     proc = run("--model", "configs/models/llama-3.1-8b.json", "--trainer", "2x1x2", "--generator", "2x2")
     assert proc.returncode == 0, proc.stderr
-    assert time.perf_counter() - t0 < 20
     assert "projected sync (DDMA)" in proc.stdout and "8,030,261,248 params" in proc.stdout
 
 
