@@ -129,16 +129,25 @@ def test_analytic_sync_matches_the_planner():
 
 
 @pytest.mark.parametrize("model", ["8b", "70b", "405b"])
-def test_llamarl_setups_within_30pct_or_explained(model):
+def test_llamarl_setup_ratio_within_its_bounds(model):
     from megarl.sim.report import format_summary, summary
-    res = summary(run_setup(load_setup(REPO / "configs" / "sim" / f"llamarl_{model}.yaml"), steps=6))
-    # acceptance (issue 12): within 30% of the paper's ratio, or the report says which assumption differs
-    assert res["within_30pct"] or ("differs most" in res["gap"] and "assumption" in res["gap"])
+    setup = load_setup(REPO / "configs" / "sim" / f"llamarl_{model}.yaml")
+    res = summary(run_setup(setup, steps=6))
+    ratio, paper = res["ratio"], setup["paper"]["ratio"]
+    # Bounds on the ratio, from the model's own assumptions and the paper's figure (not from a run):
+    # - >= 1: the async run does the baseline's work on the same GPU count, overlapped, and nothing
+    #   in the model makes a phase slower on the split layout than the serial sum of both phases.
+    # - <= paper x 1.3: the baseline is modelled idealised (same engine and MFU, no resharding,
+    #   nothing the paper's baseline pays beyond colocation and one model-parallel size), and each
+    #   cost left out only slows the real baseline, so the model may fall short of the paper's ratio
+    #   by any amount (the report says which phase) but not exceed it beyond issue 12's 30% tolerance.
+    # - <= sync step / (async train + sync): the trainer never overlaps with itself, so no async
+    #   step is shorter than its own train + weight sync.
+    serial_floor = res["sync"]["step_s"] / (res["async"]["train_s"] + res["async"]["sync_s"])
+    assert 1.0 <= ratio <= min(paper * 1.3, serial_floor), (ratio, paper, serial_floor)
     text = format_summary(res)
-    assert "why:" in text or "within 30%" in text
-    # every assumption has a source
-    assert all(a["source"] for a in res["assumptions"])
-    assert res["ratio"] >= 1.0  # the async split is never slower than the colocated baseline here
+    assert f"{ratio:.2f}x" in text and ("why:" in text) == (not res["within_30pct"])
+    assert all(a["source"] for a in res["assumptions"])  # every assumption has a source
 
 
 def test_calibration_by_hand():

@@ -3,7 +3,8 @@
 Setup keys (``configs/sim/*.yaml``; every number may carry a reason under ``sources:``):
   model, hardware, steps, batch.{samples, prompt_tokens}, lengths.{kind, ..., max_new_tokens, seed},
   efficiency.{...} (overrides of ``workload.Efficiency``),
-  sync.{gpus, trainer.{tp, pp}, generator.{tp, pp, dtype}, resident_bytes_per_param, sync_method},
+  sync.{gpus, model_parallel.{tp, pp} | trainer.{tp, pp} + generator.{tp, pp}, generator.{dtype, batching},
+       resident_bytes_per_param, resident_mp_bytes_per_param, sync_method},
   async.{trainer.{gpus, tp, pp}, generator.{gpus, tp, dtype}, max_policy_lag, round_budget, sync_method},
   paper.{sync_step_s, async_step_s, ratio, source}.
 """
@@ -22,6 +23,9 @@ from megarl.sim.workload import (DecodeCost, Efficiency, LengthDist, ModelCost, 
                                  sync_seconds, train_seconds)
 
 SYNC_METHODS = ("ddma", "gather_broadcast")
+# One model-parallel layout for both phases: the generator decodes from the trainer's own shards,
+# so nothing moves between the phases (LlamaRL's synchronous baseline, arXiv 2505.24034).
+IN_PLACE = "in_place"
 
 
 @dataclasses.dataclass
@@ -86,21 +90,46 @@ def run_setup(setup: Mapping[str, Any], steps: int | None = None) -> dict:
     # -- sync: colocated baseline (all GPUs generate, then all train, then reshard in place) --------
     s = setup["sync"]
     G = int(s["gpus"])
-    st, sg = s["trainer"], s["generator"]
+    mp = s.get("model_parallel")
+    if mp is not None:  # one global model-parallel layout: both phases on the same shards
+        if "trainer" in s or {"tp", "pp"} & set(s.get("generator") or {}):
+            raise ValueError("sync.model_parallel sets both phases' layout: drop sync.trainer and "
+                             "sync.generator.{tp, pp}")
+        st = {"tp": int(mp["tp"]), "pp": int(mp.get("pp", 1))}
+        sg = {**(s.get("generator") or {}), **st}
+        method = s.get("sync_method", IN_PLACE)
+        if method != IN_PLACE:
+            raise ValueError(f"sync.model_parallel: the phases share their shards, sync_method must be "
+                             f"{IN_PLACE!r}, not {method!r}")
+    else:
+        st, sg = s["trainer"], s["generator"]
+        method = s.get("sync_method", "ddma")
+    mp_size = st["tp"] * st.get("pp", 1)
     t_dp = _split(G, st["tp"], st.get("pp", 1), "sync.trainer")
     g_rep = _split(G, sg["tp"], sg.get("pp", 1), "sync.generator")
-    resident = float(s.get("resident_bytes_per_param", 16)) * cost.params / G
+    # training state left resident while generating: sharded over all GPUs (e.g. ZeRO-3, or a
+    # distributed optimizer's fp32 master + Adam) and over the model-parallel group only (e.g. fp32 grads)
+    resident = (float(s.get("resident_bytes_per_param", 16)) * cost.params / G
+                + float(s.get("resident_mp_bytes_per_param", 0)) * cost.params / mp_size)
     static = _batching(sg, "sync.generator")
     max_ctx = prompt + LengthDist(setup["lengths"]).max_new
     s_cost = decode_cost(cost, hw, eff, sg["tp"], sg.get("pp", 1), sg.get("dtype", "bf16"),
                          max_ctx if static else mean_ctx, resident, static=static)
-    s_sync, s_detail = _sync_cost(dims, (st["tp"], st.get("pp", 1), t_dp), (sg["tp"], g_rep),
-                                  sg.get("dtype", "bf16"), s.get("sync_method", "ddma"), hw)
+    if method == IN_PLACE:
+        if mp is None:
+            raise ValueError(f"sync.sync_method={IN_PLACE!r} needs sync.model_parallel (one layout for both phases)")
+        s_sync, s_detail = 0.0, {"method": IN_PLACE, "ddma_s": 0.0, "gather_broadcast_s": 0.0,
+                                 "dtype": sg.get("dtype", "bf16"),
+                                 "planned_as": f"none: generation reads the trainer's TP{st['tp']}xPP{st['pp']} shards"}
+    else:
+        s_sync, s_detail = _sync_cost(dims, (st["tp"], st.get("pp", 1), t_dp), (sg["tp"], g_rep),
+                                      sg.get("dtype", "bf16"), method, hw)
     _, nxt = _lengths(setup["lengths"])
     sync_cfg = SimConfig(batch=batch, prompt_tokens=prompt, max_policy_lag=0, steps=steps, replicas=g_rep,
                          cost=s_cost, lengths=nxt, train_s=train(G), sync_s=s_sync,
                          reward_s=float(setup.get("reward_s", 0.0)))
-    sync_run = ModeRun("sync", f"colocated {G} GPUs: train TP{st['tp']}xPP{st.get('pp', 1)}xDP{t_dp}, generate "
+    sync_run = ModeRun("sync", f"colocated {G} GPUs{f', one model-parallel size {mp_size}' if mp is not None else ''}: "
+                       f"train TP{st['tp']}xPP{st.get('pp', 1)}xDP{t_dp}, generate "
                        f"TP{sg['tp']}xPP{sg.get('pp', 1)} x {g_rep} ({sg.get('dtype', 'bf16')}, "
                        f"{'static' if static else 'continuous'} batching)", G,
                        simulate(sync_cfg), s_detail)

@@ -204,7 +204,8 @@ def decode_cost(cost: ModelCost, hw: Hardware, eff: Efficiency, tp: int, pp: int
     flops = (hw.flops_fp8 if dtype == "fp8" else hw.flops_bf16) * tp
     bw = hw.hbm_bytes_per_s * tp * eff.decode_bw
     wbytes = cost.weight_bytes(dtype)
-    kv_tok = cost.kv_bytes_per_token(2)
+    # vLLM replicates KV heads when TP exceeds them (each rank keeps a whole head): tp / kv_heads copies
+    kv_tok = cost.kv_bytes_per_token(2) * max(1, tp // cost.dims.num_kv_heads)
     room = gpus * (hw.hbm_bytes * eff.gpu_mem_util - resident_bytes_per_gpu) - wbytes
     if room <= kv_tok * mean_ctx:
         raise ValueError(f"generator TP{tp} x PP{pp} ({dtype}) has no KV room: {wbytes / 1e9:.0f} GB weights + "
