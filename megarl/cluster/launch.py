@@ -200,7 +200,15 @@ def supervise(tasks: list[Task], teardown_s: float) -> int:
                 # Exit 0 = told to exit by the controller (it is shutting down); anything else is a failure.
                 failed = [x for x in others if x.proc.poll() not in (None, 0)]
                 if failed:
+                    # One death takes its peers down with it (a rank blocked in a collective with a
+                    # killed rank exits 1): look again after a poll and name every failed task, the
+                    # ones killed by a signal (the likely cause) first.
+                    time.sleep(_POLL_S)
+                    failed = sorted((x for x in others if x.proc.poll() not in (None, 0)),
+                                    key=lambda x: (x.proc.returncode >= 0, others.index(x)))
                     f = failed[0]
+                    for x in failed[1:]:
+                        log.error("%s %s", x.label, _how(x.proc.returncode))
                     log.error("%s %s while the controller runs; waiting up to %.0fs (cluster.teardown_timeout_s) "
                               "for the controller to report it, then stopping every pool", f.label,
                               _how(f.proc.returncode), teardown_s)
