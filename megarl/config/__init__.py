@@ -14,7 +14,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     """Load, override, type-check and cross-check a job config. Raises ConfigError listing every
     problem (each naming its key) before anything is started."""
     from megarl.config.schema import MegaRLConfig
-    from megarl.config.validate import check
+    from megarl.config.lag import apply_policy_lag
+    from megarl.config.validate import check, cuda_expected
 
     tree = load_yaml_tree(path) if path else {}
     tree = apply_overrides(tree, overrides or [])
@@ -24,4 +25,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     problems = check(cfg)
     if problems:
         raise ConfigError(problems, str(path or ""))
+    try:  # controller.max_policy_lag: auto -> a number, from the placement (megarl/config/lag.py)
+        apply_policy_lag(cfg, on_gpu=cuda_expected(cfg.cluster.device))
+    except ValueError as e:
+        raise ConfigError([str(e)], str(path or "")) from None
     return cfg

@@ -9,6 +9,7 @@ unit and default.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal, Union
 
 from megarl.algorithms.config import AlgorithmConfig
 from megarl.utils.knobs import knob
@@ -45,9 +46,18 @@ class DataConfig:
 class ControllerConfig:
     steps: int = knob(100, help="Training steps to run (optimizer steps).")
     prompts_per_step: int = knob(16, help="Prompts per training step; each gets generator.n_samples samples.")
-    max_policy_lag: int = knob(1, help=(
+    max_policy_lag: Union[int, Literal["auto"]] = knob(1, help=(
         "Largest allowed policy-version gap between a token's generator and the trainer (versions); "
-        "0 = synchronous on-policy training, the benchmark baseline."))
+        "0 = synchronous on-policy training, the benchmark baseline. 'auto' = 0 when trainer and generator "
+        "share every core (CPU: cluster.trainer_cpus empty or overlapping generator.threads_bind) or GPU "
+        "(cluster.share_devices), else controller.async_lag (megarl/config/lag.py); the loader resolves it "
+        "to a number. Default 1."))
+    async_lag: int = knob(1, help=(
+        "The max_policy_lag that 'auto' picks when trainer and generator run on their own cores or GPUs "
+        "(versions, >= 1). Ignored when max_policy_lag is a number. Default 1."))
+    lag_choice: str = knob("", help=(
+        "Written by the loader, never read as input: the max_policy_lag the run uses and why ('auto' or "
+        "explicit). Logged at start and printed in the run summary. Default ''."))
     eval_every: int = knob(10, help=(
         "Greedy held-out evaluation every N steps, plus a baseline before the first step and one after the "
         "last, scored strictly (last number of a finished reply; never the training reward) (steps; "

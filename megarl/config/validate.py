@@ -59,8 +59,12 @@ def check(cfg: MegaRLConfig) -> list[str]:
                        ("reward.workers", cfg.reward.workers)):
         if value < 1:
             problems.append(f"{key}={value}: must be >= 1")
-    if cfg.controller.max_policy_lag < 0:
-        problems.append(f"controller.max_policy_lag={cfg.controller.max_policy_lag}: must be >= 0 (0 = synchronous)")
+    if cfg.controller.max_policy_lag != "auto" and cfg.controller.max_policy_lag < 0:
+        problems.append(f"controller.max_policy_lag={cfg.controller.max_policy_lag}: must be >= 0 (0 = synchronous) "
+                        f"or auto")
+    if cfg.controller.async_lag < 1:
+        problems.append(f"controller.async_lag={cfg.controller.async_lag}: must be >= 1 (the lag auto picks when "
+                        f"trainer and generator run apart; 0 is max_policy_lag=0)")
     rows = cfg.controller.prompts_per_step * g.n_samples  # the global batch of one train step
     if t.dp >= 1 and rows >= 1 and rows % t.dp:
         fits = [d for d in divisors(rows) if d <= max(t.dp, 1)] or [1]
