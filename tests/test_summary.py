@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from megarl.controller.summary import ExecutorActivity, summarize, summary_lines
+from megarl.controller.summary import ExecutorActivity, hidden_fraction, summarize, summary_lines
 
 
 class _Gen:
@@ -36,24 +36,72 @@ def _row(step, gen_wait, reward, train, sync, gen_busy):
             "exec/generator_load_s": sync, "exec/generator_idle_s": total - gen_busy - sync}
 
 
-def test_synchronous_steps_have_ratio_one():
-    """Lag 0: the generator is busy exactly while the controller waits for it."""
-    rows = [_row(s, 4.0, 0.5, 3.0, 0.5, 4.0) for s in range(3)]
-    s = summarize(rows, max_policy_lag=0)
-    assert s["step_s"] == 8.0 and s["serial_step_s"] == 8.0 and s["sync_over_async"] == 1.0
-    assert math.isclose(s["overlap_bound"], (4.0 + 3.5) / 4.0)
+def test_synchronous_steps_print_the_most_async_could_gain():
+    """Lag 0: generation 6 s, then reward 0.5 + train 3 + sync 0.5 = 4 s in turn: a 10 s step. Those
+    phases ran uncontended, so the ratio is printed, as the bound: (6 + 4) / max(6, 4) = 10/6 = 1.67x.
+    Nothing overlapped: achieved 10/10 = 1.0x, hidden (6 + 4 - 10) / 4 = 0."""
+    rows = [_row(s, 6.0, 0.5, 3.0, 0.5, 6.0) for s in range(3)]
+    s = summarize(rows, max_policy_lag=0, lag_choice="synchronous, max_policy_lag 0 (auto: shared cores)")
+    assert s["step_s"] == 10.0 and s["serial_step_s"] == 10.0 and s["t_gen_s"] == 6.0 and s["t_ctrl_s"] == 4.0
+    assert s["overlap_achieved"] == 1.0 and s["hidden_frac"] == 0.0 and s["mode"] == "synchronous"
+    assert s["sync_over_async_at_most"] == pytest.approx(10 / 6) == s["overlap_bound"]
+    lines = summary_lines(s)
+    assert lines[0] == "summary: mode synchronous, max_policy_lag 0 (auto: shared cores)"
+    assert "ratio at most 1.67x" in lines[3] and "megarl bench step" in lines[3]
 
 
-def test_overlapped_steps():
-    """Lag 1: 4 s of generation ran while the trainer trained, 1 s was left exposed: a step of
-    1 + 0.5 + 3 + 0.5 = 5 s does 4 + 0.5 + 3 + 0.5 = 8 s of work in turn -> 1.6x."""
+def test_overlapped_steps_print_overlap_not_a_ratio():
+    """Lag 1: 4 s of generation ran while the controller scored, trained and synced (4 s); 1 s was
+    left exposed: a step of 1 + 0.5 + 3 + 0.5 = 5 s does 4 + 4 = 8 s of work -> overlap 1.6x of a
+    bound 8/4 = 2.0x; (4 + 4 - 5) / 4 = 75% of the shorter side hidden. Busy times measured beside
+    each other give no sync/async ratio."""
     rows = [_row(s, 1.0, 0.5, 3.0, 0.5, 4.0) for s in range(4)] + [{"eval/accuracy": 0.5}]
     s = summarize(rows, max_policy_lag=1)
-    assert s["steps"] == 4 and s["step_s"] == 5.0 and s["serial_step_s"] == 8.0
-    assert s["sync_over_async"] == pytest.approx(1.6)
+    assert s["steps"] == 4 and s["step_s"] == 5.0 and s["serial_step_s"] == 8.0 and s["mode"] == "async"
+    assert s["overlap_achieved"] == pytest.approx(1.6) and s["overlap_bound"] == pytest.approx(2.0)
+    assert s["hidden_frac"] == pytest.approx(0.75)
+    assert "sync_over_async_at_most" not in s and "lag_choice" not in s
     lines = summary_lines(s)
-    assert "async (max_policy_lag 1)" in lines[0] and "ratio 1.60x" in lines[2]
+    assert lines[0] == "summary: mode async, max_policy_lag 1"
+    assert "overlap achieved 1.60x of a bound 2.00x" in lines[3] and "75% of the shorter side hidden" in lines[3]
+    assert "ratio" in lines[3] and "needs `megarl bench step`" in lines[3] and "ratio 1" not in " ".join(lines)
+
+
+def test_train_bound_step_hides_less_than_all_of_its_generation():
+    """The quickstart's async shape: generator 11 s busy, controller 45.5 s, but the loop waited 2 s
+    for rollouts: step 47.5 s. Hidden (11 + 45.5 - 47.5) / 11 = 9/11 = 82%, although the step is
+    within 5% of max(T_gen, T_ctrl) (the old "fraction of the bound" read 96%)."""
+    assert hidden_fraction(11.0, 45.5, 47.5) == pytest.approx(9 / 11)
+    assert hidden_fraction(11.0, 45.5, 45.5) == 1.0            # all of it hidden
+    assert hidden_fraction(11.0, 45.5, 60.0) == 0.0            # worse than in turn: clipped
+    assert hidden_fraction(0.0, 4.0, 4.0) == 0.0               # nothing to hide
+    assert hidden_fraction(6.0, 4.0, 7.0) == pytest.approx(0.75)  # generation-bound: 3 of the 4 s hidden
 
 
 def test_no_steps_no_summary():
     assert summarize([{"eval/accuracy": 0.1}], 0) == {} and summary_lines({}) == []
+
+
+def test_run_folder_logs_the_mode_at_start_and_writes_it_in_the_summary(tmp_path, caplog):
+    """The quickstart's auto lag on a CPU resolves to 0 in the loader; the run folder says so when it
+    opens, and summary.json / the summary lines carry the choice and the lag-0 bound (hand-worked:
+    generator 6 s, controller 4 s -> at most 10/6 = 1.67x)."""
+    import json
+    from pathlib import Path
+
+    from megarl.config import load_config
+    from megarl.controller.run import RunFolder
+
+    qs = Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml"
+    cfg = load_config(qs, ["cluster.device=cpu", f"logging.out_dir={tmp_path}", "logging.tensorboard=false"])
+    with caplog.at_level("INFO", logger="megarl"):
+        with RunFolder(cfg, n_eval=4) as run:
+            for step in (1, 2, 3):
+                run.log(step, 3, _row(step, 6.0, 0.5, 3.0, 0.5, 6.0))
+            run.finish(3)
+    text = "\n".join(r.getMessage() for r in caplog.records)
+    assert "mode: synchronous, max_policy_lag 0 (auto: cluster.trainer_cpus is empty" in text
+    assert "summary: mode synchronous, max_policy_lag 0 (auto" in text and "ratio at most 1.67x" in text
+    s = json.loads((tmp_path / cfg.name / "summary.json").read_text())
+    assert s["mode"] == "synchronous" and s["lag_choice"] == cfg.controller.lag_choice
+    assert s["sync_over_async_at_most"] == pytest.approx(10 / 6)

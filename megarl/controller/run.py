@@ -1,8 +1,8 @@
 """The run folder people read: config.yaml, metrics.jsonl + TensorBoard, the per-step phase line
 with progress, eval_samples.jsonl (held-out replies), trained_samples.jsonl (the id, tokens' CRC
 and policy versions of every sample each step trained on), metrics.png, summary.json (the run
-summary: phase medians, executors' busy/idle, the sync/async step-time ratio), and the
-reward-hacking watch."""
+summary: the mode and why, phase medians, executors' busy/idle, overlap, and at lag 0 the most an
+async run could gain), and the reward-hacking watch."""
 
 from __future__ import annotations
 
@@ -36,6 +36,7 @@ class RunFolder:
         self.path.mkdir(parents=True, exist_ok=True)
         (self.path / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
         log.info("run folder %s", self.path.resolve())
+        log.info("mode: %s", cfg.controller.lag_choice or f"max_policy_lag {cfg.controller.max_policy_lag}")
         self.metrics = MetricsLogger(self.path, jsonl=cfg.logging.jsonl, tensorboard=cfg.logging.tensorboard)
         self.n_eval = n_eval
         self._evals: list[tuple[float, float]] = []  # (mean training reward since the last eval, accuracy)
@@ -122,7 +123,7 @@ class RunFolder:
         from megarl.controller.summary import summarize, summary_lines
         from megarl.utils.metrics import plot_metrics
 
-        summary = summarize(self._rows, self.cfg.controller.max_policy_lag)
+        summary = summarize(self._rows, self.cfg.controller.max_policy_lag, self.cfg.controller.lag_choice)
         if summary:
             (self.path / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
             for line in summary_lines(summary):
