@@ -1,6 +1,7 @@
 """DDMA at run time between real processes: trainer-rank senders with simulated shards (built from
 random HF tensors through the trainer layouts) and generator-worker receivers, over both
-transports (zero-copy reads and gloo point-to-point), engine-dtype and FP8 wires.
+transports (zero-copy reads and gloo point-to-point; nccl's code over gloo and cuda_ipc's through a
+host-memory double of its CUDA calls are in tests/test_ddma_transport.py), engine-dtype and FP8 wires.
 
 What lands in every worker is compared with an independent vLLM-layout reference built from the
 HF tensors (tests/test_ddma_plan.py's ``_expected_vllm``): bitwise for bf16/fp32, and for FP8
@@ -14,6 +15,7 @@ import dataclasses
 import io
 import math
 import multiprocessing as mp
+import os
 import traceback
 
 import pytest
@@ -37,8 +39,48 @@ def _hf(dims: ModelDims, version: int, dtype: torch.dtype) -> dict[str, torch.Te
     return {n: t.to(dtype) for n, t in _random_hf(dims, 1000 + version).items()}
 
 
-def _sender_main(spec: SyncSpec, rank: SrcRank, versions: list[int], dtype: torch.dtype, errq) -> None:
+class HostIpcDouble:
+    """GPU-boundary double for the cuda_ipc transport (megarl/ddma/transport/cuda_ipc.py CudaIpcOps):
+    its four CUDA calls done on host memory. ``export`` puts the storage in shared memory and hands
+    out (pid, fd, size); ``open`` maps that file; synchronize is a no-op (host copies are done when
+    they return); collect counts calls. Everything else in the transport runs as on a GPU."""
+
+    device_type = "cpu"
+    collects = 0
+
+    def export(self, storage_bytes):
+        from megarl.ddma.zero_copy import share
+
+        entry = share(storage_bytes)
+        return (os.getpid(), entry["fd"], entry["size"])
+
+    def open(self, handle):
+        from megarl.ddma.zero_copy import map_shared
+
+        pid, fd, size = handle
+        mapped = map_shared(pid, fd, size)
+        if mapped is None:
+            raise RuntimeError(f"cannot map /proc/{pid}/fd/{fd}")
+        return mapped
+
+    def synchronize(self):
+        pass
+
+    def collect(self):
+        HostIpcDouble.collects += 1
+
+
+def _use_host_ipc(enabled: bool) -> None:
+    if enabled:
+        from megarl.ddma.transport import cuda_ipc
+
+        cuda_ipc.IPC_OPS = HostIpcDouble()
+
+
+def _sender_main(spec: SyncSpec, rank: SrcRank, versions: list[int], dtype: torch.dtype, errq,
+                 host_ipc: bool = False) -> None:
     try:
+        _use_host_ipc(host_ipc)
         from megarl.ddma.layouts import source_rank_layouts
 
         layouts = source_rank_layouts(spec.dims, spec.src, rank.tp, rank.pp)
@@ -52,13 +94,16 @@ def _sender_main(spec: SyncSpec, rank: SrcRank, versions: list[int], dtype: torc
                 for n, t in params.items():
                     sender.params[n].copy_(t)
             stats = sender.sync(v)
+            if host_ipc:
+                stats["collects"] = HostIpcDouble.collects
             errq.put(("sent", rank, v, stats))
     except BaseException:  # noqa: BLE001
         errq.put(("error", rank, traceback.format_exc(), None))
 
 
-def _receiver_main(spec: SyncSpec, rank, versions: list[int], corrupt: bool, outq) -> None:
+def _receiver_main(spec: SyncSpec, rank, versions: list[int], corrupt: bool, outq, host_ipc: bool = False) -> None:
     try:
+        _use_host_ipc(host_ipc)
         recv = DdmaReceiver(spec, rank)
         if corrupt:  # a wrong landing: swap two copies' destinations in this worker's plan
             name = next(p for p in recv.layouts if "qkv_proj.weight" in p)
@@ -69,7 +114,8 @@ def _receiver_main(spec: SyncSpec, rank, versions: list[int], corrupt: bool, out
             got = {n: t.clone() for n, t in recv.receive(v)}
             buf = io.BytesIO()
             torch.save(got, buf)  # bytes, not shared-memory handles: this process exits next
-            outq.put(("got", rank, v, (buf.getvalue(), recv.last_stats)))
+            stats = dict(recv.last_stats, collects=HostIpcDouble.collects)
+            outq.put(("got", rank, v, (buf.getvalue(), stats)))
     except DdmaVerifyError as e:
         outq.put(("verify", rank, str(e), None))
     except BaseException:  # noqa: BLE001
@@ -77,17 +123,21 @@ def _receiver_main(spec: SyncSpec, rank, versions: list[int], corrupt: bool, out
 
 
 def _run(dims, src: TrainerTopology, dst: GeneratorTopology, *, transport="zero_copy", wire="engine",
-         engine_dtype="bfloat16", trainer_dtype=torch.float32, versions=(1, 2), corrupt=False, via="map"):
+         engine_dtype="bfloat16", trainer_dtype=torch.float32, versions=(1, 2), corrupt=False, via="map",
+         **spec_kw):
     store = host_store()
+    host_ipc = transport == "cuda_ipc"  # on CPU: the GPU-boundary double (HostIpcDouble)
     spec = SyncSpec(dims, src, dst, "127.0.0.1", store.port, transport=transport, wire=wire,
-                    engine_dtype=engine_dtype, timeout_s=TIMEOUT_S, zero_copy_via=via)
+                    engine_dtype=engine_dtype, timeout_s=TIMEOUT_S, zero_copy_via=via, **spec_kw)
     # forkserver, not fork: a process that already ran OpenMP-parallel torch ops (any earlier test)
     # must not fork (libgomp hangs in the child); the fork server is a fresh process.
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "megarl.ddma.sync", "tests.test_ddma_sync"])
     q = ctx.Queue()
-    procs = [ctx.Process(target=_sender_main, args=(spec, r, list(versions), trainer_dtype, q)) for r in src.ranks()]
-    procs += [ctx.Process(target=_receiver_main, args=(spec, r, list(versions), corrupt, q)) for r in dst.ranks()]
+    procs = [ctx.Process(target=_sender_main, args=(spec, r, list(versions), trainer_dtype, q, host_ipc))
+             for r in src.ranks()]
+    procs += [ctx.Process(target=_receiver_main, args=(spec, r, list(versions), corrupt, q, host_ipc))
+              for r in dst.ranks()]
     for p in procs:
         p.start()
     results = {}

@@ -53,7 +53,8 @@ def check(cfg: MegaRLConfig) -> list[str]:
     problems += t.problems() + g.problems(on_cpu=not cuda_expected(cfg.cluster.device))
     problems += cfg.algorithm.problems()
     problems += cfg.reward.problems(max_new_tokens=g.max_new_tokens)
-    problems += cfg.sync.problems(trainer_ranks=t.tp * t.pp * t.dp)
+    problems += cfg.sync.problems(trainer_ranks=t.tp * t.pp * t.dp, on_cuda=cuda_expected(cfg.cluster.device),
+                                  same_host=cfg.cluster.launcher == "local")
     for key, value in (("controller.steps", cfg.controller.steps),
                        ("controller.prompts_per_step", cfg.controller.prompts_per_step),
                        ("reward.workers", cfg.reward.workers)):

@@ -49,6 +49,7 @@ def run_job(cfg: MegaRLConfig) -> int:
     """Run the job described by ``cfg``; returns a process exit code."""
     _setup_logging()
     _select_device(cfg.cluster.device)
+    _announce_native(cfg.sync.native)
     from megarl.controller.weight_sync import WeightSync
 
     model_dir = resolve_model(cfg.model.path)
@@ -60,7 +61,7 @@ def run_job(cfg: MegaRLConfig) -> int:
         stack.enter_context(signals_raise())
         run = stack.enter_context(RunFolder(cfg, n_eval=len(prompts.held)))
         trainer, generator, reward = start_executors(cfg, stack, model_dir, devices, run)
-        weights = WeightSync(cfg.sync, trainer, generator, dims=model_dims(model_dir), generator_cfg=cfg.generator,
+        weights = WeightSync(resolved_sync(cfg), trainer, generator, dims=model_dims(model_dir), generator_cfg=cfg.generator,
                              probe_prompt=prompts.eval_set()[1][0], pad_id=prompts.pad_id)
         log.info("weight sync: %s", describe_sync(cfg))
         train(cfg, run, prompts, trainer, generator, reward, weights)
@@ -216,13 +217,42 @@ def model_dims(model_dir: Path) -> ModelDims:
     return ModelDims.from_hf_config(read_hf_config(model_dir))
 
 
+def resolved_sync(cfg: MegaRLConfig):
+    """``cfg.sync`` with ``transport`` resolved (auto / p2p -> the transport this job uses, megarl.ddma.transport)."""
+    import dataclasses
+
+    from megarl.config.validate import cuda_expected
+    from megarl.ddma.transport import choose_transport
+
+    device = "cuda" if cuda_expected(cfg.cluster.device) else "cpu"
+    return dataclasses.replace(cfg.sync, transport=choose_transport(
+        cfg.sync.transport, device=device, same_host=cfg.cluster.launcher == "local"))
+
+
 def describe_sync(cfg: MegaRLConfig) -> str:
     """One line for the log: how the weights travel and how often they are proven."""
     s = cfg.sync
     if s.method == "shm":
         return "full HF tensors through one shared-memory file (sync.method=shm)"
-    return (f"DDMA {s.transport}, wire {s.wire}, checksums every {s.verify_every or 'never'} sync(s), "
+    chosen = resolved_sync(cfg).transport
+    how = chosen if chosen == s.transport else f"{chosen} (sync.transport={s.transport})"
+    return (f"DDMA {how}, wire {s.wire}, checksums every {s.verify_every or 'never'} sync(s), "
             f"logprob probe every {s.probe_every or 'never'}")
+
+
+def _announce_native(mode: str) -> None:
+    """Without the C++ extension: one WARNING naming what runs in Python (sync.native=auto), or a
+    ConfigError (sync.native=required). Executor processes inherit the announcement and stay quiet."""
+    from megarl import native
+
+    message = native.fallback_message()
+    if message is None:
+        return
+    if mode == "required":
+        raise ConfigError([f"sync.native=required: {message.split('; these run')[0]}; build it with "
+                           f"{native.BUILD_HINT} or set sync.native=auto"])
+    log.warning(message)
+    native.mark_announced()
 
 
 def resolve_model(path: str) -> Path:

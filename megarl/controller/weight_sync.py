@@ -76,7 +76,7 @@ class DdmaPush:
         self.spec = SyncSpec(dims, trainer.topology(), GeneratorTopology(generator_cfg.tp, generator_cfg.replicas),
                              store_host, self._store.port, transport=cfg.transport, wire=cfg.wire,
                              engine_dtype=generator_cfg.dtype, verify_every=cfg.verify_every,
-                             timeout_s=cfg.timeout_s)
+                             timeout_s=cfg.timeout_s, bucket_bytes=cfg.bucket_mb << 20)
 
     def push(self, version: int) -> dict[str, float]:
         self.trainer.start_sync(self.spec, version)

@@ -2,11 +2,26 @@
 
 from __future__ import annotations
 
+import importlib.util
+import os
 from dataclasses import dataclass
 
+from megarl.ddma.transport.choice import TRANSPORT_CHOICES, transport_problem
 from megarl.utils.knobs import knob
 
 METHODS = ("ddma", "shm")
+NATIVE = ("auto", "required")
+
+
+def native_extension_present() -> bool:
+    """Whether megarl._C is there to load, found without importing it or torch (validation stays
+    light); ``megarl train`` imports it at start and a broken build is caught then."""
+    if os.environ.get("MEGARL_NO_NATIVE") == "1":
+        return False
+    try:
+        return importlib.util.find_spec("megarl._C") is not None
+    except (ImportError, ValueError):
+        return False
 
 
 @dataclass
@@ -15,9 +30,22 @@ class SyncConfig:
         "'ddma': every trainer rank sends its shards straight to the generator workers that need them "
         "(docs/ddma.md); 'shm': the old path, full HF tensors assembled by the trainer and pushed through "
         "one shared-memory file (single-rank trainer only). Default ddma."))
-    transport: str = knob("zero_copy", choices=("zero_copy", "p2p"), help=(
-        "DDMA transport: 'zero_copy' (same host: workers copy straight out of the trainer's shared memory) "
-        "or 'p2p' (gloo point-to-point, any host). Default zero_copy."))
+    transport: str = knob("auto", choices=TRANSPORT_CHOICES, help=(
+        "DDMA transport (megarl/ddma/transport/): 'auto' picks from where the bytes live and whether trainer and "
+        "generator share a host (same host: 'zero_copy' for host memory, 'cuda_ipc' for CUDA; other hosts: 'gloo' "
+        "on CPU, 'nccl' on CUDA). 'zero_copy': workers copy straight out of the trainer's shared memory; "
+        "'cuda_ipc': workers copy device-to-device out of the trainer's exported CUDA buffers; 'gloo' / 'nccl': "
+        "point-to-point over a DDMA process group of its own; 'p2p' = 'gloo' on CPU, 'nccl' on CUDA (the old "
+        "name). The sync log line names the choice. Default auto."))
+    bucket_mb: int = knob(256, help=(
+        "Memory budget of the nccl transport and of cuda_ipc's export buckets (MiB): nccl moves each group of "
+        "parameters in rounds of at most this many bytes per (sender, worker) pair, so a sender holds at most "
+        "this much per worker it feeds and a worker this much per sender (plus the parameters being landed); "
+        "cuda_ipc packs its converted wire buffers into buckets of this size, one IPC handle each. Default 256."))
+    native: str = knob("auto", choices=NATIVE, help=(
+        "The C++ extension megarl._C: 'auto' uses it when built and otherwise logs one WARNING at start naming "
+        "what runs in Python (planner, checksums, transport copies); 'required' makes a missing extension a "
+        "config error. Default auto."))
     wire: str = knob("engine", choices=("engine", "fp8"), help=(
         "DDMA bytes on the wire: 'engine' (the generator's dtype) or 'fp8' (e4m3 with per-row scales, "
         "quantized before sending: half the bytes of bf16; the engine re-quantizes on arrival). Default engine."))
@@ -33,8 +61,18 @@ class SyncConfig:
         "1e-3 float32, 0.25 bfloat16/float16, 1.0 with FP8 weights; see megarl/controller/weight_sync.py)."))
     timeout_s: float = knob(300.0, help="Longest wait of any sync step (seconds). Default 300.")
 
-    def problems(self, trainer_ranks: int) -> list[str]:
+    def problems(self, trainer_ranks: int, on_cuda: bool | None = None, same_host: bool = True) -> list[str]:
+        """Range checks, and (with ``on_cuda`` known) whether ``transport`` fits where the bytes live."""
         out = []
+        if self.native == "required" and not native_extension_present():
+            out.append("sync.native=required: the C++ extension megarl._C is not built; build it with `pip install "
+                       "--no-build-isolation --no-deps -e .` or set sync.native=auto (Python fallbacks, one warning)")
+        if self.method == "ddma" and on_cuda is not None:
+            problem = transport_problem(self.transport, device="cuda" if on_cuda else "cpu", same_host=same_host)
+            if problem:
+                out.append(problem)
+        if self.bucket_mb < 1:
+            out.append(f"sync.bucket_mb={self.bucket_mb}: must be >= 1 (MiB)")
         if self.method == "shm" and trainer_ranks > 1:
             out.append(f"sync.method=shm: needs a single-rank trainer (it assembles the whole model in one "
                        f"process); this trainer has {trainer_ranks} ranks: use sync.method=ddma")

@@ -67,6 +67,7 @@ No vLLM or Megatron imports here: DDMA senders run in the trainer.
 
 from __future__ import annotations
 
+import os
 import warnings
 
 import torch
@@ -84,7 +85,8 @@ _warned = False
 
 def _warn_fallback_once(reason: str) -> None:
     global _warned
-    if not _warned:
+    # `megarl train` already named this fallback in its one start-up warning (megarl.native)
+    if not _warned and os.environ.get(native.ANNOUNCED_ENV) != "1":
         _warned = True
         warnings.warn(
             f"{reason}; quantize_per_channel uses the slower pure-torch reference. Build the C++ "

@@ -7,10 +7,9 @@ topologies, where the rendezvous store is), so no plan travels. Per sync (one ``
 - **Sender** (:class:`DdmaSender`, one per trainer rank): converts its shards to the wire dtype
   (the engine's dtype; or FP8 e4m3 with per-row scales for 2-D weights, halving bytes), computes
   the verification checksums of what each destination will land, and publishes them in the
-  store. ``zero_copy``: it publishes its pid and the addresses of its wire tensors and waits until
-  every worker has read; the receivers pull their runs straight out of its memory
-  (process_vm_readv, :mod:`megarl.ddma.zero_copy`). ``p2p``: it sends one message per
-  (destination, parameter) over a gloo group of its own (a bounded window of messages in flight).
+  store; its transport (:mod:`megarl.ddma.transport`: ``zero_copy``, ``cuda_ipc``, ``gloo``,
+  ``nccl``) then moves or exposes the bytes. Wire tensors stay where the parameters are (CUDA
+  parameters give CUDA wire tensors; conversion buffers are allocated on that device, in buckets).
 - **Receiver** (:class:`DdmaReceiver`, one per vLLM worker): :meth:`DdmaReceiver.stream` yields
   ``(vllm_param_name, staging)`` one parameter at a time in vLLM's local layout. Each staging tensor
   is its own: vLLM's layerwise reload keeps a layer's tensors until the whole layer has arrived
@@ -23,10 +22,11 @@ topologies, where the rendezvous store is), so no plan travels. Per sync (one ``
   parameters that never landed. :meth:`DdmaReceiver.receive` does all three for a receiver without
   an engine (the staging tensors are then what lands).
 
-Rendezvous: a TCPStore (the controller hosts it: :func:`host_store`). The p2p group is a
-``ProcessGroupGloo`` built directly on that store, like vLLM's ``StatelessProcessGroup``, so
-neither the trainer's nor vLLM's own world is touched. Group ranks: trainer ranks first (sorted
-``SrcRank``), then generator workers (sorted ``DstRank``).
+Rendezvous: a TCPStore (the controller hosts it: :func:`host_store`). The gloo and nccl groups are
+built directly on that store, like vLLM's ``StatelessProcessGroup``, so neither the trainer's nor
+vLLM's own world is touched. Group ranks: trainer ranks first (sorted ``SrcRank``), then generator
+workers (sorted ``DstRank``). Checksums run where the data is (C++ on host tensors, torch ops on the
+device for CUDA tensors).
 """
 
 from __future__ import annotations
@@ -46,15 +46,15 @@ import torch
 from megarl.ddma.layouts import (DstRank, GeneratorTopology, SrcRank, TrainerTopology, source_rank_layouts,
                                  vllm_param_layouts)
 from megarl.ddma.plan import Copy, SyncPlan, plan_sync
-from megarl.ddma.verify import DdmaVerifyError, Segments, checksum_segments, hf_segments, run_indices
-from megarl.ddma.zero_copy import allow_readers, copy_runs, map_shared, read_runs, share
+from megarl.ddma.transport import TRANSPORTS, choose_transport, get_transport
+from megarl.ddma.transport.base import (FP8, DdmaTransportError, dequant, engine_dtype, gloo_group, is_fp8, key,
+                                        outgoing_by_param, plan_buckets, wait_keys)
+from megarl.ddma.verify import DdmaVerifyError, Segments, checksum_segments, hf_segments
 from megarl.models.layouts import ModelDims
 
 log = logging.getLogger(__name__)
 
-TRANSPORTS = ("zero_copy", "p2p")
 WIRES = ("engine", "fp8")
-FP8 = torch.float8_e4m3fn
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,24 +66,30 @@ class SyncSpec:
     dst: GeneratorTopology
     store_host: str
     store_port: int
-    transport: str = "zero_copy"   # "zero_copy" (same host: receivers read the senders' memory) | "p2p"
+    transport: str = "zero_copy"   # megarl.ddma.transport: zero_copy | cuda_ipc | gloo | nccl; the aliases
+                                   # "auto" / "p2p" resolve here for host memory on one host (megarl train
+                                   # resolves them first with the real device: controller/loop.py resolved_sync)
     wire: str = "engine"           # "engine": send in engine_dtype | "fp8": e4m3 + per-row scales (2-D weights)
     engine_dtype: str = "bfloat16"  # the dtype the engine loads (its model dtype)
     verify_every: int = 1          # checksum every k-th sync (version % k == 0); 0 = never
     timeout_s: float = 300.0       # every wait of a sync (store keys, peers)
-    window: int = 4                # p2p: messages in flight per sender (bounds its pack buffers)
+    window: int = 4                # gloo: messages in flight per sender (bounds its pack buffers)
     zero_copy_via: str = "map"     # zero_copy: "map" the senders' shared memory (memcpy), falling back to
                                    # "read" (process_vm_readv, no shared memory needed) per sender
+    bucket_bytes: int = 256 << 20  # nccl: bytes per pair per round and per parameter group; cuda_ipc and
+                                   # every sender: bucket size of converted wire buffers (sync.bucket_mb)
 
     def __post_init__(self):
+        if self.transport in ("auto", "p2p"):
+            object.__setattr__(self, "transport", choose_transport(self.transport, device="cpu", same_host=True))
         if self.transport not in TRANSPORTS:
-            raise ValueError(f"ddma transport {self.transport!r}: choose one of {TRANSPORTS}")
+            raise ValueError(f"ddma transport {self.transport!r}: choose one of {TRANSPORTS} (or auto, p2p)")
         if self.wire not in WIRES:
             raise ValueError(f"ddma wire {self.wire!r}: choose one of {WIRES}")
         if self.zero_copy_via not in ("map", "read"):
             raise ValueError(f"ddma zero_copy_via {self.zero_copy_via!r}: choose 'map' or 'read'")
-        if self.verify_every < 0 or self.window < 1 or self.timeout_s <= 0:
-            raise ValueError("ddma verify_every must be >= 0, window >= 1 and timeout_s > 0")
+        if self.verify_every < 0 or self.window < 1 or self.timeout_s <= 0 or self.bucket_bytes < 1:
+            raise ValueError("ddma verify_every must be >= 0, window >= 1, timeout_s > 0 and bucket_bytes >= 1")
 
     def weight_source(self, version: int) -> dict:
         """The generator's weight source for this sync (see megarl/generator/weights.py)."""
@@ -104,42 +110,10 @@ def _connect(spec: SyncSpec) -> torch.distributed.TCPStore:
 
 
 def _key(spec: SyncSpec, version: int, what: str) -> str:
-    return f"ddma/v{version}/{what}"
+    return key(version, what)
 
 
-def _engine_dtype(spec: SyncSpec) -> torch.dtype:
-    return getattr(torch, spec.engine_dtype)
-
-
-def _is_fp8(spec: SyncSpec, shape: tuple[int, ...]) -> bool:
-    return spec.wire == "fp8" and len(shape) == 2
-
-
-def _dequant(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The one dequantization both sides use (so checksums agree): float32 product, then cast."""
-    return (q.view(FP8).float() * scale).to(dtype)
-
-
-def gloo_group(store, rank: int, size: int, timeout_s: float, prefix: str = "ddma/gloo"):
-    """A gloo process group of its own, built directly on ``store`` (no global world touched)."""
-    from torch.distributed.distributed_c10d import ProcessGroupGloo
-
-    return ProcessGroupGloo(torch.distributed.PrefixStore(prefix, store), rank, size, timedelta(seconds=timeout_s))
-
-
-def _wait_keys(store, keys: list[str], what: str, timeout_s: float) -> None:
-    log.info("ddma: waiting for %s (timeout %.0f s)", what, timeout_s)
-    try:
-        store.wait(keys, timedelta(seconds=timeout_s))
-    except Exception as e:  # noqa: BLE001 - torch raises DistStoreError / RuntimeError
-        missing = [k for k in keys if not store.check([k])]
-        raise TimeoutError(f"ddma: timed out after {timeout_s:.0f} s waiting for {what}; "
-                           f"missing: {missing[:8]}") from e
-
-
-def _rows(c: Copy, cols: int) -> tuple[int, int]:
-    """First and one-past-last source row an FP8 copy's elements come from."""
-    return c.src_offset // cols, (c.src_offset + c.numel - 1) // cols + 1
+_engine_dtype, _is_fp8, _dequant, _wait_keys = engine_dtype, is_fp8, dequant, wait_keys  # older names
 
 
 class _Side:
@@ -149,7 +123,6 @@ class _Side:
         self.src_ranks = sorted(self.plan.src_shapes)
         self.dst_ranks = sorted(self.plan.dst_shapes)
         self.store = _connect(spec)
-        self._pg = None
         self.peak_bytes = 0  # the most extra bytes this side held at once during a sync
 
     def group_rank(self, rank: SrcRank | DstRank) -> int:
@@ -157,14 +130,10 @@ class _Side:
             return self.src_ranks.index(rank)
         return len(self.src_ranks) + self.dst_ranks.index(rank)
 
-    def pg(self, me: int):
-        if self._pg is None:
-            self._pg = gloo_group(self.store, me, len(self.src_ranks) + len(self.dst_ranks), self.spec.timeout_s)
-        return self._pg
-
 
 class DdmaSender(_Side):
-    """One trainer rank's side. ``params``: Megatron local parameter name -> tensor (live views)."""
+    """One trainer rank's side. ``params``: Megatron local parameter name -> tensor (live views,
+    host or CUDA: the wire stays on their device)."""
 
     def __init__(self, spec: SyncSpec, rank: SrcRank, params: Mapping[str, torch.Tensor]):
         super().__init__(spec)
@@ -188,64 +157,75 @@ class DdmaSender(_Side):
             for c in copies:
                 by_param[c.dst_param].append(c)
             self.outgoing += [(d, p, by_param[p]) for p in dst_order[d] if p in by_param]
-        if spec.transport == "zero_copy":
-            allow_readers()
+        self.transport = get_transport(spec.transport)(self)
+        self._bufs: dict[str, torch.Tensor] | None = None  # conversion buffers, allocated once, in buckets
 
     def sync(self, version: int) -> dict:
         """Send this rank's shards for weights ``version``; returns phase seconds and bytes."""
         spec, t0 = self.spec, time.perf_counter()
         wire, scales, extra = self._wire_tensors()
+        self.transport.check_wire(wire)
         t1 = time.perf_counter()
         sums = self._checksums(wire, scales) if spec.verifies(version) else {}
         t2 = time.perf_counter()
-        table: dict = {"sums": sums, "pid": os.getpid()}
-        if spec.transport == "zero_copy":  # where each wire tensor lives (shared memory + address)
-            table["params"] = {n: share(t) for n, t in wire.items()}
-            table["scales"] = {n: share(sc) for n, sc in scales.items()}
+        table: dict = {"sums": sums, "pid": os.getpid(), **self.transport.publish(wire, scales)}
         self.store.set(_key(spec, version, f"src{self.group_rank(self.rank)}"), pickle.dumps(table))
         sent = sum(c.numel * wire[c.src_param].element_size() for _, _, cs in self.outgoing for c in cs)
-        if spec.transport == "zero_copy":
-            done = [_key(spec, version, f"done{self.group_rank(d)}") for d in self.dst_ranks]
-            _wait_keys(self.store, done, f"{len(done)} generator worker(s) to read weights v{version} "
-                       f"from trainer rank {self.rank}", spec.timeout_s)
-        else:
-            extra = max(extra, extra + self._send_p2p(wire, scales))
+        extra += self.transport.send(version, wire, scales)
         t3 = time.perf_counter()
         self.peak_bytes = extra
         del wire, scales
         return {"quantize_s": t1 - t0, "verify_s": t2 - t1, "transfer_s": t3 - t2, "bytes_sent": sent,
-                "peak_extra_bytes": extra}
+                "peak_extra_bytes": extra, **self.transport.stats()}
+
+    def _conversions(self) -> list[tuple[str, int, torch.dtype]]:
+        """(buffer key, numel, dtype) of every conversion buffer this rank's wire needs."""
+        dtype, out = _engine_dtype(self.spec), []
+        for name, p in self.params.items():
+            if _is_fp8(self.spec, tuple(p.shape)):
+                out += [(name, p.numel(), torch.uint8), (name + "/scale", p.shape[0], torch.float32)]
+            elif not (p.dtype == dtype and p.is_contiguous()):
+                out.append((name, p.numel(), dtype))
+        return out
+
+    def _buffers(self) -> dict[str, torch.Tensor]:
+        """The conversion buffers, views into buckets of ``spec.bucket_bytes`` on the parameters' device
+        (one storage per bucket: one shared-memory file or one CUDA IPC handle each), made once."""
+        if self._bufs is None:
+            convs = self._conversions()
+            device = next(iter(self.params.values())).device if self.params else torch.device("cpu")
+            sizes = [n * dt.itemsize for _, n, dt in convs]
+            self._bufs = {}
+            for bucket in plan_buckets(sizes, self.spec.bucket_bytes):
+                end = max(off + sizes[i] for i, off in bucket)
+                store = torch.empty(end, dtype=torch.uint8, device=device)
+                for i, off in bucket:
+                    k, n, dt = convs[i]
+                    self._bufs[k] = store[off:off + sizes[i]].view(dt)
+        return self._bufs
 
     def _wire_tensors(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], int]:
         """Flat wire tensors (views of the parameters when no conversion is needed), FP8 scales,
-        and the bytes of the conversion buffers (kept across syncs: with zero-copy they sit in
-        shared memory, set up once)."""
+        and the bytes of the conversion buffers (kept across syncs, on the parameters' device)."""
         dtype, wire, scales, extra = _engine_dtype(self.spec), {}, {}, 0
-        bufs = self.__dict__.setdefault("_wire_bufs", {})
+        bufs = self._buffers()
         for name, p in self.params.items():
             p = p.detach()
             if _is_fp8(self.spec, tuple(p.shape)):
                 from megarl.ddma.quantize import VLLM_FP8_MIN_SCALE, quantize_per_channel
 
-                # vLLM's own scale floor: its re-quantization on arrival then reproduces our codes
+                # vLLM's own scale floor: its re-quantization on arrival then reproduces our codes.
+                # CUDA parameters go through the CUDA kernel (csrc/cuda/fp8_quant.cu) when built.
                 q, sc = quantize_per_channel(p, min_scale=VLLM_FP8_MIN_SCALE)
-                wire[name] = self._buffer(bufs, name, q.reshape(-1))
-                scales[name] = self._buffer(bufs, name + "/scale", sc.float().reshape(-1))
+                wire[name] = bufs[name].copy_(q.reshape(-1))
+                scales[name] = bufs[name + "/scale"].copy_(sc.float().reshape(-1))
                 extra += q.numel() + 4 * sc.numel()
             elif p.dtype == dtype and p.is_contiguous():
                 wire[name] = p.view(-1)
             else:
-                wire[name] = self._buffer(bufs, name, p.reshape(-1), dtype)
+                wire[name] = bufs[name].copy_(p.reshape(-1))
                 extra += wire[name].numel() * wire[name].element_size()
         return wire, scales, extra
-
-    @staticmethod
-    def _buffer(bufs: dict, key: str, values: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-        dtype = dtype or values.dtype
-        buf = bufs.get(key)
-        if buf is None or buf.numel() != values.numel() or buf.dtype != dtype:
-            buf = bufs[key] = torch.empty(values.numel(), dtype=dtype)
-        return buf.copy_(values)
 
     def _landed(self, name: str, wire: torch.Tensor, scales: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """The values a receiver lands for this parameter (FP8 dequantized as the receiver does)."""
@@ -277,49 +257,19 @@ class DdmaSender(_Side):
             sums[(j, hf_name)] = (sums[(j, hf_name)] + s) & 0xFFFFFFFFFFFFFFFF
         return dict(sums)
 
-    def _send_p2p(self, wire, scales) -> int:
-        pg = self.pg(self.group_rank(self.rank))
-        inflight: collections.deque = collections.deque()
-        held = peak = 0
-        for d, _, copies in self.outgoing:
-            parts = [wire[c.src_param][c.src_offset:c.src_offset + c.numel] for c in copies]
-            msg = [torch.cat(parts)]
-            if _is_fp8(self.spec, tuple(self.params[copies[0].src_param].shape)):
-                cols = self.params[copies[0].src_param].shape[1]
-                msg.append(torch.cat([scales[c.src_param][slice(*_rows(c, cols))] for c in copies]))
-            nbytes = sum(m.numel() * m.element_size() for m in msg)
-            works = [pg.send([m], self.group_rank(d), 0) for m in msg]
-            inflight.append((works, msg, nbytes))
-            held += nbytes
-            peak = max(peak, held)
-            while len(inflight) >= self.spec.window:
-                held -= self._finish(inflight.popleft())
-        while inflight:
-            held -= self._finish(inflight.popleft())
-        return peak
-
-    @staticmethod
-    def _finish(item) -> int:
-        works, _, nbytes = item
-        for w in works:
-            w.wait()
-        return nbytes
-
 
 class DdmaReceiver(_Side):
-    """One vLLM worker's side: :meth:`stream` yields its parameters, one staging tensor each."""
+    """One vLLM worker's side: :meth:`stream` yields its parameters, one staging tensor each, on
+    ``device`` (the engine's: CUDA staging for cuda_ipc / nccl)."""
 
-    def __init__(self, spec: SyncSpec, rank: DstRank):
+    def __init__(self, spec: SyncSpec, rank: DstRank, device: str | torch.device = "cpu"):
         super().__init__(spec)
         self.rank = rank
+        self.device = torch.device(device)
         self.layouts = vllm_param_layouts(spec.dims, spec.dst.tp, rank.tp, spec.dst.vocab_padding)
-        self.incoming: dict[str, list[tuple[SrcRank, list[Copy]]]] = {p: [] for p in self.layouts}
-        for s in self.src_ranks:
-            by_param: dict[str, list[Copy]] = collections.defaultdict(list)
-            for c in self.plan.pairs.get((s, rank), ()):
-                by_param[c.dst_param].append(c)
-            for p, cs in by_param.items():
-                self.incoming[p].append((s, cs))
+        self.incoming: dict[str, list[tuple[SrcRank, list[Copy]]]] = outgoing_by_param(self)
+        self.tables: dict[SrcRank, dict] = {}
+        self.transport = get_transport(spec.transport)(self)
         self.last_stats: dict = {}
 
     def receive(self, version: int) -> Iterator[tuple[str, torch.Tensor]]:
@@ -335,44 +285,41 @@ class DdmaReceiver(_Side):
         """Yield this worker's parameters for weights ``version`` (vLLM names, local layout), one
         new staging tensor each; the caller lands them, reports each through :meth:`check_landed`
         and ends with :meth:`verify_landed`."""
-        spec, me = self.spec, self.group_rank(self.rank)
+        spec = self.spec
         t0 = time.perf_counter()
         keys = [_key(spec, version, f"src{self.group_rank(s)}") for s in self.src_ranks]
         _wait_keys(self.store, keys, f"{len(keys)} trainer rank(s) to publish weights v{version}", spec.timeout_s)
         self.begin_landing({s: pickle.loads(self.store.get(k)) for s, k in zip(self.src_ranks, keys)})
-        dtype = _engine_dtype(spec)
         transfer = land = 0.0
         received = peak = 0
-        scale_cache: dict[tuple[SrcRank, str], torch.Tensor] = {}
-        for dparam, layout in self.layouts.items():
+        it = self.transport.receive_params(version)
+        while True:
             ta = time.perf_counter()
-            shape = layout.local_shape
-            numel = math.prod(shape)
-            padded = sum(c.numel for _, cs in self.incoming[dparam] for c in cs) < numel
-            # vocab padding rows: no sender writes them
-            staging = torch.zeros(shape, dtype=dtype) if padded else torch.empty(shape, dtype=dtype)
-            held = staging.numel() * staging.element_size()
-            for s, copies in self.incoming[dparam]:
-                held += self._land(staging.view(-1), s, copies, self._tables[s], scale_cache)
-                received += sum(c.numel for c in copies)
+            try:
+                dparam, staging, held, elements = next(it)
+            except StopIteration:
+                break
             peak = max(peak, held)
+            received += elements
             tb = time.perf_counter()
             transfer += tb - ta
             yield dparam, staging
             land += time.perf_counter() - tb
             del staging
-        self.store.set(_key(spec, version, f"done{me}"), b"1")
+        self.transport.ack(version)
         self.peak_bytes = peak
         self.last_stats = {"transfer_s": transfer, "verify_s": 0.0, "land_s": land,
                            "total_s": time.perf_counter() - t0, "elements_received": received,
-                           "peak_extra_bytes": peak}
+                           "peak_extra_bytes": peak, "transport": spec.transport, **self.transport.stats()}
 
     def begin_landing(self, tables: Mapping[SrcRank, dict]) -> None:
         """Start checking one sync's landing against the senders' published ``tables``."""
-        self._tables = dict(tables)
+        self.tables = dict(tables)
         self._landed: dict[str, dict[str, int]] = {}  # engine parameter -> its HF tensors' checksums
         self._unsent: set[str] = set()  # engine weights no layout covers
         self._verify_s = 0.0
+
+    _tables = property(lambda self: self.tables)
 
     def check_landed(self, name: str, landed: torch.Tensor) -> None:
         """Checksum parameter ``name`` as the engine holds it after landing (its local layout)."""
@@ -414,82 +361,6 @@ class DdmaReceiver(_Side):
         self._compare(sums, self._tables)
         self._verify_s += time.perf_counter() - t
         self.last_stats["verify_s"] = self._verify_s
-
-    def _pull(self, pid: int, entry: dict, src_off: torch.Tensor, dst_addr: torch.Tensor, nbytes: torch.Tensor) -> None:
-        """Copy runs (byte offsets in the sender's tensor ``entry``) to local addresses: memcpy out of
-        the sender's shared memory mapped here, or process_vm_readv where mapping is not allowed."""
-        maps = self.__dict__.setdefault("_maps", {})
-        key = (pid, entry["fd"], entry["key"])
-        if key not in maps:
-            maps[key] = map_shared(pid, entry["fd"], entry["size"]) if self.spec.zero_copy_via == "map" else None
-            if maps[key] is None and self.spec.zero_copy_via == "map":
-                log.warning("ddma: cannot map trainer pid %d's shared memory; reading with process_vm_readv", pid)
-        mapped = maps[key]
-        if mapped is not None:
-            copy_runs(src_off + (mapped.data_ptr() + entry["offset"]), dst_addr, nbytes)
-        else:
-            read_runs(pid, src_off + entry["ptr"], dst_addr, nbytes)
-
-    def _byte_runs(self, s: SrcRank, copies: list[Copy], es: int) -> tuple[torch.Tensor, ...]:
-        """(src byte offsets, dst byte offsets, byte counts) of these copies, computed once."""
-        cache = self.__dict__.setdefault("_byte_runs_cache", {})
-        key = (s, copies[0].dst_param, es)
-        if key not in cache:
-            cache[key] = tuple(torch.tensor([getattr(c, f) * es for c in copies], dtype=torch.int64)
-                               for f in ("src_offset", "dst_offset", "numel"))
-        return cache[key]
-
-    def _land(self, flat: torch.Tensor, s: SrcRank, copies: list[Copy], table: dict,
-              scale_cache: dict) -> int:
-        """Copy ``copies`` from trainer rank ``s`` into the staging tensor; returns scratch bytes."""
-        spec = self.spec
-        src_shape = self.plan.src_shapes[s][copies[0].src_param]
-        fp8 = _is_fp8(spec, tuple(src_shape))
-        es = 1 if fp8 else flat.element_size()
-        n = sum(c.numel for c in copies)
-        if spec.transport == "zero_copy":
-            entry = table["params"][copies[0].src_param]
-            if not fp8:
-                src_b, dst_b, n_b = self._byte_runs(s, copies, es)
-                self._pull(table["pid"], entry, src_b, dst_b + flat.data_ptr(), n_b)
-                return 0
-            buf = torch.empty(n, dtype=torch.uint8)
-            offs = torch.cumsum(torch.tensor([0] + [c.numel for c in copies[:-1]]), 0)
-            self._pull(table["pid"], entry, torch.tensor([c.src_offset for c in copies]), offs + buf.data_ptr(),
-                       torch.tensor([c.numel for c in copies]))
-            key = (s, copies[0].src_param)
-            if key not in scale_cache:
-                rows = src_shape[0]
-                sc = torch.empty(rows, dtype=torch.float32)
-                self._pull(table["pid"], table["scales"][key[1]], torch.zeros(1, dtype=torch.int64),
-                           torch.tensor([sc.data_ptr()]), torch.tensor([4 * rows]))
-                scale_cache[key] = sc
-            src_idx = run_indices([c.src_offset for c in copies], [c.numel for c in copies])
-            scale = scale_cache[key][src_idx // src_shape[1]]
-        else:
-            pg = self.pg(self.group_rank(self.rank))
-            buf = torch.empty(n, dtype=torch.uint8 if fp8 else flat.dtype)
-            pg.recv([buf], self.group_rank(s), 0).wait()
-            if not fp8:
-                off = 0
-                for c in copies:
-                    flat[c.dst_offset:c.dst_offset + c.numel].copy_(buf[off:off + c.numel])
-                    off += c.numel
-                return buf.numel() * es
-            cols = src_shape[1]
-            spans = [_rows(c, cols) for c in copies]
-            seg = torch.empty(sum(b - a for a, b in spans), dtype=torch.float32)
-            pg.recv([seg], self.group_rank(s), 0).wait()
-            # element -> index into seg: its source row, relative to its copy's first row, plus the
-            # copy's segment start
-            seg_start = torch.cumsum(torch.tensor([0] + [b - a for a, b in spans[:-1]]), 0)
-            lens = torch.tensor([c.numel for c in copies])
-            src_idx = run_indices([c.src_offset for c in copies], [c.numel for c in copies])
-            first_row = torch.repeat_interleave(torch.tensor([a for a, _ in spans]), lens)
-            scale = seg[src_idx // cols - first_row + torch.repeat_interleave(seg_start, lens)]
-        dst_idx = run_indices([c.dst_offset for c in copies], [c.numel for c in copies])
-        flat[dst_idx] = _dequant(buf, scale, flat.dtype)
-        return buf.numel() + 4 * scale.numel() + 8 * dst_idx.numel()
 
     def _checksum(self, flat: torch.Tensor, dparam: str, layout, sums: dict[str, int]) -> None:
         cache = self.__dict__.setdefault("_segs", {})
@@ -534,4 +405,5 @@ class DdmaReceiver(_Side):
             + (f" (and {len(bad) - 1} more tensor(s): {bad[1:4]})" if len(bad) > 1 else ""))
 
 
-__all__ = ["SyncSpec", "DdmaSender", "DdmaReceiver", "DdmaVerifyError", "host_store", "gloo_group", "TRANSPORTS", "WIRES"]
+__all__ = ["SyncSpec", "DdmaSender", "DdmaReceiver", "DdmaVerifyError", "DdmaTransportError", "host_store",
+           "gloo_group", "TRANSPORTS", "WIRES", "FP8"]

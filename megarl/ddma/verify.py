@@ -22,10 +22,7 @@ import torch
 
 from megarl.models.layouts import ParamLayout
 
-try:
-    from megarl import _C  # type: ignore[attr-defined]
-except ImportError:
-    _C = None
+from megarl.native import _C
 
 _W_MUL, _W_ADD, _MASK32 = 2654435761, 97, 0xFFFFFFFF
 
@@ -115,13 +112,26 @@ def hf_segments(layout: ParamLayout, hf_name: str, offsets: list[int], lengths: 
     return as_t(out_off), as_t(out_len), as_t(out_hf)
 
 
+def _run_indices_on(starts: torch.Tensor, lengths: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """:func:`run_indices` built on ``device`` from the (small) per-run tensors."""
+    starts, lengths = starts.to(device), lengths.to(device)
+    base = torch.repeat_interleave(starts - torch.cumsum(lengths, 0) + lengths, lengths)
+    return base + torch.arange(base.numel(), dtype=torch.int64, device=device)
+
+
 def checksum_segments(flat: torch.Tensor, segments: Segments) -> int:
-    """:func:`weighted_checksum` of ``flat``'s elements over ``segments`` (C++ when built)."""
+    """:func:`weighted_checksum` of ``flat``'s elements over ``segments``, where the data is: C++ for
+    host tensors when built, torch ops on the device for CUDA tensors (only the 8-byte result leaves
+    the device; the index tensors are built there from the per-segment starts and lengths)."""
     offs, lens, hfs = segments
-    if _C is not None and hasattr(_C, "weighted_checksum_segments"):
+    if flat.device.type == "cpu" and _C is not None and hasattr(_C, "weighted_checksum_segments"):
         return int(_C.weighted_checksum_segments(flat.contiguous(), offs, lens, hfs))
-    idx = run_indices(offs.tolist(), lens.tolist())
-    hf = run_indices(hfs.tolist(), lens.tolist())
+    if flat.device.type == "cpu":
+        idx = run_indices(offs.tolist(), lens.tolist())
+        hf = run_indices(hfs.tolist(), lens.tolist())
+    else:
+        idx, hf = _run_indices_on(offs, lens, flat.device), _run_indices_on(hfs, lens, flat.device)
+    # int64 products and sums wrap modulo 2**64 on every device: the same value as the C++ kernel
     return weighted_checksum(value_bits(flat.reshape(-1)[idx]), hf)
 
 

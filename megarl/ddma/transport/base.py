@@ -1,0 +1,194 @@
+"""The one small interface every DDMA transport implements, and what they share.
+
+A transport is made per side (:class:`megarl.ddma.sync.DdmaSender` or ``DdmaReceiver``, reached as
+``self.side``: its spec, plan, store, ranks) and moves one sync's bytes:
+
+- sender: :meth:`Transport.publish` adds what receivers need to the sender's store table (addresses,
+  handles), then :meth:`Transport.send` moves or exposes the bytes and returns only when no receiver
+  will read the sender's buffers again for this version (so the trainer may step / reuse them);
+- receiver: :meth:`Transport.receive_params` yields ``(param, staging, held_bytes, elements)`` one engine
+  parameter at a time in vLLM's local layout (each staging tensor its own), and :meth:`Transport.ack`
+  tells the senders this worker is done with their buffers.
+
+The default :meth:`Transport.receive_params` allocates a parameter's staging tensor and lands each
+sender's copies into it with :meth:`Transport.land`; a transport that moves several parameters at
+once (nccl) overrides it.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import math
+from collections.abc import Iterator
+from datetime import timedelta
+
+import torch
+
+from megarl.ddma.plan import Copy
+from megarl.ddma.verify import run_indices
+
+log = logging.getLogger("megarl.ddma")
+
+FP8 = torch.float8_e4m3fn
+ALIGN = 256  # bytes: every tensor placed in a bucket starts on a 256-byte boundary (CUDA allocations do)
+
+
+class DdmaTransportError(RuntimeError):
+    """A transport cannot run here (permissions, devices); the message names the fallback to set."""
+
+
+def key(version: int, what: str) -> str:
+    return f"ddma/v{version}/{what}"
+
+
+def engine_dtype(spec) -> torch.dtype:
+    return getattr(torch, spec.engine_dtype)
+
+
+def is_fp8(spec, shape: tuple[int, ...]) -> bool:
+    return spec.wire == "fp8" and len(shape) == 2
+
+
+def dequant(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The one dequantization both sides use (so checksums agree): float32 product, then cast."""
+    return (q.view(FP8).float() * scale).to(dtype)
+
+
+def rows_of(c: Copy, cols: int) -> tuple[int, int]:
+    """First and one-past-last source row an FP8 copy's elements come from."""
+    return c.src_offset // cols, (c.src_offset + c.numel - 1) // cols + 1
+
+
+def wait_keys(store, keys: list[str], what: str, timeout_s: float) -> None:
+    log.info("ddma: waiting for %s (timeout %.0f s)", what, timeout_s)
+    try:
+        store.wait(keys, timedelta(seconds=timeout_s))
+    except Exception as e:  # noqa: BLE001 - torch raises DistStoreError / RuntimeError
+        missing = [k for k in keys if not store.check([k])]
+        raise TimeoutError(f"ddma: timed out after {timeout_s:.0f} s waiting for {what}; "
+                           f"missing: {missing[:8]}") from e
+
+
+def gloo_group(store, rank: int, size: int, timeout_s: float, prefix: str = "ddma/gloo"):
+    """A gloo process group of its own, built directly on ``store`` (no global world touched)."""
+    from torch.distributed.distributed_c10d import ProcessGroupGloo
+
+    return ProcessGroupGloo(torch.distributed.PrefixStore(prefix, store), rank, size, timedelta(seconds=timeout_s))
+
+
+def land_fp8(flat: torch.Tensor, copies: list[Copy], cols: int, codes: torch.Tensor, scale_seg: torch.Tensor) -> int:
+    """Dequantize one sender's FP8 message for one parameter into ``flat``: ``codes`` uint8 (the
+    copies' elements, concatenated), ``scale_seg`` float32 (each copy's source-row span of scales,
+    concatenated). Returns the scratch bytes used. Runs on ``flat``'s device."""
+    dev = flat.device
+    spans = [rows_of(c, cols) for c in copies]
+    # element -> index into scale_seg: its source row, relative to its copy's first row, plus the
+    # copy's segment start
+    seg_start = torch.cumsum(torch.tensor([0] + [b - a for a, b in spans[:-1]]), 0)
+    lens = torch.tensor([c.numel for c in copies])
+    src_idx = run_indices([c.src_offset for c in copies], [c.numel for c in copies])
+    first_row = torch.repeat_interleave(torch.tensor([a for a, _ in spans]), lens)
+    scale = scale_seg[(src_idx // cols - first_row + torch.repeat_interleave(seg_start, lens)).to(dev)]
+    dst_idx = run_indices([c.dst_offset for c in copies], [c.numel for c in copies]).to(dev)
+    flat[dst_idx] = dequant(codes, scale, flat.dtype)
+    return codes.numel() + 4 * scale.numel() + 8 * dst_idx.numel()
+
+
+def plan_buckets(sizes: list[int], budget: int, align: int = ALIGN) -> list[list[tuple[int, int]]]:
+    """Pack tensors of ``sizes`` bytes, in order, into buckets of at most ``budget`` bytes (a tensor
+    larger than the budget gets a bucket of its own). Returns, per bucket, ``(index, byte offset)`` of
+    each tensor it holds; offsets are multiples of ``align``."""
+    if budget < 1:
+        raise ValueError(f"bucket budget must be >= 1 byte, got {budget}")
+    buckets: list[list[tuple[int, int]]] = []
+    used = budget + 1  # forces a first bucket
+    for i, n in enumerate(sizes):
+        start = -(-used // align) * align
+        if not buckets or start + n > budget:
+            buckets.append([])
+            start = 0
+        buckets[-1].append((i, start))
+        used = start + n
+    return buckets
+
+
+class Transport:
+    """One side's transport for one :class:`~megarl.ddma.sync.SyncSpec` (see the module docstring)."""
+
+    name = "base"
+    moves = "cpu"  # the device whose memory it moves: "cpu" or "cuda"
+
+    def __init__(self, side):
+        self.side = side
+        self.spec = side.spec
+
+    # -- sender ---------------------------------------------------------------------------------
+    def check_wire(self, wire: dict[str, torch.Tensor]) -> None:
+        """Refuse wire tensors on a device this transport cannot move (names the transport to set)."""
+        for name, t in wire.items():
+            if t.device.type != self.moves:
+                if t.device.type not in ("cpu", "cuda"):
+                    raise DdmaTransportError(f"ddma: {name} is on {t.device}; DDMA moves host or CUDA memory")
+                fit = {"cpu": "zero_copy (same host) or gloo", "cuda": "cuda_ipc (same host) or nccl"}[t.device.type]
+                raise DdmaTransportError(f"ddma transport {self.name} moves {self.moves} memory but {name} is on "
+                                         f"{t.device}: use sync.transport=auto or {fit}")
+
+    def publish(self, wire: dict[str, torch.Tensor], scales: dict[str, torch.Tensor]) -> dict:
+        return {}
+
+    def stats(self) -> dict:
+        """Transport-specific counters of the last sync (merged into the side's stats)."""
+        return {}
+
+    def send(self, version: int, wire: dict[str, torch.Tensor], scales: dict[str, torch.Tensor]) -> int:
+        """Move this sender's bytes for ``version``; returns the most scratch bytes held at once."""
+        raise NotImplementedError
+
+    def wait_acks(self, version: int) -> None:
+        """Return once every generator worker acknowledged ``version`` (its reads of our buffers are done)."""
+        side = self.side
+        done = [key(version, f"done{side.group_rank(d)}") for d in side.dst_ranks]
+        wait_keys(side.store, done, f"{len(done)} generator worker(s) to read weights v{version} from trainer "
+                  f"rank {side.rank}", self.spec.timeout_s)
+
+    # -- receiver -------------------------------------------------------------------------------
+    def receive_params(self, version: int) -> Iterator[tuple[str, torch.Tensor, int, int]]:
+        side = self.side
+        dtype, scale_cache = engine_dtype(self.spec), {}
+        for dparam, layout in side.layouts.items():
+            shape = layout.local_shape
+            incoming = side.incoming[dparam]
+            elements = sum(c.numel for _, cs in incoming for c in cs)
+            # vocab padding rows: no sender writes them
+            alloc = torch.zeros if elements < math.prod(shape) else torch.empty
+            staging = alloc(shape, dtype=dtype, device=side.device)
+            held = staging.numel() * staging.element_size()
+            for s, copies in incoming:
+                held += self.land(staging.view(-1), s, copies, side.tables[s], scale_cache)
+            yield dparam, staging, held, elements
+
+    def land(self, flat: torch.Tensor, s, copies: list[Copy], table: dict, scale_cache: dict) -> int:
+        """Copy ``copies`` from trainer rank ``s`` into ``flat``; returns scratch bytes."""
+        raise NotImplementedError
+
+    def ack(self, version: int) -> None:
+        """This worker is done reading the senders' buffers for ``version``."""
+        side = self.side
+        side.store.set(key(version, f"done{side.group_rank(side.rank)}"), b"1")
+
+
+def outgoing_by_param(side) -> dict:
+    """Receiver side: ``{dst_param: [(src_rank, copies)]}`` in sender order (from the plan)."""
+    incoming: dict[str, list] = {p: [] for p in side.layouts}
+    for s in side.src_ranks:
+        by_param: dict[str, list[Copy]] = collections.defaultdict(list)
+        for c in side.plan.pairs.get((s, side.rank), ()):
+            by_param[c.dst_param].append(c)
+        for p, cs in by_param.items():
+            incoming[p].append((s, cs))
+    return incoming
+
+
+__all__ = ["Transport", "DdmaTransportError", "FP8", "key", "engine_dtype", "is_fp8", "dequant", "rows_of",
+           "wait_keys", "gloo_group", "land_fp8", "plan_buckets"]

@@ -1,0 +1,69 @@
+"""Which DDMA transport a sync uses: one pure function of where the bytes live and where the peers run.
+
+No torch import (config validation calls it before anything starts). The cluster launcher calls
+:func:`choose_transport` for multi-node jobs; ``megarl train`` calls it for local ones.
+"""
+
+from __future__ import annotations
+
+TRANSPORTS = ("zero_copy", "cuda_ipc", "gloo", "nccl")
+ALIASES = ("auto", "p2p")
+TRANSPORT_CHOICES = ALIASES + TRANSPORTS
+DEVICES = ("cpu", "cuda")
+
+_NEEDS = {  # transport -> (device it moves, needs a shared host)
+    "zero_copy": ("cpu", True),
+    "cuda_ipc": ("cuda", True),
+    "gloo": ("cpu", False),
+    "nccl": ("cuda", False),
+}
+
+
+def choose_transport(requested: str = "auto", *, device: str, same_host: bool) -> str:
+    """The DDMA transport for one job.
+
+    Args:
+        requested: ``sync.transport`` as configured: ``"auto"`` (pick), ``"p2p"`` (the old name for
+            point-to-point: gloo or nccl by device), or a transport name, returned unchanged (check it
+            with :func:`transport_problem`).
+        device: where the trainer's wire tensors and the engine's parameters live: ``"cpu"`` (host
+            memory) or ``"cuda"``.
+        same_host: whether every trainer rank shares a host with every generator worker it sends to
+            (a local job: yes; trainer and generator pools on different Slurm nodes: no).
+
+    Returns one of ``zero_copy`` (same host, host memory), ``cuda_ipc`` (same host, CUDA),
+    ``gloo`` (other host, host memory) or ``nccl`` (other host, CUDA).
+    """
+    if device not in DEVICES:
+        raise ValueError(f"choose_transport: device {device!r}: choose one of {DEVICES}")
+    if requested == "auto":
+        if same_host:
+            return "zero_copy" if device == "cpu" else "cuda_ipc"
+        return "gloo" if device == "cpu" else "nccl"
+    if requested == "p2p":
+        return "gloo" if device == "cpu" else "nccl"
+    if requested not in TRANSPORTS:
+        raise ValueError(f"ddma transport {requested!r}: choose one of {TRANSPORT_CHOICES}")
+    return requested
+
+
+def transport_problem(requested: str, *, device: str, same_host: bool) -> str | None:
+    """Why ``requested`` cannot run with bytes on ``device`` (``same_host`` as in
+    :func:`choose_transport`), as a config error naming what to set; None when it can."""
+    if requested not in TRANSPORT_CHOICES:
+        return f"sync.transport={requested!r}: choose one of {', '.join(TRANSPORT_CHOICES)}"
+    if requested in ALIASES:
+        return None
+    want_device, want_same_host = _NEEDS[requested]
+    fits = choose_transport("auto", device=device, same_host=same_host)
+    where = f"{'CUDA' if device == 'cuda' else 'CPU'} run{'' if same_host else ' across hosts'}"
+    if want_device != device:
+        return (f"sync.transport={requested} moves {'CUDA' if want_device == 'cuda' else 'host'} memory, but this is "
+                f"a {where}: set sync.transport=auto (picks {fits}) or sync.transport={fits}")
+    if want_same_host and not same_host:
+        return (f"sync.transport={requested} reads the trainer's memory from the same host, but trainer and "
+                f"generator are on different hosts: set sync.transport=auto (picks {fits}) or sync.transport={fits}")
+    return None
+
+
+__all__ = ["TRANSPORTS", "TRANSPORT_CHOICES", "choose_transport", "transport_problem"]

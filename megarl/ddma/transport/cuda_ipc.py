@@ -1,0 +1,229 @@
+"""The ``cuda_ipc`` transport (same host, CUDA): workers copy device-to-device out of the trainer's
+exported CUDA buffers. No host memory on the path.
+
+Designed against the failures peers hit with CUDA IPC weight sync:
+
+- **A reused sender buffer raced the receiver's copy** (slime #929, #2220). The sender synchronizes
+  its stream before publishing (its conversion kernels are done when a worker reads), and returns
+  from :meth:`CudaIpcTransport.send` only after every worker acknowledged the version; a worker
+  acknowledges only after synchronizing its own stream (its copies are done). The trainer steps, and
+  the sender rewrites its buffers, only after that.
+- **IPC handles pinned memory until ``torch.cuda.ipc_collect()``** (slime PR #1731, miles PR #3147):
+  handles are exported **once per topology** and again only when a storage changes
+  (:class:`ExportCache`), workers keep what they opened (:class:`OpenCache`), and both sides call
+  ``ipc_collect`` after every sync. ``tools/gpu_ddma_ipc.py`` measures device memory flat over N syncs.
+- **One handle per tensor was 4x slower than flattened buckets** (vime #175): one handle per
+  storage. Converted wire tensors (another dtype, FP8 codes and scales) live in buckets of
+  ``spec.bucket_bytes`` (:func:`megarl.ddma.transport.base.plan_buckets`); same-dtype wire tensors are
+  views of the trainer's parameters and share their storages (one handle per storage).
+- **Containers without ptrace permission cannot open IPC handles** (NeMo-RL #2293): a failed open is
+  explained (:func:`explain_open_failure` probes ``pidfd_getfd`` on the sender, the permission
+  torch's expandable-segment IPC needs) and names the fallback, ``sync.transport=nccl``.
+
+The CUDA calls sit behind :class:`CudaIpcOps` (export, open, synchronize, collect); everything else
+(bucketing, the handle caches, the acknowledgement protocol, run copies) is plain torch and runs in
+the CPU test suite with a host-memory stand-in for those four calls (tests/test_ddma_transport.py,
+named there as the GPU-boundary double).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+
+import torch
+
+from megarl.ddma.transport.base import DdmaTransportError, Transport, is_fp8, land_fp8, log, rows_of
+
+_SYS_PIDFD_OPEN, _SYS_PIDFD_GETFD = 434, 438  # x86_64 and aarch64 share these numbers
+MANY_RUNS = 16  # above this many runs per (sender, parameter) one indexed gather beats per-run copies
+
+
+class CudaIpcOps:
+    """The four CUDA calls the transport makes (the GPU-only boundary)."""
+
+    device_type = "cuda"  # the memory its handles share
+
+    def export(self, storage_bytes: torch.Tensor):
+        """A picklable handle of a CUDA uint8 tensor spanning one whole storage."""
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        return reduce_tensor(storage_bytes)
+
+    def open(self, handle) -> torch.Tensor:
+        fn, args = handle
+        return fn(*args)
+
+    def synchronize(self) -> None:
+        torch.cuda.current_stream().synchronize()
+
+    def collect(self) -> None:
+        torch.cuda.ipc_collect()
+
+
+IPC_OPS: CudaIpcOps = CudaIpcOps()  # the tests swap in their host-memory double
+
+
+def storage_key(t: torch.Tensor) -> str:
+    s = t.untyped_storage()
+    return f"{t.device}:{s.data_ptr():x}:{s.nbytes()}"
+
+
+class ExportCache:
+    """Sender side: one exported handle per storage, exported once and again only when the storage
+    behind a wire tensor changes (a new allocation). ``exports`` counts real exports."""
+
+    def __init__(self, ops: CudaIpcOps):
+        self.ops = ops
+        self.handles: dict[str, object] = {}
+        self.exports = 0
+
+    def table(self, tensors: dict[str, torch.Tensor]) -> dict:
+        """``{"buckets": {storage key: handle}, "where": {name: (storage key, byte offset)}}``."""
+        where, live = {}, {}
+        for name, t in tensors.items():
+            k = storage_key(t)
+            if k not in self.handles:
+                s = t.untyped_storage()
+                whole = torch.empty(0, dtype=torch.uint8, device=t.device).set_(s, 0, (s.nbytes(),), (1,))
+                handle = self.ops.export(whole)
+                k = storage_key(t)  # the same key on CUDA; a host double may move the storage into shm
+                self.handles[k] = handle
+                self.exports += 1
+            live[k] = self.handles[k]
+            where[name] = (k, t.data_ptr() - t.untyped_storage().data_ptr())
+        for k in set(self.handles) - set(live):  # storages no wire tensor uses any more
+            del self.handles[k]
+        return {"buckets": live, "where": where}
+
+
+class OpenCache:
+    """Worker side: each sender storage opened once; reopened only when its key's handle changes."""
+
+    def __init__(self, ops: CudaIpcOps):
+        self.ops = ops
+        self.opened: dict[tuple[int, str], torch.Tensor] = {}
+        self.opens = 0
+
+    def get(self, pid: int, k: str, handle) -> torch.Tensor:
+        if (pid, k) not in self.opened:
+            try:
+                self.opened[(pid, k)] = self.ops.open(handle)
+            except Exception as e:  # noqa: BLE001 - CUDA raises RuntimeError with many causes
+                raise DdmaTransportError(explain_open_failure(pid, e)) from e
+            self.opens += 1
+        return self.opened[(pid, k)]
+
+    def keep_only(self, live: set[tuple[int, str]]) -> None:
+        for k in set(self.opened) - live:
+            del self.opened[k]
+
+
+def ptrace_permitted(pid: int) -> bool | None:
+    """Whether this process may take file descriptors from ``pid`` (``pidfd_getfd``: the ptrace
+    permission torch's CUDA IPC of expandable segments needs); None where the kernel lacks the call."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    pidfd = libc.syscall(_SYS_PIDFD_OPEN, pid, 0)
+    if pidfd < 0:
+        return None if ctypes.get_errno() == errno.ENOSYS else False
+    try:
+        fd = libc.syscall(_SYS_PIDFD_GETFD, pidfd, 0, 0)  # the peer's fd 0 (always open)
+        if fd < 0:
+            err = ctypes.get_errno()
+            return None if err == errno.ENOSYS else (False if err in (errno.EPERM, errno.EACCES) else None)
+        os.close(fd)
+        return True
+    finally:
+        os.close(pidfd)
+
+
+def explain_open_failure(pid: int, error: BaseException) -> str:
+    """The error a worker raises when it cannot open trainer ``pid``'s CUDA IPC handle."""
+    why = {False: "this process may not ptrace trainer pid {pid} (no CAP_SYS_PTRACE, or Yama ptrace_scope / a "
+                  "seccomp profile forbids pidfd_getfd), which CUDA IPC needs in containers",
+           None: "the kernel did not say whether ptrace is allowed; CUDA IPC also needs both processes to see "
+                 "the same GPU and share the IPC namespace",
+           True: "ptrace is allowed, so the cause is elsewhere: both processes must see the same GPU "
+                 "(CUDA_VISIBLE_DEVICES) and share the IPC namespace (docker --ipc=host)"}[ptrace_permitted(pid)]
+    return (f"ddma cuda_ipc: cannot open trainer pid {pid}'s CUDA IPC handle ({type(error).__name__}: {error}); "
+            f"{why.format(pid=pid)}. Fallback: set sync.transport=nccl (point-to-point, no IPC handles), or "
+            f"grant ptrace (docker --cap-add=SYS_PTRACE --ipc=host)")
+
+
+class CudaIpcTransport(Transport):
+    name, moves = "cuda_ipc", "cuda"
+
+    def __init__(self, side, ops: CudaIpcOps | None = None):
+        super().__init__(side)
+        self.ops = ops or IPC_OPS
+        self.exports = ExportCache(self.ops)
+        self.opens = OpenCache(self.ops)
+        self._index_cache: dict = {}
+
+    def check_wire(self, wire) -> None:
+        self.moves = self.ops.device_type
+        super().check_wire(wire)
+
+    def stats(self) -> dict:
+        return {"ipc_exports": self.exports.exports, "ipc_opens": self.opens.opens}
+
+    # -- sender ---------------------------------------------------------------------------------
+    def publish(self, wire, scales) -> dict:
+        self.ops.synchronize()  # conversions done before any worker reads (no stream order across processes)
+        table = self.exports.table({**{("w", n): t for n, t in wire.items()},
+                                    **{("s", n): t for n, t in scales.items()}})
+        return {"ipc": table, "dtypes": {n: str(t.dtype).removeprefix("torch.") for n, t in wire.items()}}
+
+    def send(self, version, wire, scales) -> int:
+        self.wait_acks(version)  # nobody reads our buffers any more: the trainer may step
+        self.ops.collect()
+        return 0
+
+    # -- receiver -------------------------------------------------------------------------------
+    def _source(self, table: dict, kind: str, name: str, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        k, off = table["ipc"]["where"][(kind, name)]
+        whole = self.opens.get(table["pid"], k, table["ipc"]["buckets"][k])
+        return whole[off:off + numel * dtype.itemsize].view(dtype)
+
+    def _indices(self, s, copies, device) -> tuple[torch.Tensor, torch.Tensor]:
+        from megarl.ddma.verify import run_indices
+
+        k = (s, copies[0].dst_param, str(device))
+        if k not in self._index_cache:
+            self._index_cache[k] = tuple(run_indices([getattr(c, f) for c in copies], [c.numel for c in copies]).to(device)
+                                         for f in ("src_offset", "dst_offset"))
+        return self._index_cache[k]
+
+    def land(self, flat, s, copies, table, scale_cache) -> int:
+        src_shape = tuple(self.side.plan.src_shapes[s][copies[0].src_param])
+        numel = 1
+        for n in src_shape:
+            numel *= n
+        name = copies[0].src_param
+        if not is_fp8(self.spec, src_shape):
+            src = self._source(table, "w", name, flat.dtype, numel).to(flat.device, non_blocking=True)
+            if len(copies) <= MANY_RUNS:
+                for c in copies:
+                    flat[c.dst_offset:c.dst_offset + c.numel].copy_(src[c.src_offset:c.src_offset + c.numel])
+                return 0
+            src_idx, dst_idx = self._indices(s, copies, flat.device)
+            flat[dst_idx] = src[src_idx]
+            return 16 * src_idx.numel()
+        codes_all = self._source(table, "w", name, torch.uint8, numel).to(flat.device)
+        scales_all = self._source(table, "s", name, torch.float32, src_shape[0]).to(flat.device)
+        src_idx, _ = self._indices(s, copies, flat.device)
+        codes = codes_all[src_idx]
+        seg = torch.cat([scales_all[slice(*rows_of(c, src_shape[1]))] for c in copies])
+        return land_fp8(flat, copies, src_shape[1], codes, seg) + 16 * src_idx.numel()
+
+    def ack(self, version: int) -> None:
+        self.ops.synchronize()  # our copies out of the senders' buffers are done
+        super().ack(version)
+        live = {(t["pid"], k) for t in self.side.tables.values() for k in t["ipc"]["buckets"]}
+        self.opens.keep_only(live)
+        self.ops.collect()
+
+
+__all__ = ["CudaIpcTransport", "CudaIpcOps", "ExportCache", "OpenCache", "IPC_OPS", "ptrace_permitted",
+           "explain_open_failure", "storage_key"]
