@@ -62,10 +62,11 @@ def _quantize(lib, x: torch.Tensor, min_scale: float = 1e-12):
 
 
 def _reference(x: torch.Tensor, min_scale: float = 1e-12):
-    scales = (x.float().abs().amax(dim=1) / FP8_E4M3_MAX).clamp_min(min_scale)
-    inv = 1.0 / scales
-    q = (x.float() * inv[:, None]).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
-    return q, scales
+    """megarl/ddma/quantize.py's torch reference, on x's device (true float32 divisions)."""
+    from megarl.ddma.quantize import quantize_per_channel_ref
+
+    q, scales = quantize_per_channel_ref(x, min_scale)
+    return q.view(torch.float8_e4m3fn), scales
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])

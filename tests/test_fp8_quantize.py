@@ -299,25 +299,36 @@ def test_fallback_warns_once_and_matches(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_cuda_path(dtype):
-    """On CUDA tensors: the CUDA kernel when built (it multiplies by 1/scale; see the module
-    docstring), else the torch reference; codes may differ from the CPU division only where the
-    quotient sits within a float32 ulp of a rounding midpoint."""
-    x = _rows(dtype, 64, 4096, seed=8)
-    q, scales = quantize_per_channel(x.cuda())
-    assert q.is_cuda and q.dtype == torch.uint8
-    ref_q, ref_scales = quantize_per_channel_ref(x)
-    assert torch.equal(scales.cpu(), ref_scales)
-    differ = q.cpu() != ref_q
-    # about 3e-4 for bf16 when x * (1 / scale) is used (module docstring): allow 10x that, and
-    # only ever a one-step difference (neighbouring codes of the same sign)
-    assert differ.float().mean() < 3e-3
-    assert ((q.cpu()[differ].int() - ref_q[differ].int()).abs() == 1).all()
+def test_cuda_kernel_matches_torch_reference_bit_for_bit(dtype):
+    """The bound CUDA kernel (csrc/cuda/fp8_quant.cu via megarl._C.fp8_e4m3_quantize_rows_cuda, what
+    quantize_per_channel and the DDMA sender call on CUDA tensors) equals the torch reference bit for
+    bit, e4m3 codes and scales, against the reference run on the GPU and on the CPU (both divide
+    truly in float32). Rows span six decades, one is all zero (min_scale), one is a strided view."""
+    fn = native.native_function("fp8_e4m3_quantize_rows_cuda")
+    if fn is None:
+        assert os.environ.get("MEGARL_REQUIRE_NATIVE") != "1", "megarl._C was built without its CUDA kernels"
+        pytest.skip("megarl._C built without CUDA kernels")
+    for rows, cols in ((64, 4096), (37, 255), (5, 1)):
+        x = _rows(dtype, rows, cols, seed=8 + cols)
+        x[1] = 0
+        for min_scale in (1e-12, VLLM_FP8_MIN_SCALE):
+            q, scales = quantize_per_channel(x.cuda(), min_scale)
+            assert q.is_cuda and q.dtype == torch.uint8
+            raw_q, raw_scales = fn(x.cuda(), min_scale)  # the binding itself
+            assert torch.equal(raw_q, q) and torch.equal(raw_scales, scales)
+            for ref_q, ref_scales in (quantize_per_channel_ref(x.cuda(), min_scale), quantize_per_channel_ref(x, min_scale)):
+                assert torch.equal(scales.cpu(), ref_scales.cpu())
+                assert torch.equal(q.cpu(), ref_q.cpu())
+    wide = _rows(dtype, 16, 700, seed=3).cuda()
+    view = wide[:, 100:612]  # row stride 700, 512 used
+    q, scales = quantize_per_channel(view)
+    ref_q, ref_scales = quantize_per_channel_ref(view.contiguous().cpu())
+    assert torch.equal(q.cpu(), ref_q) and torch.equal(scales.cpu(), ref_scales)
     out = dequantize_per_channel(q, scales, torch.bfloat16)
     assert torch.equal(out.cpu(), dequantize_per_channel_ref(q.cpu(), scales.cpu(), torch.bfloat16))
     bad = x.cuda()
-    bad[7, 3] = float("nan")
-    with pytest.raises(ValueError, match="row 7 contains inf or NaN"):
+    bad[3, 0] = float("nan")
+    with pytest.raises(ValueError, match="row 3 contains inf or NaN"):
         quantize_per_channel(bad)
 
 

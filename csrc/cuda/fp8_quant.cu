@@ -61,13 +61,14 @@ __global__ void __launch_bounds__(kThreadsPerBlock)
   }
   absmax = block_max(absmax);
 
+  // IEEE float32 divisions (nvcc's default -prec-div=true; never build with --use_fast_math), as
+  // megarl/ddma/quantize.py's torch reference does on every device: bit-identical codes and scales.
   const float scale = fmaxf(absmax / MEGARL_FP8_E4M3_MAX, min_scale);
-  const float inv_scale = 1.0f / scale;
   if (threadIdx.x == 0) scales[row] = scale;
   for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
     // The float constructor rounds to nearest even and saturates to +-448 (__NV_SATFINITE), so
-    // x * inv_scale landing a hair above 448 through rounding cannot become NaN.
-    q[c] = __nv_fp8_e4m3(to_float(x[c]) * inv_scale);
+    // x / scale landing a hair above 448 through rounding cannot become NaN.
+    q[c] = __nv_fp8_e4m3(to_float(x[c]) / scale);
   }
 }
 

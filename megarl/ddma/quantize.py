@@ -53,14 +53,14 @@ true division on purpose, as here). That is our formula except the floor: vLLM c
   and nothing is lost: vLLM would apply that floor on receipt anyway.
 
 On CUDA tensors ``quantize_per_channel`` uses csrc/cuda/fp8_quant.cu when the extension was built
-with CUDA. Its scales are the same float32 division, but its codes use ``x * (1 / scale)``
-instead of ``x / scale``: the product can be one float32 ulp off the quotient, which picks the
-other e4m3 neighbour when the quotient sits that close to a rounding midpoint. Measured with torch
-on CPU for N(0, 1) rows of 4096: about 3 codes in 10^4 differ by one step for bf16 input (bf16's
-8-bit significands often make ``448 * x / absmax`` land near a midpoint), 5 in 10^5 for f16, none
-for f32. Both choices are within the round-trip bound and the vLLM argument above holds for
-either (it only needs the scale and a row maximum code of 448). Without the CUDA build, CUDA
-tensors go through the torch reference, which runs on any device.
+with CUDA (the DDMA sender calls it for CUDA parameters with ``sync.wire=fp8``, so codes are made
+on the device). It is bit-identical to ``quantize_per_channel_ref`` run on the same device, codes
+and scales: both divide truly in float32 (the kernel's ``x / scale`` and ``absmax / 448`` compile
+to IEEE division; the reference divides by a tensor, never by a Python float, which torch's CUDA
+kernel would turn into a multiply by the reciprocal) and round to nearest even, saturating at
+448. ``tests/test_fp8_quantize.py::test_cuda_kernel_matches_torch_reference_bit_for_bit`` (``gpu``)
+and ``tools/gpu_fp8_check.py`` check it. Without the CUDA build, CUDA tensors go through the torch
+reference, which runs on any device.
 
 No vLLM or Megatron imports here: DDMA senders run in the trainer.
 """
@@ -136,9 +136,11 @@ def quantize_per_channel_ref(
     bad = (~torch.isfinite(absmax)).nonzero()
     if bad.numel():
         raise ValueError(f"x row {int(bad[0])} contains inf or NaN; FP8 quantization needs finite values")
-    # Python-float divisor and clamp bound: torch's CPU kernels divide truly and round min_scale
-    # to float32, exactly as the C++ kernel does.
-    scales = (absmax / FP8_E4M3_MAX).clamp_min(min_scale)
+    # A tensor divisor, not a Python float: torch's CUDA division by a CPU scalar multiplies by its
+    # float32 reciprocal (BinaryDivTrueKernel.cu), one ulp off a true division; tensor / tensor
+    # divides truly on every device, as the C++ and CUDA kernels do. clamp_min rounds min_scale to
+    # float32, as both kernels do.
+    scales = (absmax / torch.full_like(absmax, FP8_E4M3_MAX)).clamp_min(min_scale)
     q = (xf / scales[:, None]).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
     return q.view(torch.uint8), scales
 

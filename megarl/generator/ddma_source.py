@@ -92,7 +92,9 @@ class DdmaSource(WeightSource):
         cache = worker.__dict__.setdefault("_megarl_ddma", {})
         if spec not in cache:
             cache.clear()  # a new topology or store: one receiver at a time
-            cache[spec] = DdmaReceiver(spec, rank)
+            # staging where the engine's parameters live (CUDA for cuda_ipc / nccl: no host trip)
+            device = getattr(worker, "device", None)
+            cache[spec] = DdmaReceiver(spec, rank, device=device if device is not None else "cpu")
         self.receiver, self.worker = cache[spec], worker
         self.version = int(source["version"])
 
