@@ -115,11 +115,13 @@ def _parser() -> argparse.ArgumentParser:
                                    "(configs/sim/*.yaml): every assumption printed with its source, per-step "
                                    "phases, the sync/async ratio beside the analytic overlap bound; JSON + PNG. "
                                    "Examples: `megarl simulate configs/sim/llamarl_70b.yaml`, `megarl simulate "
-                                   "--all-llamarl`, `megarl simulate --calibrate runs/bench/step.json`.")
+                                   "--all-llamarl`, `megarl simulate --calibrate configs/sim/cpu_calibration.yaml`.")
     m.add_argument("setups", nargs="*", help="setup YAML files (configs/sim/)")
     m.add_argument("--all-llamarl", action="store_true", help="the three LlamaRL setups (8B, 70B, 405B)")
-    m.add_argument("--calibrate", default=None, metavar="BENCH_STEP_JSON",
-                   help="CPU mode: predict the async step and ratio of a `megarl bench step` JSON from its phases")
+    m.add_argument("--calibrate", default=None, metavar="SPEC_YAML",
+                   help="CPU mode: fit per-phase constants from micro-benches (bench trainer/generator on 1 and 2 "
+                        "cores, bench sync) named in the spec, predict `megarl bench step`'s sync and async steps "
+                        "of each workload, and compare with its measured bench (megarl/sim/micro.py)")
     m.add_argument("--steps", type=int, default=None, help="trainer steps to simulate (default: the setup's)")
     m.add_argument("--out", default="runs/simulate", help="folder for the JSON and PNG (default runs/simulate)")
     m.add_argument("--quiet", action="store_true", help="leave the assumption list out of the printout")
@@ -364,20 +366,20 @@ def _cmd_plan_sync(args: argparse.Namespace) -> int:
 def _cmd_simulate(args: argparse.Namespace) -> int:
     """Run megarl.sim on setups or a bench JSON; bad input is one line on stderr and exit 2."""
     from megarl.sim import report
-    from megarl.sim.hardware import cpu_from_bench
-    from megarl.sim.setup import calibrate, load_setup, run_setup
+    from megarl.sim.micro import calibrate_spec, format_spec_calibration
+    from megarl.sim.setup import load_setup, run_setup
 
     setups = list(args.setups)
     if args.all_llamarl:
         setups += [str(REPO_ROOT / "configs" / "sim" / f"llamarl_{m}.yaml") for m in ("8b", "70b", "405b")]
     if not setups and not args.calibrate:
-        print("megarl simulate: pass setup YAML files, --all-llamarl or --calibrate BENCH_STEP_JSON", file=sys.stderr)
+        print("megarl simulate: pass setup YAML files, --all-llamarl or --calibrate SPEC_YAML", file=sys.stderr)
         return 2
     try:
         written = []
         if args.calibrate:
-            cal = calibrate(cpu_from_bench(args.calibrate))
-            print(report.format_calibration(cal))
+            cal = calibrate_spec(args.calibrate)
+            print(format_spec_calibration(cal))
             written += report.write_outputs([cal], args.out, "calibration")
         results = []
         for path in setups:

@@ -9,10 +9,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from megarl.sim.events import SimConfig, simulate
 from megarl.sim.hardware import H100_SXM, cpu_from_bench
-from megarl.sim.setup import CAL_STEPS, calibrate, load_setup, run_setup
+from megarl.sim.micro import CAL_STEPS, Workload, calibrate_spec, format_spec_calibration, phases, predict
+from megarl.sim.setup import load_setup, run_setup
 from megarl.sim.workload import (DecodeCost, Efficiency, LengthDist, ModelCost, decode_cost, load_dims,
                                  sync_seconds)
 
@@ -150,20 +152,78 @@ def test_llamarl_setup_ratio_within_its_bounds(model):
     assert all(a["source"] for a in res["assumptions"])  # every assumption has a source
 
 
-def test_calibration_by_hand():
-    cpu = cpu_from_bench(FIXTURE)
-    cal = calibrate(cpu)
-    # sync phases serial: 6 + 0.5 + 3 + 0.4 = 9.9 s
-    assert cal["predicted"]["sync_step_s"] == pytest.approx(9.9)
-    # async at lag 1 (generation = busy.generator_s 9 s): generator-bound, gen + sync = 9 + 0.5 = 9.5 s (train + sync = 5 s); a sync
-    # waits for the decode step in flight, at most gen_s / CAL_STEPS per step
-    assert cal["predicted"]["async_step_s"] == pytest.approx(9.5, abs=2 * 9.0 / CAL_STEPS)
-    assert cal["measured"]["ratio"] == pytest.approx(9.9 / 9.6)
-    assert cpu.async_.generate_s == 9.0  # busy.generator_s, not the exposed wait phases.generate_s
-    assert cpu.max_policy_lag == 1
+def _micro_benches(d: Path) -> Path:
+    """Synthetic micro-bench JSONs in the shapes the benches write, and a spec with two workloads.
+    Constants by hand, each the fastest repeat: trainer 400 tok/s on 2 cores (400 tokens in the best of
+    1.1/1.0/1.3 s), 200 on 1 (2.0 s); generator 40 tok/s on 2 cores (best of 32/40/36), 20 on 1; sync
+    5e8 B / 0.25 s = 2e9 B/s."""
+    def put(name, obj):
+        (d / name).write_text(json.dumps(obj))
+    put("t2.json", {"bench": "trainer_step", "config": {"threads": 2}, "tokens_per_step": 400,
+                    "times_s": {"ours": [1.1, 1.0, 1.3]}})
+    put("t1.json", {"bench": "trainer_step", "config": {"threads": 1}, "tokens_per_step": 400,
+                    "times_s": {"ours": [2.0, 2.0]}})
+    for reply in (8, 2):
+        put(f"g2_{reply}.json", {"prompts": 8, "new_tokens": reply, "threads_bind": "0-1", "generator_tok_s": [32, 40, 36]})
+        put(f"g1_{reply}.json", {"prompts": 8, "new_tokens": reply, "threads_bind": "1", "generator_tok_s": [20]})
+    put("sync.json", {"bytes_landed_per_worker": 5e8, "best_seconds": {"ddma_zero_copy_verify": 0.25}})
+    put("step.json", {"lag": 1, "sync": {"step_median_s": 2.6, "phases": {"generate_s": 1.7, "train_s": 0.4}},
+                      "async": {"step_median_s": 3.5, "phases": {"generate_s": 2.9, "train_s": 0.8},
+                                "busy": {"generator_s": 3.0}}})
+    spec = {"benches": {"trainer": {1: "t1.json", 2: "t2.json"}, "sync": "sync.json"},
+            "workloads": [
+                {"name": "gen-bound", "batch": 8, "prompt_tokens": 12, "reply_tokens": 8, "model_bytes": 1e9,
+                 "measured": "step.json", "benches": {"generator": {1: "g1_8.json", 2: "g2_8.json"}}},
+                {"name": "train-bound", "batch": 8, "prompt_tokens": 48, "reply_tokens": 2, "model_bytes": 1e9,
+                 "benches": {"generator": {1: "g1_2.json", 2: "g2_2.json"}}}]}
+    (d / "spec.yaml").write_text(yaml.safe_dump(spec))
+    return d / "spec.yaml"
+
+
+def test_calibration_from_micro_benches_by_hand(tmp_path):
+    cal = calibrate_spec(_micro_benches(tmp_path))
+    gen_bound, train_bound = cal["workloads"]
+    consts = {n: v for n, v, _ in gen_bound["constants"]}
+    assert consts == {"train_tok_s[1]": "200 tok/s", "train_tok_s[2]": "400 tok/s", "gen_tok_s[1]": "20 tok/s",
+                      "gen_tok_s[2]": "40 tok/s", "sync_bytes_per_s": "2e+09 B/s"}
+    assert all("megarl bench" in src for _, _, src in gen_bound["constants"])  # each with its benchmark
+    # gen-bound (8 x (12 + 8) tokens): sync = gen 64/40 = 1.6 + train 160/400 = 0.4 + sync 1e9/2e9 = 0.5
+    # -> 2.5 s; async on one core each: gen 64/20 = 3.2 s, train 160/200 = 0.8 s: generator-bound, the
+    # sync pauses generation: 3.2 + 0.5 = 3.7 s (a sync waits at most one decode step, 3.2/CAL_STEPS)
+    ph, p = gen_bound["phases"], gen_bound["predicted"]
+    assert (ph["sync_generate_s"], ph["sync_train_s"], ph["sync_s"]) == pytest.approx((1.6, 0.4, 0.5))
+    assert (ph["async_generate_s"], ph["async_train_s"]) == pytest.approx((3.2, 0.8))
+    assert p["sync_step_s"] == pytest.approx(2.5)
+    assert p["async_step_s"] == pytest.approx(3.7, abs=2 * 3.2 / CAL_STEPS)
+    # measured 2.6 / 3.5 s: errors -3.8% and +5.7%
+    assert gen_bound["error"]["sync_step_s"] == pytest.approx(2.5 / 2.6 - 1)
+    assert gen_bound["error"]["async_step_s"] == pytest.approx(3.7 / 3.5 - 1, abs=1e-3)
+    # train-bound (8 x (48 + 2)): sync = 16/40 + 400/400 + 0.5 = 1.9 s; async = train 400/200 + sync = 2.5 s
+    p = train_bound["predicted"]
+    assert p["sync_step_s"] == pytest.approx(1.9) and p["async_step_s"] == pytest.approx(2.5, abs=1e-3)
+    assert train_bound["measured"] is None
+    text = format_spec_calibration(cal)
+    assert "sync step : predicted 2.50 s  measured 2.60 s  (-3.8%)" in text and "async step: predicted 3.70" in text
+
+
+def test_calibration_refuses_what_does_not_fit(tmp_path):
+    spec = _micro_benches(tmp_path)
+    with pytest.raises(ValueError, match="a bench_step JSON is what calibration predicts"):
+        calibrate_spec(tmp_path / "step.json")
+    d = yaml.safe_load(spec.read_text())
+    d["workloads"][0]["reply_tokens"] = 16  # the generator benches ran 8 x 8 tokens
+    spec.write_text(yaml.safe_dump(d))
+    with pytest.raises(ValueError, match="--prompts 8 --new-tokens 16"):
+        calibrate_spec(spec)
+    w = Workload("w", batch=1, prompt_tokens=0, reply_tokens=1, model_bytes=0.0, lag=0)
+    c = lambda v: type("C", (), {"value": v})()  # noqa: E731
+    ph = phases(w, {1: c(1.0), 2: c(1.0)}, {1: c(1.0), 2: c(1.0)}, c(1.0))
+    assert predict(w, ph)["async_step_s"] == pytest.approx(2.0)  # lag 0: gen 1 + train 1 in turn
 
 
 def test_bench_reader_is_tolerant(tmp_path):
+    cpu = cpu_from_bench(FIXTURE)  # what calibration compares with: the async generation is busy time
+    assert cpu.async_.generate_s == 9.0 and cpu.sync.step_s == 9.9 and cpu.measured_ratio == pytest.approx(1.03125)
     p = tmp_path / "b.json"
     p.write_text(json.dumps({"sync": {"phases": {"generate_s": [2, 4, 3], "train_s": 1}}}))
     cpu = cpu_from_bench(p)
@@ -183,9 +243,10 @@ def test_cli(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "sync/async ratio (DES)" in r.stdout and "overlap bound" in r.stdout
     assert (tmp_path / "llamarl_8b.json").is_file() and (tmp_path / "llamarl_8b.png").is_file()
-    r = _cli("--calibrate", str(FIXTURE), "--out", str(tmp_path))
+    r = _cli("--calibrate", str(_micro_benches(tmp_path)), "--out", str(tmp_path))
     assert r.returncode == 0, r.stderr
-    assert "predicted 1.042x" in r.stdout  # 9.9 / 9.5, see test_calibration_by_hand
-    r = _cli("--calibrate", str(tmp_path / "missing.json"))
+    assert "sync step : predicted 2.50 s" in r.stdout  # see test_calibration_from_micro_benches_by_hand
+    assert (tmp_path / "calibration.json").is_file()
+    r = _cli("--calibrate", str(tmp_path / "missing.yaml"))
     assert r.returncode == 2 and r.stderr.startswith("megarl simulate:") and len(r.stderr.splitlines()) == 1
     assert _cli().returncode == 2

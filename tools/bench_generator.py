@@ -142,7 +142,9 @@ def main() -> None:
     p.add_argument("--quantization", default="none")
     p.add_argument("--hf-batch", type=int, default=32)
     p.add_argument("--hf-dtypes", default="bfloat16,float32")
-    p.add_argument("--threads-bind", default="auto")
+    p.add_argument("--threads-bind", default="auto", help="VLLM_CPU_OMP_THREADS_BIND of the engine, e.g. 0 or 0-1 "
+                   "(the cores a calibration constant is measured on)")
+    p.add_argument("--dtype", default="bfloat16", help="engine dtype (generator.dtype; the quickstart runs float32)")
     p.add_argument("--compile", action="store_true", help="let vLLM torch.compile (enforce_eager=False)")
     p.add_argument("--no-raw", action="store_true", help="skip raw vLLM (LLM.generate) beside the executor")
     p.add_argument("--out", default="runs/bench")
@@ -168,13 +170,13 @@ def main() -> None:
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     tok.padding_side = "left"
 
-    cfg = GeneratorConfig(tp=1, replicas=1, quantization=a.quantization, temperature=0.0, n_samples=1,
+    cfg = GeneratorConfig(tp=1, replicas=1, quantization=a.quantization, temperature=0.0, n_samples=1, dtype=a.dtype,
                           max_new_tokens=a.new_tokens, max_model_len=max(map(len, prompts)) + a.new_tokens + 8,
                           kv_cache_gib=2, threads_bind=a.threads_bind, max_num_seqs=max(a.prompts, 8),
                           enforce_eager=not a.compile)
     torch.set_num_threads(os.cpu_count() or 1)
     hf_models = {d: AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, d)).eval()
-                 for d in a.hf_dtypes.split(",")}
+                 for d in a.hf_dtypes.split(",") if d and d != "none"}  # none: the generator alone
     gen_runs, raw_runs, hf_runs = [], [], {d: [] for d in hf_models}
     t_start = time.perf_counter()
     ex = GeneratorExecutor(cfg, model_dir).start()
@@ -212,11 +214,22 @@ def main() -> None:
             raw.close()
         ex.shutdown()
 
+    if not hf_runs:  # --hf-dtypes none --no-raw: a calibration constant (tok/s on --threads-bind cores)
+        result = {"model": model_dir, "prompts": a.prompts, "new_tokens": a.new_tokens, "repeats": a.repeats,
+                  "dtype": a.dtype, "threads_bind": a.threads_bind, "load_avg_1m_at_end": round(os.getloadavg()[0], 2),
+                  "generator_start_s": round(start_s, 1), "generator_tok_s": gen_runs, "raw_vllm_tok_s": raw_runs}
+        out = Path(a.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "bench_generator.json").write_text(json.dumps(result, indent=2))
+        print(f"generator {statistics.median(gen_runs):.1f} tok/s median ({a.prompts} x {a.new_tokens}, "
+              f"threads_bind {a.threads_bind}); wrote {out / 'bench_generator.json'}", flush=True)
+        return
     best_hf_dtype = max(hf_runs, key=lambda d: max(hf_runs[d]))
     ratio_best = max(gen_runs) / max(hf_runs[best_hf_dtype])
     ratio_median = statistics.median(gen_runs) / statistics.median(hf_runs[best_hf_dtype])
     result = {
         "model": model_dir, "prompts": a.prompts, "new_tokens": a.new_tokens, "repeats": a.repeats,
+        "dtype": a.dtype, "threads_bind": a.threads_bind,
         "quantization": a.quantization, "compile": a.compile, "cpus": os.cpu_count(),
         "load_avg_1m_at_end": round(os.getloadavg()[0], 2), "generator_start_s": round(start_s, 1),
         "generator_tok_s": gen_runs, "transformers_tok_s": hf_runs, "transformers_dtype": best_hf_dtype,

@@ -149,19 +149,6 @@ def format_summary(res: Mapping[str, Any], with_assumptions: bool = True) -> str
     return "\n".join(lines)
 
 
-def format_calibration(cal: Mapping[str, Any]) -> str:
-    p, m = cal["predicted"], cal["measured"]
-    f = lambda x: "n/a" if x is None else f"{x:.3f}"  # noqa: E731
-    lines = ["== CPU calibration (megarl bench step) ==", "assumptions (name = value  [source]):"]
-    lines += [f"  {n} = {v}  [{s}]" for n, v, s in cal["assumptions"]]
-    lines += [f"  sync step:  predicted {f(p['sync_step_s'])} s   measured {f(m['sync_step_s'])} s",
-              f"  async step: predicted {f(p['async_step_s'])} s   measured {f(m['async_step_s'])} s",
-              f"  ratio:      predicted {p['ratio']:.3f}x  measured {f(m['ratio'])}x"
-              + (f"  (error {cal['ratio_error']:+.1%})" if "ratio_error" in cal else ""),
-              f"  analytic overlap bound (async phases): {f(cal['overlap_bound'])}x"]
-    return "\n".join(lines)
-
-
 def plot(results: list[Mapping[str, Any]], path: str | Path) -> None:
     """Step times of both modes per setup (paper's as markers), and the ratios."""
     import matplotlib
@@ -206,4 +193,4 @@ def write_outputs(results: list[Mapping[str, Any]], out_dir: str | Path, stem: s
     return [js]
 
 
-__all__ = ["assumptions", "summary", "format_summary", "format_calibration", "plot", "write_outputs"]
+__all__ = ["assumptions", "summary", "format_summary", "plot", "write_outputs"]

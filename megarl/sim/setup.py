@@ -163,39 +163,4 @@ def run_setup(setup: Mapping[str, Any], steps: int | None = None) -> dict:
             "ratio": sync_run.result.step_mean_s / async_run.result.step_mean_s}
 
 
-CAL_STEPS = 1000  # decode steps a measured generation phase is cut into, so a sync pauses it mid-way
-
-
-def measured_cost(gen_s: float, batch: int) -> DecodeCost:
-    """A replica that generates a batch in ``gen_s`` (the measured phase) as CAL_STEPS equal steps:
-    a sync then waits at most gen_s / CAL_STEPS for the step in flight."""
-    return DecodeCost(mem_base_s=gen_s / CAL_STEPS, max_seqs=batch)
-
-
-def calibrate(cpu: CpuModel, steps: int = 12) -> dict:
-    """Predict the async step and the sync/async ratio of a ``megarl bench step`` run from its
-    measured phases: the sync run's phases give the serial (lag 0) step; the async run's phases
-    (measured with the async core split) feed the DES at the bench's max_policy_lag."""
-    def run(ph, lag: int) -> SimResult:
-        return simulate(SimConfig(batch=1, prompt_tokens=0, max_policy_lag=lag, steps=steps, replicas=1,
-                                  cost=measured_cost(ph.generate_s, 1), lengths=lambda: CAL_STEPS,
-                                  # controller idle time is on the trainer's path (the loop runs there)
-                                  train_s=lambda m: ph.train_s + ph.idle_s, sync_s=ph.sync_s, reward_s=ph.reward_s))
-    pred_sync = run(cpu.sync, 0)
-    ph_async = cpu.async_ or cpu.sync
-    pred_async = run(ph_async, cpu.max_policy_lag)
-    ratio = pred_sync.step_mean_s / pred_async.step_mean_s
-    t_gen, t_train = ph_async.generate_s, ph_async.train_s + ph_async.sync_s  # as bench_step's bound
-    out = {"source": cpu.source, "max_policy_lag": cpu.max_policy_lag,
-           "predicted": {"sync_step_s": pred_sync.step_mean_s, "async_step_s": pred_async.step_mean_s,
-                         "ratio": ratio},
-           "measured": {"sync_step_s": cpu.sync.step_s, "async_step_s": cpu.async_.step_s if cpu.async_ else None,
-                        "ratio": cpu.measured_ratio},
-           "overlap_bound": (t_gen + t_train) / max(t_gen, t_train) if max(t_gen, t_train) else None,
-           "assumptions": cpu.assumptions()}
-    if cpu.measured_ratio:
-        out["ratio_error"] = ratio / cpu.measured_ratio - 1
-    return out
-
-
-__all__ = ["load_setup", "run_setup", "calibrate", "ModeRun"]
+__all__ = ["load_setup", "run_setup", "ModeRun"]
