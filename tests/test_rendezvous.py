@@ -1,6 +1,6 @@
 """`megarl launch local`: the Slurm launcher's role map and task commands, run as local processes
-(controller + 2 external trainer ranks, dp 2, that attach over TCP; the controller spawns a TP1
-vLLM generator). A tiny job trains to the end; killing one external rank stops the job naming it,
+(controller + 2 external trainer ranks, dp 2, and one external TP1 vLLM replica, all attaching to
+the controller over TCP). A tiny job trains to the end; killing one external rank stops the job naming it,
 with no process left. About 45 s each on 2 cores."""
 
 from __future__ import annotations
@@ -63,9 +63,10 @@ def test_local_rendezvous_runs_a_tiny_job(tiny_llama_dir, tmp_path):
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:] + ctrl[-3000:]
     assert "MEGARL_WORLD_SIZE=3 (trainer 2 + generator 1)" in out.stdout
     pids = _pids(out.stdout)
-    assert set(pids) == {"controller", "trainer rank 0", "trainer rank 1"}
+    assert set(pids) == {"controller", "trainer rank 0", "trainer rank 1", "generator replica 0"}
     for r in (0, 1):  # each rank is its own OS process that attached over TCP
         assert f"trainer: rank {r} attached from pid {pids[f'trainer rank {r}']}" in ctrl
+    assert f"generator: replica 0 attached from pid {pids['generator replica 0']}" in ctrl
     assert "2 rank(s) ready (tp 1 x pp 1 x dp 2)" in ctrl
     rows = [json.loads(line) for line in (tmp_path / "tiny-test" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]

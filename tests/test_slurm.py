@@ -1,6 +1,7 @@
 """megarl.cluster.slurm: nodelists, the rank -> role map and srun lines from simulated Slurm
-environments (2+1, 1+1, 4+1 nodes of 8 GPUs, a heterogeneous job), job-scoped ports, and bad
-allocations failing with the knob to change. Pure: no process is started (the dry-run CLI aside)."""
+environments (2+1, 1+1, 4+1, 4+2 nodes of 8 GPUs, a heterogeneous job), job-scoped ports, CPUs per
+task, and bad allocations failing with the knob to change. Pure: no process is started (the
+dry-run CLI aside). The same scripts on a real Slurm cluster: tests/test_slurm_cluster.py."""
 
 from __future__ import annotations
 
@@ -86,10 +87,15 @@ def test_two_trainer_nodes_one_generator_node():
     for flag in ("--nodes=2", "--ntasks=16", "--ntasks-per-node=8", "--nodelist=node[01-02]", "--gpus-per-node=8",
                  "--distribution=block", "--kill-on-bad-exit=1"):
         assert flag in t, (flag, t)
-    for flag in ("--nodes=1", "--ntasks=1", "--nodelist=node03", "--gpus-per-node=8", "--kill-on-bad-exit=1"):
+    for flag in ("--nodes=1", "--ntasks=1", "--nodelist=node03", "--overlap", "--kill-on-bad-exit=1"):
         assert flag in c, (flag, c)
+    assert not any(a.startswith("--gpus") for a in c)  # the controller computes nothing; the replicas own the GPUs
+    g = lines["generator"]
+    for flag in ("--nodes=1", "--ntasks=8", "--ntasks-per-node=8", "--nodelist=node03", "--gpus-per-node=8"):
+        assert flag in g, (flag, g)
     assert t[-5:] == ["rank", "--role", "trainer", "job.yaml", "cluster.launcher=slurm"]
     assert c[-5:] == ["rank", "--role", "controller", "job.yaml", "cluster.launcher=slurm"]
+    assert g[-5:] == ["rank", "--role", "generator", "job.yaml", "cluster.launcher=slurm"]
     text = rmap.format()
     assert "MEGARL_WORLD_SIZE=24 (trainer 16 + generator 8)" in text and "trainer pool:   node[01-02]" in text
 
@@ -108,9 +114,27 @@ def test_one_plus_one_and_four_plus_one():
     assert "--nodelist=gpu[001-004]" in rmap.srun_lines(["megarl"], "c", [])["trainer"]
 
 
-def test_four_plus_two_is_refused_until_the_generator_spans_nodes():
-    text = _problems(_env("n[1-6]"), _cfg("trainer.pp=2", "trainer.dp=16", "cluster.generator_nodes=2"))
-    assert "cluster.generator_nodes=2" in text and "set cluster.generator_nodes=1" in text
+def test_the_generator_spans_nodes():
+    """4 trainer nodes + 2 generator nodes: 4 TP2 replicas, 2 per generator node, each replica on
+    GPUs [2 * local, +2) of its node; the controller beside the replicas on the first."""
+    rmap = build_role_map(_env("n[1-6]", SLURM_JOB_CPUS_PER_NODE="64(x6)"),
+                          _cfg("trainer.pp=2", "trainer.dp=16", "cluster.generator_nodes=2", "generator.tp=3",
+                               "generator.replicas=4"))
+    gen = [r for r in rmap.ranks if r.role == "generator"]
+    assert [(r.node, r.device) for r in gen] == [("n5", d) for d in range(6)] + [("n6", d) for d in range(6)]
+    assert [rmap.replica_node(i) for i in range(4)] == [("n5", 0), ("n5", 1), ("n6", 0), ("n6", 1)]
+    assert rmap.controller_node == "n5" and rmap.generator_pool.nodes == ("n5", "n6")
+    g = rmap.srun_lines(["megarl"], "c", [])["generator"]
+    for flag in ("--nodes=2", "--ntasks=4", "--ntasks-per-node=2", "--nodelist=n[5-6]", "--gpus-per-node=6",
+                 "--cpus-per-task=30"):  # (64 CPUs - cluster.controller_cpus 4) / 2 replicas
+        assert flag in g, (flag, g)
+    assert "--cpus-per-task=4" in rmap.srun_lines(["megarl"], "c", [])["controller"]
+    assert "--cpus-per-task=8" in rmap.srun_lines(["megarl"], "c", [])["trainer"]  # 64 CPUs / 8 ranks
+    assert rmap.transport == "p2p"  # other hosts: DDMA's point-to-point path, chosen from the placement
+    # replicas that do not spread evenly
+    text = _problems(_env("n[1-6]"), _cfg("trainer.pp=2", "trainer.dp=16", "cluster.generator_nodes=2",
+                                          "generator.replicas=3"))
+    assert "multiple of 2" in text
 
 
 def test_heterogeneous_job():
@@ -121,8 +145,8 @@ def test_heterogeneous_job():
     assert rmap.trainer_pool.nodes == ("t1", "t2") and rmap.controller_node == "g1" and rmap.world_size == 20
     lines = rmap.srun_lines(["megarl"], "c", [])
     assert "--het-group=0" in lines["trainer"] and "--het-group=1" in lines["controller"]
-    assert "--gpus-per-node=4" in lines["controller"]
-    assert not any(a.startswith("--nodelist") for a in lines["trainer"] + lines["controller"])
+    assert "--het-group=1" in lines["generator"] and "--gpus-per-node=4" in lines["generator"]
+    assert not any(a.startswith("--nodelist") for a in lines["trainer"] + lines["controller"] + lines["generator"])
     assert "heterogeneous job" in rmap.format()
     # a generator bigger than its het group's GPUs
     assert "lower generator.replicas to 4" in _problems(env, _cfg("trainer.pp=2", "trainer.dp=8",
@@ -140,27 +164,39 @@ def test_job_scoped_ports():
     ports = [p for j in range(5000, 5000 + PORT_SLOTS) for p in job_ports(j)]
     assert len(ports) == len(set(ports))
     assert job_ports(5000 + PORT_SLOTS) == job_ports(5000)  # the documented wrap-around
-    assert job_ports(1, port_base=40000) == (40000, 40001)
-    assert PORTS_PER_JOB >= 2
+    assert job_ports(1, port_base=40000) == (40000, 40001, 40002)
+    assert PORTS_PER_JOB >= 3
     cfg = _cfg("trainer.dp=8", "generator.replicas=8")
     assert build_role_map(_env("a,b", job=1001), cfg).master_port != build_role_map(_env("a,b", job=1002),
                                                                                     cfg).master_port
 
 
 @pytest.mark.parametrize("nodelist, gpus, overrides, expect", [
-    ("n[1-4]", 8, ("trainer.pp=2", "trainer.dp=8"), "submit with --nodes=3"),
+    ("n[1-4]", 8, ("trainer.pp=2", "trainer.dp=8", "cluster.generator_nodes=1"), "submit with --nodes=3"),
     ("n[1-2]", None, ("trainer.dp=8",), "cluster.ranks_per_node"),
-    ("n[1-3]", 8, ("trainer.pp=2", "trainer.dp=8", "cluster.trainer_nodes=1", "cluster.generator_nodes=2"),
-     "cluster.generator_nodes=2"),
+    ("n[1-4]", 8, ("trainer.pp=2", "trainer.dp=8"), "generator.replicas=1 do not spread evenly over 2"),
     ("n[1-3]", 4, ("trainer.pp=2", "trainer.dp=8", "cluster.trainer_nodes=2"), "raise cluster.trainer_nodes to 4"),
     ("n[1-4]", 8, ("trainer.dp=4", "cluster.trainer_nodes=3"), "change trainer.dp or cluster.trainer_nodes"),
     ("n[1-2]", 8, ("trainer.dp=8", "generator.replicas=16"), "lower generator.replicas to 8"),
-    ("n[1-2]", 8, ("trainer.dp=8", "sync.transport=zero_copy"), "set sync.transport=p2p"),
+    ("n[1-2]", 8, ("trainer.dp=8", "cluster.device=cpu", "sync.transport=zero_copy"), "set sync.transport=auto"),
+    ("n[1-2]", 8, ("trainer.dp=8", "cluster.controller_cpus=8"), "lower cluster.controller_cpus"),
     ("n[1-2]", 8, ("trainer.dp=8", "cluster.device=cuda", "cluster.trainer_devices=0-7"), "clear them"),
 ], ids=["nodes", "no-gpus", "generator-nodes", "too-many-per-node", "uneven", "generator-too-big", "zero-copy",
-        "devices"])
+        "controller-cpus", "devices"])
 def test_bad_allocations_name_what_to_change(nodelist, gpus, overrides, expect):
-    assert expect in _problems(_env(nodelist, gpus), _cfg(*overrides))
+    cpus = f"8(x{len(parse_nodelist(nodelist))})"  # 8 CPUs a node: cluster.controller_cpus=8 leaves none
+    assert expect in _problems(_env(nodelist, gpus, SLURM_JOB_CPUS_PER_NODE=cpus), _cfg(*overrides))
+
+
+def test_cpus_per_node_parsing():
+    from megarl.cluster.slurm import parse_cpus_per_node
+
+    assert parse_cpus_per_node("72(x2),36") == [72, 72, 36]
+    assert parse_cpus_per_node("8") == [8] and parse_cpus_per_node(None) == [] and parse_cpus_per_node("x") == []
+    env = _env("n[1-3]", SLURM_JOB_CPUS_PER_NODE="72(x2),36")
+    assert env.node_cpus(["n1", "n2"]) == 72 and env.node_cpus(["n2", "n3"]) == 36
+    assert _env("n[1-3]").node_cpus(["n1"]) == 0  # unknown: the srun lines ask for no CPUs, and say so
+    assert "no --cpus-per-task" in build_role_map(_env("n[1-3]"), _cfg("trainer.pp=2", "trainer.dp=8")).format()
 
 
 def test_world_size_agrees_with_the_validator(monkeypatch):
@@ -181,6 +217,9 @@ def test_pick_device():
     assert pick_device("0,1", 0, 0) is None              # CPU pool
     with pytest.raises(AllocationError, match="--gpus-per-node=8"):
         pick_device("0,1", 5, 8)
+    # a TP2 replica: local replica 1 takes the node's GPUs 2 and 3
+    assert pick_device("0,1,2,3,4,5,6,7", 1, 8, count=2) == "2,3"
+    assert pick_device("4,5", 1, 8, count=2) == "4,5" and pick_device(None, 3, 8, count=2) == "6,7"
 
 
 def test_rank_entry_refuses_a_task_placed_elsewhere(tmp_path):
@@ -208,7 +247,7 @@ def test_dry_run_prints_the_map_and_srun_lines():
     assert "MEGARL_WORLD_SIZE=24 (trainer 16 + generator 8)" in text
     assert "   15  trainer    node02           7      7  tp 0 pp 1 dp 7" in text
     assert "   16  generator  node03           0      0  replica 0 worker 0" in text
-    assert "trainer: srun " in text and "controller: srun " in text
+    assert "trainer: srun " in text and "controller: srun " in text and "generator: srun " in text
     assert "trainer.resume_from=auto" in text and "cluster.launcher=slurm" in text  # requeue-safe tasks
     # the same allocation with a node too few: exit 2 and the fix
     env["SLURM_JOB_NODELIST"], env["SLURM_NNODES"] = "node[01-02]", "2"
@@ -220,11 +259,11 @@ def test_dry_run_prints_the_map_and_srun_lines():
 
 def test_launcher_knobs_are_validated():
     with pytest.raises(ConfigError) as err:
-        _cfg("cluster.generator_nodes=0", "cluster.port_base=80", "cluster.ranks_per_node=-1",
-             "cluster.teardown_timeout_s=0")
+        _cfg("cluster.generator_nodes=-1", "cluster.port_base=80", "cluster.ranks_per_node=-1",
+             "cluster.teardown_timeout_s=0", "cluster.controller_cpus=0", "cluster.preempt_grace_s=0")
     text = str(err.value)
-    for key in ("cluster.generator_nodes=0", "cluster.port_base=80", "cluster.ranks_per_node=-1",
-                "cluster.teardown_timeout_s=0"):
+    for key in ("cluster.generator_nodes=-1", "cluster.port_base=80", "cluster.ranks_per_node=-1",
+                "cluster.teardown_timeout_s=0", "cluster.controller_cpus=0", "cluster.preempt_grace_s=0"):
         assert key in text
 
 

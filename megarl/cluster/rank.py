@@ -1,13 +1,16 @@
-"""`megarl rank --role controller|trainer CONFIG [overrides]`: what every task of a launched job runs.
+"""`megarl rank --role controller|trainer|generator CONFIG [overrides]`: what every task of a launched job runs.
 
 Each task recomputes the job's role map from the Slurm environment (``megarl.cluster.slurm``), so
 the batch step and every task agree without passing the map around, checks that srun put it
 where the map says, exports the job's variables (MEGARL_WORLD_SIZE, ports, temp dir), and then:
 
 * ``controller`` (one task, first generator node): ``run_job`` with ``cluster.launcher=slurm``:
-  the loop, the generator's vLLM replicas on this node, and the trainer executor in attach mode;
+  the loop, with the trainer and generator executors in attach mode;
 * ``trainer`` (one task per trainer rank, ``SLURM_PROCID`` = global trainer rank): a trainer rank
-  that connects to the controller (``megarl.trainer.worker.attached_rank_main``).
+  that connects to the controller (``megarl.trainer.worker.attached_rank_main``);
+* ``generator`` (one task per vLLM replica, ``SLURM_PROCID`` = replica index): a replica that
+  connects to the controller (``megarl.generator.engine.attached_replica_main``) and runs its
+  engine (its ``generator.tp`` workers are its own processes on this node).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from megarl.config import ConfigError
 
 log = logging.getLogger("megarl.cluster")
 
-ROLES = ("controller", "trainer")
+ROLES = ("controller", "trainer", "generator")
 
 
 def run_task(role: str, config: str, overrides: list[str], env: Mapping[str, str] | None = None) -> int:
@@ -50,6 +53,11 @@ def run_task(role: str, config: str, overrides: list[str], env: Mapping[str, str
                                "%(name)s: %(message)s")
     if role == "controller":
         expect_node, expect_local = rmap.controller_node, 0
+    elif role == "generator":
+        if procid >= cfg.generator.replicas:
+            raise ConfigError([f"SLURM_PROCID={procid}: the generator pool has {cfg.generator.replicas} replica(s) "
+                               "(generator.replicas); the srun line's --ntasks must match"], config)
+        expect_node, expect_local = rmap.replica_node(procid)
     else:
         if procid >= rmap.trainer_world:
             raise ConfigError([f"SLURM_PROCID={procid}: the trainer pool has {rmap.trainer_world} rank(s) "
@@ -79,8 +87,10 @@ def run_task(role: str, config: str, overrides: list[str], env: Mapping[str, str
             cleanup()
     key = env.get("MEGARL_AUTHKEY", "")
     if not key:
-        raise ConfigError(["MEGARL_AUTHKEY is not set: start trainer tasks with `megarl launch slurm` (it exports "
-                           "the job's key to every srun task)"], config)
+        raise ConfigError(["MEGARL_AUTHKEY is not set: start trainer and generator tasks with `megarl launch slurm` "
+                           "(it exports the job's key to every srun task)"], config)
+    if role == "generator":
+        return _generator_task(cfg, rmap, procid, local, node, key, env, cleanup)
     device = None if cfg.cluster.device == "cpu" else pick_device(env.get("CUDA_VISIBLE_DEVICES"), local,
                                                                   rmap.trainer_pool.gpus_per_node)
     log.info("trainer rank %d of %d on %s (local %d, device %s); controller %s:%d, rendezvous %s:%d",
@@ -94,6 +104,34 @@ def run_task(role: str, config: str, overrides: list[str], env: Mapping[str, str
                            master_port=rmap.master_port, connect_timeout_s=cfg.trainer.start_timeout_s,
                            cuda_devices=device, cleanup=cleanup)
     finally:  # reached only when it failed before serving (attached_rank_main exits the process)
+        cleanup()
+    return 1
+
+
+def _generator_task(cfg, rmap, replica: int, local: int, node: str, key: str, env: Mapping[str, str],
+                    cleanup) -> int:
+    """A vLLM replica on this generator node: its devices and CPU binding, then attach."""
+    import dataclasses
+
+    from megarl.cluster.slurm import pick_device
+    from megarl.generator.engine import attached_replica_main
+    from megarl.generator.threads import threads_binds
+
+    g = cfg.generator
+    on_cpu = cfg.cluster.device == "cpu" or (cfg.cluster.device == "auto" and not rmap.generator_pool.gpus_per_node)
+    device = None if on_cpu else pick_device(env.get("CUDA_VISIBLE_DEVICES"), local,
+                                             rmap.generator_pool.gpus_per_node, count=g.tp)
+    bind = None
+    if on_cpu:  # an explicit binding names every replica; auto splits this node's cores over its replicas
+        bind = (threads_binds(g)[replica] if g.threads_bind != "auto" else
+                threads_binds(dataclasses.replace(g, replicas=rmap.generator_pool.tasks_per_node))[local])
+    log.info("generator replica %d of %d on %s (local %d, devices %s, cpu bind %s); controller %s:%d",
+             replica, g.replicas, node, local, device, bind, rmap.controller_addr, rmap.generator_port)
+    try:
+        attached_replica_main(replica, controller=(rmap.controller_addr, rmap.generator_port), authkey=key.encode(),
+                              job_id=str(rmap.job_id), connect_timeout_s=g.start_timeout_s, threads_bind=bind,
+                              cuda_devices=device, cleanup=cleanup)
+    finally:  # reached only when it failed before running the engine (replica_main exits the process)
         cleanup()
     return 1
 

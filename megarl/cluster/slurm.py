@@ -3,9 +3,16 @@
 One allocation, two node pools: the first ``cluster.trainer_nodes`` nodes of ``SLURM_JOB_NODELIST``
 are the **trainer pool** (one srun task per trainer rank, ``--ntasks-per-node`` of them per node,
 block distribution, so global trainer rank ``r`` = ``SLURM_PROCID``), the rest the **generator
-pool**. The controller runs as one task on the first generator node and spawns the vLLM replicas
-there itself (this version: the generator is that one node's GPUs). A heterogeneous job
-(``#SBATCH hetjob``) gives the pools as het group 0 (trainer) and 1 (generator) instead.
+pool** (one srun task per vLLM replica, ``generator.replicas`` spread evenly over its nodes, so
+replica ``i`` = ``SLURM_PROCID`` of that step; each replica's ``generator.tp`` workers are its
+own processes on its node). The controller runs as one more task on the first generator node;
+trainer ranks and replicas attach to it over TCP. A heterogeneous job (``#SBATCH hetjob``) gives
+the pools as het group 0 (trainer) and 1 (generator) instead.
+
+Each srun line asks for what its tasks need: ``--cpus-per-task`` from the node's CPUs
+(``SLURM_JOB_CPUS_PER_NODE``): a trainer node's CPUs split over its ranks; on a generator node
+``cluster.controller_cpus`` for the controller (its loop, reward pool and DDMA store; it shares
+the node with ``--overlap``) and the rest split over the node's replicas.
 
 Job ranks (``MEGARL_WORLD_SIZE`` of them): trainer ranks ``0 .. T-1`` (megatron order, ``tp``
 fastest, ``rank_coords`` of the trainer executor), then generator workers ``T .. T+G-1``
@@ -27,7 +34,7 @@ from dataclasses import dataclass
 
 PORT_FLOOR = 15000   # job ports live in [15000, 31000): below Linux's ephemeral range (32768+)
 PORT_SLOTS = 4000    # jobs whose ids differ by a multiple of this share ports (only a problem on a shared node)
-PORTS_PER_JOB = 4    # base: trainer rendezvous (MASTER_PORT), base+1: controller channel; 2 spare
+PORTS_PER_JOB = 4    # base: trainer rendezvous (MASTER_PORT), base+1: trainer channel, base+2: generator channel
 
 
 class AllocationError(ValueError):
@@ -120,6 +127,17 @@ def _gpu_count(value: str | None) -> int:
     return int(last) if last.isdigit() else 0
 
 
+def parse_cpus_per_node(value: str | None) -> list[int]:
+    """``SLURM_JOB_CPUS_PER_NODE``: ``"72(x2),36"`` -> ``[72, 72, 36]``; unset -> ``[]``."""
+    out: list[int] = []
+    for part in filter(None, (value or "").split(",")):
+        m = re.fullmatch(r"\s*(\d+)(?:\(x(\d+)\))?\s*", part)
+        if not m:
+            return []
+        out += [int(m.group(1))] * int(m.group(2) or 1)
+    return out
+
+
 # ------------------------------------------------------------------------------ environment
 @dataclass(frozen=True)
 class SlurmEnv:
@@ -132,6 +150,7 @@ class SlurmEnv:
     het_gpus: tuple[int, ...] = ()
     tmp_root: str = "/tmp"
     sim_addr: str = ""                   # MEGARL_SIM_ADDR: every node is this address (local simulation)
+    cpus: tuple[int, ...] = ()           # CPUs of each node of ``nodes`` (SLURM_JOB_CPUS_PER_NODE); () = unknown
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> "SlurmEnv":
@@ -141,34 +160,46 @@ class SlurmEnv:
                                    "`sbatch launch/slurm/train.sbatch CONFIG`, or run `megarl launch local` here"])
         het: list[tuple[str, ...]] = []
         het_gpus: list[int] = []
+        het_cpus: list[int] = []
         while f"SLURM_JOB_NODELIST_HET_GROUP_{len(het)}" in env:
             k = len(het)
             het.append(tuple(parse_nodelist(env[f"SLURM_JOB_NODELIST_HET_GROUP_{k}"])))
             het_gpus.append(_gpu_count(env.get(f"SLURM_GPUS_PER_NODE_HET_GROUP_{k}"))
                             or _gpu_count(env.get(f"SLURM_GPUS_ON_NODE_HET_GROUP_{k}")))
+            cpus_k = parse_cpus_per_node(env.get(f"SLURM_JOB_CPUS_PER_NODE_HET_GROUP_{k}"))
+            het_cpus += cpus_k if len(cpus_k) == len(het[-1]) else [0] * len(het[-1])
+        # A het job's batch step: SLURM_JOB_NODELIST / SLURM_NNODES describe group 0 only (Slurm 22.05).
         listed = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST", "")
         nodes = [n for g in het for n in g] if het else parse_nodelist(listed)
         if not nodes:
             raise AllocationError(["SLURM_JOB_NODELIST is empty: is this a Slurm job step?"])
         count = env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES", "")
-        if count.isdigit() and int(count) != len(nodes):
+        if not het and count.isdigit() and int(count) != len(nodes):
             raise AllocationError([f"SLURM_NNODES={count} but SLURM_JOB_NODELIST={listed!r} names {len(nodes)} "
                                    "node(s): the environment is inconsistent"])
         gpus = _gpu_count(env.get("SLURM_GPUS_ON_NODE")) or _gpu_count(env.get("SLURM_GPUS_PER_NODE"))
+        cpus = het_cpus if het else parse_cpus_per_node(env.get("SLURM_JOB_CPUS_PER_NODE"))
         restart = env.get("SLURM_RESTART_COUNT", "0")
         return cls(int(job), tuple(nodes), gpus, int(restart) if restart.isdigit() else 0, tuple(het),
-                   tuple(het_gpus), env.get("TMPDIR") or "/tmp", env.get("MEGARL_SIM_ADDR", ""))
+                   tuple(het_gpus), env.get("TMPDIR") or "/tmp", env.get("MEGARL_SIM_ADDR", ""),
+                   tuple(cpus) if len(cpus) == len(nodes) and all(cpus) else ())
+
+    def node_cpus(self, nodes: Sequence[str]) -> int:
+        """The fewest CPUs any of ``nodes`` has in this job (0 = unknown)."""
+        if not self.cpus:
+            return 0
+        return min(self.cpus[self.nodes.index(n)] for n in nodes)
 
     def addr(self, node: str) -> str:
         """The address other nodes reach ``node`` at (its name; the simulation's one address)."""
         return self.sim_addr or node
 
 
-def job_ports(job_id: int, port_base: int = 0) -> tuple[int, int]:
-    """(trainer rendezvous port, controller channel port) of a job: ``cluster.port_base`` when set,
-    else a slot of PORTS_PER_JOB ports chosen by the job id."""
+def job_ports(job_id: int, port_base: int = 0) -> tuple[int, int, int]:
+    """(trainer rendezvous port, trainer channel port, generator channel port) of a job:
+    ``cluster.port_base`` when set, else a slot of PORTS_PER_JOB ports chosen by the job id."""
     base = port_base or PORT_FLOOR + (job_id % PORT_SLOTS) * PORTS_PER_JOB
-    return base, base + 1
+    return base, base + 1, base + 2
 
 
 # ----------------------------------------------------------------------------------- the map
@@ -186,9 +217,11 @@ class RankRole:
 class Pool:
     name: str                    # "trainer" | "generator"
     nodes: tuple[str, ...]
-    tasks_per_node: int          # srun tasks per node (trainer: its ranks; generator: the controller)
+    tasks_per_node: int          # srun tasks per node (trainer: its ranks; generator: its replicas)
     gpus_per_node: int
     het_group: int | None = None
+    cpus_per_task: int = 0       # --cpus-per-task of the pool's tasks (0 = the node's CPUs are unknown)
+    gpus_per_task: int = 1       # devices each task takes (trainer: 1; generator: generator.tp)
 
 
 @dataclass(frozen=True)
@@ -206,6 +239,9 @@ class RoleMap:
     controller_port: int
     tmp_dir: str
     notes: tuple[str, ...] = ()
+    generator_port: int = 0
+    controller_cpus: int = 0     # --cpus-per-task of the controller (0 = unknown node CPUs)
+    transport: str = ""          # the DDMA transport the placement picked ("" = leave sync.transport alone)
 
     @property
     def world_size(self) -> int:
@@ -221,26 +257,43 @@ class RoleMap:
         return {"MEGARL_WORLD_SIZE": str(self.world_size), "MEGARL_JOB_ID": str(self.job_id),
                 "MEGARL_MASTER_ADDR": self.master_addr, "MEGARL_MASTER_PORT": str(self.master_port),
                 "MEGARL_CONTROLLER_ADDR": self.controller_addr, "MEGARL_CONTROLLER_PORT": str(self.controller_port),
-                "MEGARL_TMPDIR": self.tmp_dir}
+                "MEGARL_GENERATOR_PORT": str(self.generator_port), "MEGARL_TMPDIR": self.tmp_dir}
+
+    @property
+    def generator_world(self) -> int:
+        return self.world_size - self.trainer_world
+
+    def replica_node(self, replica: int) -> tuple[str, int]:
+        """(node, local task index) of generator replica ``replica``."""
+        g = self.generator_pool
+        return g.nodes[replica // g.tasks_per_node], replica % g.tasks_per_node
 
     def task_command(self, megarl: Sequence[str], role: str, config: str, overrides: Sequence[str]) -> list[str]:
-        """What one task of ``role`` ("trainer" | "controller") runs."""
+        """What one task of ``role`` ("controller" | "trainer" | "generator") runs."""
         return [*megarl, "rank", "--role", role, config, *overrides]
 
     def srun_lines(self, megarl: Sequence[str], config: str, overrides: Sequence[str]) -> dict[str, list[str]]:
-        """One srun per pool: ``trainer`` (every trainer rank) and ``controller`` (one task on the
-        first generator node; it spawns the vLLM replicas on that node's GPUs)."""
+        """One srun per part: ``controller`` (one task on the first generator node, no GPU, sharing
+        the node with the replicas), ``trainer`` (every trainer rank) and ``generator`` (every
+        vLLM replica, spread over the generator nodes)."""
         t, g = self.trainer_pool, self.generator_pool
+        n_replicas = len(g.nodes) * g.tasks_per_node
         lines = {}
-        for key, pool, nodes, ntasks, per_node in (
-                ("trainer", t, t.nodes, self.trainer_world, t.tasks_per_node),
-                ("controller", g, (self.controller_node,), 1, 1)):
+        for key, pool, nodes, ntasks, per_node, cpus, gpus in (
+                ("controller", g, (self.controller_node,), 1, 1, self.controller_cpus, 0),
+                ("trainer", t, t.nodes, self.trainer_world, t.tasks_per_node, t.cpus_per_task, t.gpus_per_node),
+                ("generator", g, g.nodes, n_replicas, g.tasks_per_node, g.cpus_per_task,
+                 g.gpus_per_task * g.tasks_per_node if g.gpus_per_node else 0)):
             cmd = ["srun", f"--job-name=megarl-{key}", f"--nodes={len(nodes)}", f"--ntasks={ntasks}",
                    f"--ntasks-per-node={per_node}"]
             cmd += [f"--het-group={pool.het_group}"] if pool.het_group is not None else \
                    [f"--nodelist={compress_nodelist(nodes)}"]
-            if pool.gpus_per_node:
-                cmd.append(f"--gpus-per-node={pool.gpus_per_node}")  # each rank takes GPU [SLURM_LOCALID]
+            if cpus:
+                cmd.append(f"--cpus-per-task={cpus}")
+            if gpus:
+                cmd.append(f"--gpus-per-node={gpus}")  # a task takes GPUs [SLURM_LOCALID * gpus_per_task, ...)
+            if key == "controller":
+                cmd.append("--overlap")  # it shares the first generator node's CPUs with the replicas
             cmd += ["--distribution=block", "--kill-on-bad-exit=1", "--export=ALL", "--unbuffered"]
             lines[key] = cmd + self.task_command(megarl, key, config, overrides)
         return lines
@@ -254,15 +307,19 @@ class RoleMap:
                f"MEGARL_WORLD_SIZE={self.world_size} (trainer {self.trainer_world} + generator {len(gen)})",
                f"trainer pool:   {compress_nodelist(t.nodes)}  ({t.tasks_per_node} rank(s) per node, "
                f"{t.gpus_per_node or 'no'} GPU(s) per node)",
-               f"generator pool: {compress_nodelist(g.nodes)}  (controller + {len(gen)} vLLM worker(s) on "
-               f"{self.controller_node})",
+               f"generator pool: {compress_nodelist(g.nodes)}  ({g.tasks_per_node} replica(s) per node, "
+               f"{len(gen)} vLLM worker(s); controller on {self.controller_node})",
                f"MASTER_ADDR={self.master_addr} MASTER_PORT={self.master_port}  controller "
-               f"{self.controller_addr}:{self.controller_port}  tmp {self.tmp_dir}",
+               f"{self.controller_addr}:{self.controller_port} (trainer) / {self.generator_port} (generator)  "
+               f"tmp {self.tmp_dir}",
+               f"cpus per task: controller {self.controller_cpus or '-'}, trainer rank {t.cpus_per_task or '-'}, "
+               f"replica {g.cpus_per_task or '-'}" + (f"; DDMA transport {self.transport} (placement)"
+                                                      if self.transport else ""),
                f"{'rank':>5}  {'role':<10} {'node':<12} {'local':>5} {'device':>6}  detail"]
         out += [f"{r.rank:>5}  {r.role:<10} {r.node:<12} {r.local_rank:>5} "
                 f"{'-' if r.device is None else r.device:>6}  {r.detail}" for r in self.ranks]
         out.append(f"{'-':>5}  {'controller':<10} {self.controller_node:<12} {'-':>5} {'-':>6}  "
-                   f"megarl train (cluster.launcher=slurm): runs the loop, spawns the generator")
+                   f"megarl train (cluster.launcher=slurm): runs the loop; ranks and replicas attach to it")
         out += [f"note: {n}" for n in self.notes]
         return "\n".join(out)
 
@@ -276,7 +333,7 @@ def build_role_map(env: SlurmEnv, cfg) -> RoleMap:
     if env.het_groups:
         if len(env.het_groups) != 2:
             raise AllocationError([f"a heterogeneous job with {len(env.het_groups)} het group(s): megarl needs "
-                                   "exactly 2 (group 0 = trainer nodes, group 1 = generator node)"])
+                                   "exactly 2 (group 0 = trainer nodes, group 1 = generator nodes)"])
         t_nodes, g_nodes = env.het_groups
         t_gpus, g_gpus = (x or env.gpus_per_node for x in env.het_gpus)
         for key, want, got in (("trainer_nodes", c.trainer_nodes, len(t_nodes)),
@@ -292,22 +349,19 @@ def build_role_map(env: SlurmEnv, cfg) -> RoleMap:
                                    "(SLURM_GPUS_ON_NODE / SLURM_GPUS_PER_NODE unset); request them "
                                    "(#SBATCH --gpus-per-node=8) or set cluster.ranks_per_node"])
         want_t = c.trainer_nodes or math.ceil(n_train / per)
-        if c.generator_nodes < 1:
-            problems.append(f"cluster.generator_nodes={c.generator_nodes}: must be >= 1 (the controller and "
-                            "the generator need a node of their own)")
-        if want_t + max(c.generator_nodes, 1) != len(env.nodes):
+        want_g = c.generator_nodes or max(1, len(env.nodes) - want_t)
+        if c.generator_nodes < 0:
+            problems.append(f"cluster.generator_nodes={c.generator_nodes}: must be >= 0 (0 = the nodes after "
+                            "the trainer pool)")
+        if want_t + want_g != len(env.nodes):
             problems.append(
                 f"the allocation has {len(env.nodes)} node(s) ({compress_nodelist(env.nodes)}) but the job needs "
                 f"cluster.trainer_nodes={want_t}{' (derived)' if not c.trainer_nodes else ''} + "
-                f"cluster.generator_nodes={c.generator_nodes} = {want_t + c.generator_nodes}; submit with "
-                f"--nodes={want_t + c.generator_nodes} or change cluster.trainer_nodes / cluster.generator_nodes")
-        t_nodes, g_nodes = env.nodes[:want_t], env.nodes[want_t:]
+                f"cluster.generator_nodes={want_g} = {want_t + want_g}; submit with "
+                f"--nodes={want_t + want_g} or change cluster.trainer_nodes / cluster.generator_nodes")
+        t_nodes, g_nodes = env.nodes[:want_t], env.nodes[want_t:want_t + want_g]
     per_t = c.ranks_per_node or t_gpus
     per_g = c.ranks_per_node or g_gpus
-    if len(g_nodes) > 1:
-        problems.append(f"cluster.generator_nodes={len(g_nodes)}: this version runs the generator on the "
-                        f"controller's node only; set cluster.generator_nodes=1 (and generator.tp*replicas <= "
-                        f"{per_g or 'its GPUs'})")
     if not t_nodes:
         problems.append("the trainer pool is empty: give it nodes (cluster.trainer_nodes, or more --nodes)")
     elif n_train % len(t_nodes) or n_train < len(t_nodes):
@@ -317,57 +371,84 @@ def build_role_map(env: SlurmEnv, cfg) -> RoleMap:
         problems.append(f"trainer tp*pp*dp={n_train} rank(s) need {n_train // len(t_nodes)} per node on "
                         f"{len(t_nodes)} node(s), but a node holds {per_t}; raise cluster.trainer_nodes to "
                         f"{math.ceil(n_train / per_t)} or lower trainer.dp")
-    if per_g and n_gen > per_g:
-        problems.append(f"generator tp*replicas={n_gen} GPU(s), but the generator node holds {per_g}; lower "
-                        f"generator.replicas to {max(per_g // g.tp, 1)} (the generator uses one node in this version)")
+    if not g_nodes:
+        problems.append("the generator pool is empty: give it nodes (cluster.generator_nodes, or more --nodes)")
+    elif g.replicas % len(g_nodes) or g.replicas < len(g_nodes):
+        problems.append(f"generator.replicas={g.replicas} do not spread evenly over {len(g_nodes)} generator "
+                        f"node(s); set generator.replicas to a multiple of {len(g_nodes)} or change "
+                        "cluster.generator_nodes")
+    elif per_g and g.replicas // len(g_nodes) * g.tp > per_g:
+        problems.append(f"generator tp*replicas={n_gen} GPU(s) need {g.replicas // len(g_nodes) * g.tp} per node on "
+                        f"{len(g_nodes)} node(s), but a node holds {per_g}; lower generator.replicas to "
+                        f"{max(per_g // g.tp, 1) * len(g_nodes)} or add generator nodes")
     if c.trainer_devices or c.generator_devices:
         problems.append("cluster.trainer_devices / cluster.generator_devices are set: under a launcher each "
-                        "trainer rank takes GPU [SLURM_LOCALID] of its node and the generator its node's first "
-                        "GPUs; clear them")
+                        "trainer rank takes GPU [SLURM_LOCALID] of its node and each replica generator.tp GPUs "
+                        "from [SLURM_LOCALID * generator.tp]; clear them")
+    per_node = n_train // max(len(t_nodes), 1)
+    rpn = g.replicas // max(len(g_nodes), 1)
+    cpus_t, cpus_g = env.node_cpus(t_nodes) if t_nodes else 0, env.node_cpus(g_nodes) if g_nodes else 0
+    ctrl_cpus = min(c.controller_cpus, cpus_g) if cpus_g else 0
+    replica_cpus = (cpus_g - ctrl_cpus) // max(rpn, 1) if cpus_g else 0
+    if cpus_g and rpn and replica_cpus < 1:
+        problems.append(f"a generator node has {cpus_g} CPU(s): cluster.controller_cpus={c.controller_cpus} leaves "
+                        f"none for its {rpn} replica(s); lower cluster.controller_cpus")
     if problems:
         raise AllocationError(problems)
 
     controller = g_nodes[0]
-    multi_host = any(env.addr(n) != env.addr(controller) for n in t_nodes)
-    if multi_host and cfg.sync.method == "ddma" and cfg.sync.transport == "zero_copy":
-        raise AllocationError(["sync.transport=zero_copy reads the trainer's memory from the same host, but the "
-                               "trainer and generator are on different nodes; set sync.transport=p2p"])
-    per_node = n_train // len(t_nodes)
+    multi_host = len({env.addr(n) for n in (*t_nodes, *g_nodes)}) > 1
+    transport = ""
+    if cfg.sync.method == "ddma" and multi_host:
+        if cfg.sync.transport == "zero_copy":
+            raise AllocationError(["sync.transport=zero_copy reads the trainer's memory from the same host, but the "
+                                   "trainer and generator are on different nodes; set sync.transport=auto (or p2p)"])
+        transport = "p2p"  # what auto picks across hosts (the gloo / NCCL point-to-point path)
     ranks = []
     for r in range(n_train):  # megatron order, as TrainerExecutor's rank_coords
         local = r % per_node
         ranks.append(RankRole(r, "trainer", t_nodes[r // per_node], local, local if t_gpus else None,
                               f"tp {r % t.tp} pp {r // (t.tp * t.dp)} dp {(r // t.tp) % t.dp}"))
     for w in range(n_gen):
-        ranks.append(RankRole(n_train + w, "generator", controller, w, w if g_gpus else None,
-                              f"replica {w // g.tp} worker {w % g.tp}"))
+        replica, worker = divmod(w, g.tp)
+        local = (replica % rpn) * g.tp + worker
+        ranks.append(RankRole(n_train + w, "generator", g_nodes[replica // rpn], local, local if g_gpus else None,
+                              f"replica {replica} worker {worker}"))
     notes = []
     if per_node % t.tp:
         notes.append(f"trainer.tp={t.tp} does not divide the {per_node} rank(s) per node: TP groups span nodes "
                      "(slow); prefer a tp that divides the ranks per node")
-    master_port, ctrl_port = job_ports(env.job_id, c.port_base)
+    if not cpus_g or not cpus_t:
+        notes.append("SLURM_JOB_CPUS_PER_NODE is unset: the srun lines ask for no --cpus-per-task")
+    master_port, ctrl_port, gen_port = job_ports(env.job_id, c.port_base)
+    het = bool(env.het_groups)
     return RoleMap(env.job_id, env.restart_count,
-                   Pool("trainer", tuple(t_nodes), per_node, t_gpus, 0 if env.het_groups else None),
-                   Pool("generator", tuple(g_nodes), 1, g_gpus, 1 if env.het_groups else None),
+                   Pool("trainer", tuple(t_nodes), per_node, t_gpus, 0 if het else None,
+                        cpus_t // per_node if cpus_t else 0, 1),
+                   Pool("generator", tuple(g_nodes), rpn, g_gpus, 1 if het else None, replica_cpus, g.tp),
                    tuple(ranks), n_train, env.addr(t_nodes[0]), master_port, controller, env.addr(controller),
-                   ctrl_port, f"{env.tmp_root.rstrip('/')}/megarl-{env.job_id}.{env.restart_count}", tuple(notes))
+                   ctrl_port, f"{env.tmp_root.rstrip('/')}/megarl-{env.job_id}.{env.restart_count}", tuple(notes),
+                   gen_port, ctrl_cpus, transport)
 
 
-def pick_device(visible: str | None, local_rank: int, gpus_per_node: int) -> str | None:
-    """CUDA_VISIBLE_DEVICES for the trainer task with ``local_rank``: its entry of the node's list
-    (srun with --gpus-per-node shows every task the node's GPUs); a task bound to a single GPU
-    keeps it; None on a CPU pool."""
+def pick_device(visible: str | None, local_rank: int, gpus_per_node: int, count: int = 1) -> str | None:
+    """CUDA_VISIBLE_DEVICES for the task with ``local_rank`` that takes ``count`` devices (a
+    trainer rank 1, a replica generator.tp): entries ``[local_rank*count, +count)`` of the node's
+    list (srun with --gpus-per-node shows every task the node's GPUs); a task bound to exactly its
+    own devices keeps them; None on a CPU pool."""
     if not gpus_per_node:
         return None
-    ids = [d for d in (visible or "").split(",") if d.strip()]
-    if len(ids) == 1:
-        return ids[0]
+    ids = [d.strip() for d in (visible or "").split(",") if d.strip()]
+    if len(ids) == count:
+        return ",".join(ids)
+    lo = local_rank * count
     if ids:
-        if local_rank >= len(ids):
-            raise AllocationError([f"CUDA_VISIBLE_DEVICES={visible!r} has {len(ids)} device(s) but this is local "
-                                   f"rank {local_rank}: the srun line must request --gpus-per-node={gpus_per_node}"])
-        return ids[local_rank]
-    return str(local_rank)
+        if lo + count > len(ids):
+            raise AllocationError([f"CUDA_VISIBLE_DEVICES={visible!r} has {len(ids)} device(s) but local task "
+                                   f"{local_rank} takes [{lo}, {lo + count}): the srun line must request "
+                                   f"--gpus-per-node={gpus_per_node}"])
+        return ",".join(ids[lo:lo + count])
+    return ",".join(str(d) for d in range(lo, lo + count))
 
 
 def format_srun(lines: Mapping[str, Sequence[str]]) -> str:

@@ -40,10 +40,12 @@ class AttachSpec:
     bind: str = ""  # all interfaces
 
     @classmethod
-    def from_env(cls, env=os.environ) -> "AttachSpec":
-        port, key = env.get("MEGARL_CONTROLLER_PORT", ""), env.get("MEGARL_AUTHKEY", "")
+    def from_env(cls, env=os.environ, port_var: str = "MEGARL_CONTROLLER_PORT") -> "AttachSpec":
+        """The trainer's listener (``MEGARL_CONTROLLER_PORT``) or, with ``port_var=
+        "MEGARL_GENERATOR_PORT"``, the generator's (replicas attach there)."""
+        port, key = env.get(port_var, ""), env.get("MEGARL_AUTHKEY", "")
         if not port.isdigit() or not key:
-            raise AttachError("cluster.launcher=slurm: MEGARL_CONTROLLER_PORT / MEGARL_AUTHKEY are not set; start the "
+            raise AttachError(f"cluster.launcher=slurm: {port_var} / MEGARL_AUTHKEY are not set; start the "
                               "job with `megarl launch slurm` (or `megarl launch local`), or set cluster.launcher=local")
         return cls(int(port), key.encode(), env.get("MEGARL_JOB_ID", ""))
 
@@ -86,43 +88,45 @@ def shutdown(conn: Connection) -> None:
         pass
 
 
-def accept_ranks(spec: AttachSpec, world: int, timeout_s: float) -> list[tuple[Connection, dict]]:
-    """Wait up to ``timeout_s`` until trainer ranks 0..world-1 have each connected and said hello;
-    their (connection, hello) in rank order. Raises :class:`AttachError` naming the missing ranks
-    (every accepted connection closed)."""
+def accept_ranks(spec: AttachSpec, world: int, timeout_s: float, role: str = "trainer", unit: str = "rank",
+                 timeout_knob: str = "trainer.start_timeout_s") -> list[tuple[Connection, dict]]:
+    """Wait up to ``timeout_s`` until ``role``'s ranks (or replicas: ``unit``) 0..world-1 have each
+    connected and said hello; their (connection, hello) in rank order. Raises
+    :class:`AttachError` naming the missing ones (every accepted connection closed)."""
     got: dict[int, tuple[Connection, dict]] = {}
     srv = socket.create_server((spec.bind, spec.port), backlog=max(world, 16))
     srv.settimeout(0.5)
     start = time.monotonic()
     deadline, last_log = start + timeout_s, start
-    log.info("trainer: waiting up to %.0fs for %d external rank(s) to attach on port %d", timeout_s, world, spec.port)
+    log.info("%s: waiting up to %.0fs for %d external %s(s) to attach on port %d", role, timeout_s, world, unit,
+             spec.port)
     try:
         while len(got) < world:
             now = time.monotonic()
             if now >= deadline:
                 missing = sorted(set(range(world)) - set(got))
-                raise AttachError(f"trainer: rank(s) {missing} of {world} did not attach within {timeout_s:.0f}s "
-                                  f"(trainer.start_timeout_s) on port {spec.port}; attached: "
+                raise AttachError(f"{role}: {unit}(s) {missing} of {world} did not attach within {timeout_s:.0f}s "
+                                  f"({timeout_knob}) on port {spec.port}; attached: "
                                   f"{[_where(h) for _, h in sorted(got.values(), key=lambda x: x[1]['rank'])]}. "
-                                  "Check the trainer srun step's output")
+                                  f"Check the {role} srun step's output")
             if now - last_log > _LOG_EVERY_S:
-                log.info("trainer: still waiting for rank(s) %s to attach (%.0fs left)",
+                log.info("%s: still waiting for %s(s) %s to attach (%.0fs left)", role, unit,
                          sorted(set(range(world)) - set(got)), deadline - now)
                 last_log = now
             try:
                 sock, peer = srv.accept()
             except (socket.timeout, BlockingIOError):
                 continue
-            conn, hello = _handshake(sock, peer, spec)
+            conn, hello = _handshake(sock, peer, spec, role)
             if conn is None:
                 continue
             r = hello.get("rank")
             if not isinstance(r, int) or not 0 <= r < world or r in got:
                 why = "twice" if r in got else f"outside 0..{world - 1}"
                 conn.close()
-                raise AttachError(f"trainer: {_where(hello)} attached as rank {r} ({why}); the trainer pool's tasks "
-                                  f"and trainer tp*pp*dp={world} disagree")
-            log.info("trainer: rank %d attached from %s", r, _where(hello))
+                raise AttachError(f"{role}: {_where(hello)} attached as {unit} {r} ({why}); the {role} pool's tasks "
+                                  f"and its size {world} disagree")
+            log.info("%s: %s %d attached from %s", role, unit, r, _where(hello))
             got[r] = (conn, hello)
     except BaseException:
         for conn, _ in got.values():
@@ -134,7 +138,7 @@ def accept_ranks(spec: AttachSpec, world: int, timeout_s: float) -> list[tuple[C
     return [got[r] for r in range(world)]
 
 
-def _handshake(sock: socket.socket, peer, spec: AttachSpec) -> tuple[Connection | None, dict]:
+def _handshake(sock: socket.socket, peer, spec: AttachSpec, role: str = "trainer") -> tuple[Connection | None, dict]:
     sock.setblocking(True)
     conn = Connection(sock.detach())
     try:
@@ -148,13 +152,14 @@ def _handshake(sock: socket.socket, peer, spec: AttachSpec) -> tuple[Connection 
         if spec.job_id and str(hello.get("job", "")) != spec.job_id:
             raise ValueError(f"it belongs to job {hello.get('job')!r}, not {spec.job_id}")
     except Exception as e:  # noqa: BLE001 - a stray or foreign client is refused, the wait goes on
-        log.warning("trainer: refused a connection from %s: %s", peer, e)
+        log.warning("%s: refused a connection from %s: %s", role, peer, e)
         conn.close()
         return None, {}
     return conn, hello
 
 
-def connect(host: str, port: int, authkey: bytes, timeout_s: float) -> Connection:
+def connect(host: str, port: int, authkey: bytes, timeout_s: float,
+            timeout_knob: str = "trainer.start_timeout_s") -> Connection:
     """A rank's connection to the executor: retried (the controller may still be starting) for up
     to ``timeout_s``; raises AttachError naming the address and the knob."""
     from multiprocessing.connection import Client
@@ -172,11 +177,12 @@ def connect(host: str, port: int, authkey: bytes, timeout_s: float) -> Connectio
             last_log = time.monotonic()
         time.sleep(0.5)
     raise AttachError(f"could not reach the controller at {host}:{port} within {timeout_s:.0f}s "
-                      f"(trainer.start_timeout_s): {err}")
+                      f"({timeout_knob}): {err}")
 
 
 def _where(hello: dict) -> str:
-    return f"pid {hello.get('pid')} on {hello.get('host')}"
+    """``pid N on node`` (the Slurm node name when the task has one; several nodes may share a host)."""
+    return f"pid {hello.get('pid')} on {hello.get('node') or hello.get('host')}"
 
 
 __all__ = ["AttachError", "AttachSpec", "RemoteProcess", "accept_ranks", "connect", "shutdown"]

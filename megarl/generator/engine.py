@@ -250,12 +250,15 @@ def _dist_ident(worker=None) -> str:
 
 def replica_main(conn, cfg: GeneratorConfig, model_dir: str, replica: int, threads_bind: str | None,
                  on_cpu: bool, log_path: str, cuda_devices: str | None, parent_pid: int | None = None,
-                 pdeathsig: bool = True) -> None:
+                 pdeathsig: bool = True, attached: bool = False, cleanup=None) -> None:
     """Entry point of a replica process (spawned by the executor). ``parent_pid`` / ``pdeathsig``:
-    see :func:`megarl.utils.procs.watch_parent` (the replica dies with the executor's process)."""
+    see :func:`megarl.utils.procs.watch_parent` (the replica dies with the executor's process).
+    ``attached``: started by a launcher on another node (:func:`attached_replica_main`); it has no
+    parent to watch and exits when the executor's connection closes. ``cleanup``: run before exit."""
     from megarl.utils.procs import watch_parent
 
-    watch_parent(parent_pid, pdeathsig=pdeathsig)  # first: no replica outlives its controller
+    if not attached:
+        watch_parent(parent_pid, pdeathsig=pdeathsig)  # first: no replica outlives its controller
     log = open(log_path, "ab", buffering=0)
     os.dup2(log.fileno(), 1)  # vLLM, its C++ kernels and its TP workers all log here
     os.dup2(log.fileno(), 2)
@@ -266,7 +269,8 @@ def replica_main(conn, cfg: GeneratorConfig, model_dir: str, replica: int, threa
         os.environ["CUDA_VISIBLE_DEVICES"] = cuda_devices
     # Its own process group: the executor (and the parent watch) kill it with its TP workers, and a
     # terminal's Ctrl-C reaches only the controller, which then shuts the replica down in order.
-    os.setpgrp()
+    if os.getpgrp() != os.getpid():  # a launcher may have made it a session leader already
+        os.setpgrp()
     if on_cpu and os.environ.get(FORCE_CPU_ATTN_KERNEL_ENV):
         force_cpu_attention_kernel(os.environ[FORCE_CPU_ATTN_KERNEL_ENV])
     replica_obj = None
@@ -294,4 +298,34 @@ def replica_main(conn, cfg: GeneratorConfig, model_dir: str, replica: int, threa
         conn.close()
     except Exception:
         pass
+    if cleanup is not None:
+        cleanup()
     os._exit(code)  # skip interpreter teardown of vLLM's threads (can hang)
+
+
+def attached_replica_main(replica: int, *, controller: tuple[str, int], authkey: bytes, job_id: str,
+                          connect_timeout_s: float, threads_bind: str | None, cuda_devices: str | None,
+                          cleanup=None) -> None:
+    """Entry point of generator replica ``replica`` started by a launcher (srun on a generator node,
+    ``megarl rank --role generator``): connect to the generator executor at ``controller`` (retrying
+    up to ``connect_timeout_s``), say hello, receive the start arguments a spawned replica gets, and
+    run it over that connection. Never returns."""
+    import socket
+
+    from megarl.executors.attach import connect
+    from megarl.utils.procs import defer_sigterm_to_controller
+
+    defer_sigterm_to_controller(f"generator replica {replica}")  # a preemption checkpoints through the controller
+    conn = connect(controller[0], controller[1], authkey, connect_timeout_s, timeout_knob="generator.start_timeout_s")
+    conn.send(("hello", {"rank": replica, "host": socket.gethostname(), "node": os.environ.get("SLURMD_NODENAME", ""),
+                         "pid": os.getpid(), "job": job_id}))
+    if not conn.poll(connect_timeout_s):
+        raise TimeoutError(f"generator replica {replica}: the controller sent no start arguments within "
+                           f"{connect_timeout_s:.0f}s (generator.start_timeout_s)")
+    kind, init = conn.recv()
+    if kind != "init":
+        raise RuntimeError(f"generator replica {replica}: expected the controller's 'init', got {kind!r}")
+    print(f"generator replica {replica}: attached to the controller at {controller[0]}:{controller[1]}; "
+          f"logs in {init['log_path']}", file=sys.stderr, flush=True)
+    replica_main(conn, init["cfg"], init["model_dir"], replica, threads_bind, init["on_cpu"], init["log_path"],
+                 cuda_devices, attached=True, cleanup=cleanup)
