@@ -289,12 +289,14 @@ def test_resume_path_and_save_schedule(tmp_path):
     assert resume_path(auto, tmp_path) is None                         # nothing saved yet
     step = tmp_path / "checkpoints" / "step_00000003"
     step.mkdir(parents=True)
-    (step / "meta.json").write_text("{}")
+    (step / "meta.json").write_text(json.dumps({"format": "megarl-trainer-checkpoint-v1", "files": {}}))
     (tmp_path / "checkpoints" / "latest").write_text("step_00000003")
     assert resume_path(auto, tmp_path) == step
     assert resume_path(TrainerConfig(resume_from=str(tmp_path / "checkpoints")), tmp_path) == step
-    (tmp_path / "checkpoints" / "latest").write_text("step_00000009")  # dangling pointer
-    with pytest.raises(CheckpointError, match="not a complete checkpoint"):
+    (tmp_path / "checkpoints" / "latest").write_text("step_00000009")  # dangling pointer: the previous one
+    assert resume_path(auto, tmp_path) == step
+    (step / "meta.json").write_text("{}")  # and nothing complete is left
+    with pytest.raises(CheckpointError, match="names step_00000009, which does not exist.*has format None"):
         resume_path(auto, tmp_path)
     every2 = TrainerConfig(checkpoint_interval=2)
     assert [s for s in range(1, 8) if should_save(every2, s, last_step=7)] == [2, 4, 6, 7]

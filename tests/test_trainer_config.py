@@ -16,11 +16,11 @@ def test_every_knob_has_help_with_its_default():
 def test_defaults_are_valid_and_bad_values_name_the_key():
     assert TrainerConfig().problems() == []
     bad = TrainerConfig(tp=0, micro_batch_size=0, lr=1e-5, min_lr=1e-4, adam_beta2=1.0,
-                        lr_warmup_steps=-1, logprob_temperature=0.0, checkpoint_keep_last=0)
+                        lr_warmup_steps=-1, logprob_temperature=0.0, keep_checkpoints=0)
     msgs = bad.problems()
     for key in ("trainer.tp=0", "trainer.micro_batch_size=0", "trainer.min_lr=0.0001",
                 "trainer.adam_beta1/2", "trainer.lr_warmup_steps=-1",
-                "trainer.logprob_temperature=0.0", "trainer.checkpoint_keep_last=0"):
+                "trainer.logprob_temperature=0.0", "trainer.keep_checkpoints=0"):
         assert any(key in m for m in msgs), (key, msgs)
 
 

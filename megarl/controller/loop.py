@@ -28,7 +28,7 @@ from megarl.controller.evaluation import EvalResult, StrictScorer
 from megarl.controller.prompts import PromptSource
 from megarl.controller.rollouts import RolloutQueue, prompts_crc32, trained_record
 from megarl.controller.run import RunFolder
-from megarl.controller.state import save_controller_state
+from megarl.controller.state import pin_resume, stage_controller_state
 from megarl.controller.summary import ExecutorActivity
 from megarl.executors.base import Generator, RewardScorer, Trainer
 from megarl.rollout import Sample
@@ -60,6 +60,7 @@ def run_job(cfg: MegaRLConfig) -> int:
         # every executor below, then the handlers are restored (megarl.utils.procs).
         stack.enter_context(signals_raise())
         run = stack.enter_context(RunFolder(cfg, n_eval=len(prompts.held)))
+        cfg = pin_resume(cfg, run.path)  # the one verified step folder every process resumes from
         trainer, generator, reward = start_executors(cfg, stack, model_dir, devices, run)
         weights = WeightSync(resolved_sync(cfg), trainer, generator, dims=model_dims(model_dir), generator_cfg=cfg.generator,
                              probe_prompt=prompts.eval_set()[1][0], pad_id=prompts.pad_id)
@@ -92,7 +93,7 @@ def train(cfg: MegaRLConfig, run: RunFolder, prompts: PromptSource, trainer: Tra
         with timer.phase("generate"):  # waiting for this step's rollouts
             tasks, prompt_ids, samples, lag_metrics = rollouts.take(step, trainer.step_count)
         with timer.phase("reward"):
-            reward.score(samples, [t.answer for t in tasks], prompts.decode)
+            reward_counts = reward.score(samples, [t.answer for t in tasks], prompts.decode) or {}
         advantages = group_advantages(cfg, samples, [s.reward for s in samples])
         with timer.phase("train"):
             train_metrics = trainer.step(RolloutBatch.from_samples(samples, advantages, pad_id=prompts.pad_id))
@@ -101,6 +102,7 @@ def train(cfg: MegaRLConfig, run: RunFolder, prompts: PromptSource, trainer: Tra
         times = timer.finish()
         metrics = step_metrics(train_metrics, times, activity.end(times), sync_metrics, lag_metrics, samples,
                                prompt_ids)
+        metrics.update(reward_counts)  # reward/timeouts, reward/errors (samples)
         run.log_samples(step, [trained_record(s) for s in samples])
         if every and (step % every == 0 or step == steps):
             metrics.update(evaluate(generator, prompts, run, step=step))
@@ -145,11 +147,11 @@ def step_metrics(train: dict[str, float], times: dict[str, float], busy: dict[st
 
 
 def checkpoint(cfg: MegaRLConfig, trainer: Trainer, rollouts: RolloutQueue) -> float:
-    """Save the trainer and, beside it, the controller's part (data cursor, admitted rollouts);
-    the seconds it took."""
+    """Save the trainer with the controller's part (data cursor, admitted rollouts) staged first, so
+    the step folder's manifest covers both (controller/state.py); the seconds it took."""
     t0 = time.monotonic()
-    save_controller_state(trainer.save(), policy_version=trainer.step_count, data_seed=cfg.data.seed,
-                          rollouts=rollouts.state_dict())
+    stage_controller_state(cfg, policy_version=trainer.step_count, rollouts=rollouts.state_dict())
+    trainer.save()
     return time.monotonic() - t0
 
 

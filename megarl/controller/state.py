@@ -1,32 +1,71 @@
 """The controller's part of a checkpoint: ``controller_state.json`` in the trainer's step folder.
 
-Written right after the trainer's collective save of step ``s`` (atomically: temp file, fsync,
-rename), read on ``trainer.resume_from`` before the first batch is admitted. It holds what the
-trainer's weights do not: the policy version it belongs to, the data cursor and seed, and the
-rollout queue (``RolloutQueue.state_dict``: admitted batches, their finished samples and partial
-rollouts, the regeneration counter). A step folder without it (a kill between the two writes, or a
-checkpoint of an older megarl) resumes with the data cursor alone: that step's admitted batches
-are generated again, from the same prompts.
+Staged right before the trainer's collective save of step ``s`` (:func:`stage_controller_state`:
+temp file, fsync, rename into ``<checkpoint_dir>/.stage_step_<s>/``); the save moves it into the
+step folder before it writes the manifest (``meta.json``, last), so a checkpoint is complete with
+both parts or not at all: there is no moment at which ``latest`` names a step folder without it.
+It holds what the trainer's weights do not: the policy version it belongs to, the data cursor and
+seed, and the rollout queue (``RolloutQueue.state_dict``: admitted batches, their finished samples
+and partial rollouts, the regeneration counter).
+
+At resume, :func:`pin_resume` picks the step folder once, in the controller, before any executor
+starts: the newest one whose manifest verifies (sizes and CRC32) and lists ``controller_state.json``;
+a damaged or partial newer one is reported in one WARNING naming the file and skipped. The trainer
+ranks then load exactly that folder. A step folder given by path that lacks the file (a checkpoint
+of an older megarl) resumes with the data cursor alone: that step's admitted batches are generated
+again, from the same prompts.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from megarl.config.schema import MegaRLConfig
 
 log = logging.getLogger("megarl")
 
 FILE = "controller_state.json"
 
 
-def save_controller_state(step_dir: Path, *, policy_version: int, data_seed: int, rollouts: dict) -> Path:
-    from megarl.trainer.checkpoint import write_text_atomic
+def run_checkpoint_root(cfg: MegaRLConfig) -> Path:
+    """The job's checkpoint folder: trainer.checkpoint_dir, or <logging.out_dir>/<name>/checkpoints."""
+    from megarl.trainer.checkpoint import checkpoint_root
 
-    path = Path(step_dir) / FILE
-    write_text_atomic(path, json.dumps({"policy_version": policy_version, "data_seed": data_seed,
-                                        "rollouts": rollouts}))
-    return path
+    return checkpoint_root(cfg.trainer, Path(cfg.logging.out_dir) / cfg.name)
+
+
+def stage_controller_state(cfg: MegaRLConfig, *, policy_version: int, rollouts: dict) -> Path:
+    """Stage the controller's state for the step-``policy_version`` checkpoint; call it right
+    before ``trainer.save()``, which adopts it. Raises ``CheckpointNoSpace`` on a full disk."""
+    from megarl.trainer.checkpoint import stage_file
+
+    text = json.dumps({"policy_version": policy_version, "data_seed": cfg.data.seed, "rollouts": rollouts})
+    return stage_file(run_checkpoint_root(cfg), policy_version, FILE, text)
+
+
+def pin_resume(cfg: MegaRLConfig, run_dir: Path) -> MegaRLConfig:
+    """``cfg`` with trainer.resume_from resolved to one verified step folder (None: start fresh),
+    so the controller and every trainer rank load the same one. 'auto' and a checkpoint dir take
+    the newest complete checkpoint that holds the controller's state (a damaged newer one: one
+    WARNING naming the file, then the previous one). Raises ConfigError when nothing usable is there."""
+    from megarl.config import ConfigError
+    from megarl.trainer.checkpoint import CheckpointError, resume_path
+
+    if cfg.trainer.resume_from in (None, ""):
+        return cfg
+    try:
+        path = resume_path(cfg.trainer, run_dir, require=(FILE,), checksums=True)
+    except CheckpointError as e:
+        raise ConfigError([f"trainer.resume_from={cfg.trainer.resume_from!r}: {e}"]) from None
+    if path is not None:
+        log.info("resume: step folder %s (trainer.resume_from=%s)", path, cfg.trainer.resume_from)
+    pinned = str(path) if path is not None else None
+    return dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, resume_from=pinned))
 
 
 def load_controller_state(step_dir: Path | None, *, policy_version: int, data_seed: int) -> dict | None:
@@ -49,4 +88,4 @@ def load_controller_state(step_dir: Path | None, *, policy_version: int, data_se
     return state["rollouts"]
 
 
-__all__ = ["FILE", "load_controller_state", "save_controller_state"]
+__all__ = ["FILE", "load_controller_state", "pin_resume", "run_checkpoint_root", "stage_controller_state"]

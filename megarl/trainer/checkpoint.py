@@ -10,18 +10,28 @@ Layout of ``checkpoint_dir``::
         hf_extra/           tokenizer / generation config / chat template of the source HF folder
                             (when the caller passes hf_extra_from): `megarl convert mcore-to-hf`
                             turns the step folder into a complete HF folder
+        controller_state.json
+                            the controller's part (data cursor, admitted rollouts), staged by the
+                            controller in ``.stage_step_.../`` before the save and adopted by it
     latest                  name of the newest complete step folder (written last)
 
-A save writes everything into ``.tmp_step_...``, fsyncs it, renames it into place and only then
-updates ``latest``; a crash at any point leaves the previous checkpoint complete and ``latest``
-pointing at it. The manifest in meta.json (every file and its size) turns a missing or truncated
-shard into an error naming the file. Model weights reshard on load (different TP/PP); optimizer
-and RNG state need the same TP/PP/DP layout they were saved with.
+A save writes everything into ``.tmp_step_...``, adopts the staged files, writes ``meta.json`` last
+(its manifest: every file with its size and CRC32; temp file + rename), fsyncs, renames the folder
+into place and only then updates ``latest``; a crash at any point leaves the previous checkpoint
+complete and ``latest`` pointing at it. "Complete" means ``meta.json`` is there and every file it
+lists has its size and CRC32, the controller's state included, so there is no window in which
+``latest`` names a step folder without it. At resume (:func:`resume_path`) a damaged newest
+checkpoint is reported in one WARNING naming the file and the previous complete one is used.
+A full disk is checked before writing (free space against the previous checkpoint's size) and
+caught while writing (ENOSPC): the partial folder is removed, the previous checkpoint is left as it
+was, and :class:`CheckpointNoSpace` names the path and the bytes needed. Model weights reshard on
+load (different TP/PP); optimizer and RNG state need the same TP/PP/DP layout they were saved with.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import logging
 import os
@@ -29,8 +39,9 @@ import queue
 import random
 import shutil
 import time
+import zlib
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -46,6 +57,10 @@ log = logging.getLogger(__name__)
 FORMAT = "megarl-trainer-checkpoint-v1"
 LATEST = "latest"
 STEP_PREFIX = "step_"
+STAGE_PREFIX = ".stage_"  # files a save adopts into the step folder (the controller's state)
+META = "meta.json"
+_CRC_CHUNK = 1 << 20  # bytes read per crc32 update
+_SPACE_MARGIN = 1.10  # a save needs this much more than the previous checkpoint's size (ratio)
 EXTRA_DIR = "hf_extra"  # the source HF folder's tokenizer files, in step folders and model checkpoints
 _HF_EXTRA_SUFFIXES = (".json", ".txt", ".model", ".jinja", ".tiktoken")
 _NOT_EXTRA = {"config.json", "model.safetensors.index.json"}
@@ -55,6 +70,16 @@ OPTIM_SHARDING = "dp_reshardable"
 
 class CheckpointError(RuntimeError):
     """A checkpoint is missing, incomplete, or does not fit the model it is loaded into."""
+
+
+class CheckpointNoSpace(CheckpointError):
+    """A save ran out of disk: ``path``, ``needed`` and ``free`` bytes; the previous checkpoint is intact."""
+
+    def __init__(self, path: Path, needed: int, free: int, step: int):
+        self.path, self.needed, self.free = Path(path), int(needed), int(free)
+        super().__init__(f"checkpoint: no space for step {step} at {path}: it needs about {needed} bytes "
+                         f"({needed / 2**20:.1f} MiB), {free} are free; the previous checkpoint is intact. "
+                         f"Free space there or set trainer.checkpoint_dir to a larger disk")
 
 
 @dataclasses.dataclass
@@ -185,9 +210,39 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _manifest(root: Path) -> dict:
-    return {str(p.relative_to(root)): p.stat().st_size
-            for p in sorted(root.rglob("*")) if p.is_file() and p.name != "meta.json"}
+def _manifest(root: Path) -> tuple[dict, dict]:
+    """(size, crc32) of every file under ``root`` but meta.json, by relative path."""
+    files = [p for p in sorted(root.rglob("*")) if p.is_file() and p.relative_to(root).as_posix() != META]
+    return ({p.relative_to(root).as_posix(): p.stat().st_size for p in files},
+            {p.relative_to(root).as_posix(): file_crc32(p) for p in files})
+
+
+def file_crc32(path: Path) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_CRC_CHUNK):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def _tree_bytes(root: Path) -> int:
+    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
+
+
+def _no_space(e: Optional[BaseException], _depth: int = 0) -> bool:
+    """A full disk (ENOSPC, EDQUOT), also when megatron / torch DCP wrap it: their writer reports a
+    worker's OSError as text inside a CheckpointException (its ``failures``, rank -> exception)."""
+    if e is None or _depth > 8:
+        return False
+    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    if any(os.strerror(code) in str(e) for code in (errno.ENOSPC, errno.EDQUOT)):
+        return True
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and any(_no_space(f, _depth + 1) for f in failures.values()
+                                          if isinstance(f, BaseException)):
+        return True
+    return _no_space(e.__cause__ or e.__context__, _depth + 1)
 
 
 def copy_hf_extra(src_dir: str | Path, dst_dir: str | Path) -> list[str]:
@@ -223,11 +278,16 @@ def step_dir_name(step: int) -> str:
 
 
 def list_checkpoints(checkpoint_dir: str | Path) -> list[Path]:
-    """Complete step folders (they have meta.json), oldest first."""
+    """Step folders that have a meta.json (written last), oldest first; not verified."""
     root = Path(checkpoint_dir)
     if not root.is_dir():
         return []
-    return sorted(p for p in root.glob(f"{STEP_PREFIX}*") if (p / "meta.json").is_file())
+    return sorted(p for p in root.glob(f"{STEP_PREFIX}*") if (p / META).is_file())
+
+
+def _step_of(name: str) -> Optional[int]:
+    digits = name[len(STEP_PREFIX):]
+    return int(digits) if name.startswith(STEP_PREFIX) and digits.isdigit() else None
 
 
 def latest_checkpoint(checkpoint_dir: str | Path) -> Optional[Path]:
@@ -237,17 +297,86 @@ def latest_checkpoint(checkpoint_dir: str | Path) -> Optional[Path]:
     if not pointer.is_file():
         return None
     target = root / pointer.read_text().strip()
-    if not (target / "meta.json").is_file():
+    if not (target / META).is_file():
         raise CheckpointError(f"{pointer} names {target.name}, which is not a complete checkpoint "
                               f"(no meta.json); point `latest` at one of "
                               f"{[p.name for p in list_checkpoints(root)]} or remove it")
     return target
 
 
+def checkpoint_problem(step_dir: str | Path, *, checksums: bool = True, require: Sequence[str] = ()) -> Optional[str]:
+    """Why ``step_dir`` is not a complete checkpoint, naming the file; None when it is.
+
+    Complete: meta.json parses, and every file of its manifest is there with its size (and, with
+    ``checksums``, its CRC32; checkpoints of older megarl have sizes only). ``require``: files that
+    must be in the manifest (the controller requires its ``controller_state.json``)."""
+    step_dir = Path(step_dir)
+    meta_path = step_dir / META
+    if not meta_path.is_file():
+        return f"{meta_path} is missing (the save did not finish)"
+    try:
+        meta = json.loads(meta_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        return f"{meta_path} is corrupt ({e})"
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        return f"{meta_path} has format {meta.get('format') if isinstance(meta, dict) else None!r}; expected {FORMAT!r}"
+    files, crcs = meta.get("files") or {}, (meta.get("crc32") or {}) if checksums else {}
+    for rel in require:
+        if rel not in files:
+            return f"{step_dir / rel} is missing (the checkpoint was saved without it)"
+    for rel, size in files.items():
+        f = step_dir / rel
+        if not f.is_file():
+            return f"{f} is missing"
+        if f.stat().st_size != size:
+            return f"{f} is truncated or damaged: {f.stat().st_size} bytes, the manifest says {size}"
+        if rel in crcs:
+            got = file_crc32(f)
+            if got != crcs[rel]:
+                return f"{f} is corrupt: CRC32 {got:08x}, the manifest says {crcs[rel]:08x}"
+    return None
+
+
+def newest_complete(checkpoint_dir: str | Path, *, require: Sequence[str] = (),
+                    checksums: bool = True) -> Optional[Path]:
+    """The newest complete step folder at or before the one `latest` names; None when the folder
+    holds no checkpoint at all. Each newer one that is damaged is reported in one WARNING naming
+    the file, and the previous one is tried; none complete raises :class:`CheckpointError`."""
+    root = Path(checkpoint_dir)
+    pointer = root / LATEST
+    steps = sorted((p for p in root.glob(f"{STEP_PREFIX}*") if p.is_dir() and _step_of(p.name) is not None),
+                   key=lambda p: _step_of(p.name), reverse=True) if root.is_dir() else []
+    problems = []
+    if pointer.is_file():
+        named = pointer.read_text().strip()
+        limit = _step_of(named)
+        if limit is not None:  # a folder after `latest`: a save killed before it moved `latest`
+            steps = [p for p in steps if _step_of(p.name) <= limit]
+            if not (root / named).is_dir():
+                problems.append(f"{pointer} names {named}, which does not exist")
+                log.warning("checkpoint: %s; falling back to the previous checkpoint", problems[-1])
+        else:
+            problems.append(f"{pointer} holds {named[:40]!r}, not a step folder name")
+            log.warning("checkpoint: %s; using the newest complete step folder", problems[-1])
+    elif not steps:
+        return None
+    for step_dir in steps:
+        problem = checkpoint_problem(step_dir, checksums=checksums, require=require)
+        if problem is None:
+            if problems:
+                log.warning("checkpoint: resuming from %s, the newest complete checkpoint", step_dir)
+            return step_dir
+        problems.append(problem)
+        log.warning("checkpoint: %s is not complete: %s; falling back to the previous checkpoint",
+                    step_dir.name, problem)
+    raise CheckpointError(f"no complete checkpoint under {root}: {'; '.join(problems) or 'no step folder'}. "
+                          f"Resume from an earlier step folder by path, or start fresh (trainer.resume_from=null)")
+
+
 def resolve_checkpoint(path: str | Path) -> Path:
     """A step folder, or a checkpoint dir (its `latest`), as the step folder to load."""
     p = Path(path)
-    if (p / "meta.json").is_file():
+    if (p / META).is_file():
         return p
     if (p / LATEST).is_file():
         return latest_checkpoint(p)  # type: ignore[return-value]
@@ -262,15 +391,30 @@ def checkpoint_root(cfg: "TrainerConfig", run_dir: str | Path) -> Path:
     return Path(cfg.checkpoint_dir) if cfg.checkpoint_dir else Path(run_dir) / "checkpoints"
 
 
-def resume_path(cfg: "TrainerConfig", run_dir: str | Path) -> Optional[Path]:
+def resume_path(cfg: "TrainerConfig", run_dir: str | Path, *, require: Sequence[str] = (),
+                checksums: Optional[bool] = None) -> Optional[Path]:
     """The step folder trainer.resume_from asks for; None = start fresh.
 
-    'auto' resumes from the latest checkpoint under checkpoint_root if there is one."""
+    'auto' resumes from the newest complete checkpoint under checkpoint_root, if there is one, and
+    a checkpoint dir from its newest complete one (:func:`newest_complete`: a damaged newest one is
+    reported and skipped). A step folder is taken as it is, or refused naming the damaged file.
+    ``checksums``: also compare every file's CRC32 (default: for 'auto' and checkpoint dirs, not for
+    an explicit step folder, which the controller has verified before the ranks start)."""
     if cfg.resume_from in (None, ""):
         return None
     if cfg.resume_from == "auto":
-        return latest_checkpoint(checkpoint_root(cfg, run_dir))
-    return resolve_checkpoint(cfg.resume_from)
+        return newest_complete(checkpoint_root(cfg, run_dir), require=require,
+                               checksums=True if checksums is None else checksums)
+    p = Path(cfg.resume_from)
+    if (p / META).is_file():
+        problem = checkpoint_problem(p, checksums=bool(checksums))
+        if problem:
+            raise CheckpointError(f"trainer.resume_from={cfg.resume_from}: {problem}; resume from another "
+                                  f"step folder or from the checkpoint dir {p.parent} (its newest complete one)")
+        return p
+    if (p / LATEST).is_file() or list_checkpoints(p):
+        return newest_complete(p, require=require, checksums=True if checksums is None else checksums)
+    return resolve_checkpoint(p)  # raises, naming what is wrong
 
 
 def should_save(cfg: "TrainerConfig", step: int, last_step: int) -> bool:
@@ -282,20 +426,91 @@ def should_save(cfg: "TrainerConfig", step: int, last_step: int) -> bool:
 
 # ----------------------------------------------------------------------------- save
 
+def stage_dir(checkpoint_dir: str | Path, step: int) -> Path:
+    """Where files for the step-``step`` checkpoint wait for the save that adopts them."""
+    return Path(checkpoint_dir) / f"{STAGE_PREFIX}{step_dir_name(step)}"
+
+
+def stage_file(checkpoint_dir: str | Path, step: int, name: str, text: str) -> Path:
+    """Write ``name`` for the step-``step`` checkpoint before the trainer saves it (the controller's
+    state): :func:`save_checkpoint` moves it into the step folder before writing the manifest, so
+    the checkpoint is complete with it or not at all. Raises :class:`CheckpointNoSpace` on a full disk."""
+    d = stage_dir(checkpoint_dir, step)
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(d / name, text)
+    except OSError as e:
+        if not _no_space(e):
+            raise
+        shutil.rmtree(d, ignore_errors=True)
+        raise CheckpointNoSpace(d, len(text.encode()), shutil.disk_usage(Path(checkpoint_dir)).free, step) from None
+    return d / name
+
+
+def _space_needed(root: Path, model: list, optimizer: Any) -> int:
+    """Bytes a save will take: the newest checkpoint's size, or (first save) an estimate from the
+    parameters (weights + fp32 Adam moments, times the model-parallel ranks), with a margin."""
+    prev = list_checkpoints(root)
+    if prev:
+        try:
+            meta = json.loads((prev[-1] / META).read_text())
+            return int(_SPACE_MARGIN * (sum(meta["files"].values()) + (prev[-1] / META).stat().st_size))
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+    per_param = 8 if optimizer is not None else 0  # exp_avg + exp_avg_sq in fp32
+    local = sum(p.numel() * (p.element_size() + per_param) for p in model[0].parameters())
+    layout = _parallel_layout()
+    return int(_SPACE_MARGIN * local * layout["tp"] * layout["pp"])
+
+
+def _free_bytes(root: Path) -> int:
+    """Free bytes at ``root`` before a save (tests replace it to reach the write-time check)."""
+    return shutil.disk_usage(root).free
+
+
+def _agree(problem: Optional[str]) -> Optional[str]:
+    """Every rank learns the first rank's problem (None: no rank has one); a collective."""
+    if dist.get_world_size() == 1:
+        return problem
+    found: list = [None] * dist.get_world_size()
+    dist.all_gather_object(found, problem)
+    return next((p for p in found if p is not None), None)
+
+
+def _prune(root: Path, saved: Path, keep_last: int) -> None:
+    """Keep the newest ``keep_last`` step folders up to ``saved``; folders after it were left by a
+    run that resumed from an earlier checkpoint (a timeline that was abandoned) and go too."""
+    mine = _step_of(saved.name)
+    steps = sorted((p for p in root.glob(f"{STEP_PREFIX}*") if p.is_dir() and _step_of(p.name) is not None),
+                   key=lambda p: _step_of(p.name))
+    for p in steps:
+        if _step_of(p.name) > mine:
+            log.info("checkpoint: removing %s (after the resumed step; not this run's)", p.name)
+            shutil.rmtree(p, ignore_errors=True)
+    older = [p for p in steps if _step_of(p.name) < mine]
+    for old in older[:max(len(older) - (keep_last - 1), 0)]:
+        shutil.rmtree(old, ignore_errors=True)
+    for d in root.glob(f"{STAGE_PREFIX}{STEP_PREFIX}*"):  # staged for a save that never happened
+        shutil.rmtree(d, ignore_errors=True)
+
+
 def save_checkpoint(checkpoint_dir: str | Path, *, model: list, optimizer: Any = None,
                     scheduler: Any = None, progress: TrainProgress, keep_last: int = 2,
                     hf_config: Optional[dict] = None, hf_extra_from: str | Path | None = None,
                     _before_commit: Optional[Callable[[Path], None]] = None) -> Path:
     """Save a checkpoint of this step; collective over every trainer rank.
 
-    Returns the step folder. `hf_config` (the source HF config.json as a dict) and `hf_extra_from`
+    Returns the step folder. Files staged for this step (:func:`stage_file`) move into it before
+    the manifest is written. `hf_config` (the source HF config.json as a dict) and `hf_extra_from`
     (the HF folder the model came from: its tokenizer / generation config files are copied into
     `hf_extra/`) are export metadata only: with them `megarl convert mcore-to-hf` writes a
     complete HF folder from the step folder; loading ignores them. `_before_commit` (tests only)
     runs after all files are written and before the rename, to simulate a crash mid-save.
+    A full disk (checked before writing, or hit while writing) removes the partial folder, leaves
+    the previous checkpoint as it was and raises :class:`CheckpointNoSpace` on every rank.
     """
     if keep_last < 1:
-        raise ValueError(f"keep_last={keep_last}: must be >= 1 (trainer.checkpoint_keep_last)")
+        raise ValueError(f"keep_last={keep_last}: must be >= 1 (trainer.keep_checkpoints)")
     from megatron.core import dist_checkpointing
 
     root = Path(checkpoint_dir)
@@ -303,40 +518,84 @@ def save_checkpoint(checkpoint_dir: str | Path, *, model: list, optimizer: Any =
     final, tmp = root / name, root / f".tmp_{name}"
     rank = dist.get_rank()
     t0 = time.monotonic()
+    need, free, problem = 0, 0, None
     if rank == 0:
         root.mkdir(parents=True, exist_ok=True)
         if tmp.exists():  # left by a crashed save
             shutil.rmtree(tmp)
-        (tmp / "dist").mkdir(parents=True)
-        (tmp / "rng").mkdir()
-    _barrier("temp dir created")
+        need, free = _space_needed(root, model, optimizer), _free_bytes(root)
+        if need > free:  # refused before writing a byte; the staged controller state goes too
+            problem = (need, free)
+            shutil.rmtree(stage_dir(root, progress.step), ignore_errors=True)
+            log.error("checkpoint: step %d: %d bytes needed at %s, %d free", progress.step, need, root, free)
+        else:
+            (tmp / "dist").mkdir(parents=True)
+            (tmp / "rng").mkdir()
+    problem = _agree(problem)  # also the barrier: the temp dir exists
+    if problem:
+        raise CheckpointNoSpace(root, problem[0], problem[1], progress.step)
+
+    def no_space(e: BaseException) -> Optional[str]:
+        """Why the disk is full, or re-raise ``e``. Some writers lose the errno (torch's zip writer
+        reports 'unexpected pos'), so a failure that left less free space than the rest of the save
+        needs counts as a full disk too."""
+        if not _no_space(e):
+            try:
+                left = shutil.disk_usage(root).free
+                remaining = (need or _space_needed(root, model, optimizer)) - _tree_bytes(tmp)
+            except OSError:
+                raise e from None
+            if left >= remaining:
+                raise e
+        return f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
 
     use_in_process_write_queue()
-    dist_checkpointing.save(_sharded_state(model, optimizer, is_loading=False), str(tmp / "dist"))
-    torch.save(_rng_state(), tmp / "rng" / f"rank_{rank:05d}.pt")
-    _barrier("shards written")
+    written = None
+    try:
+        dist_checkpointing.save(_sharded_state(model, optimizer, is_loading=False), str(tmp / "dist"))
+        torch.save(_rng_state(), tmp / "rng" / f"rank_{rank:05d}.pt")
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:  # noqa: BLE001 - torch DCP's CheckpointException is a BaseException;
+        written = no_space(e)   # only a full disk is handled, anything else re-raises
+    written = _agree(written)  # the shards are written (or a rank's disk is full)
 
-    if rank == 0:
-        if hf_extra_from is not None:
-            copy_hf_extra(hf_extra_from, tmp / EXTRA_DIR)
-        meta = {
-            "format": FORMAT, "step": progress.step, "consumed_samples": progress.consumed_samples,
-            "extra": progress.extra, "model": model_signature(model[0]),
-            "parallel": _parallel_layout(), "has_optimizer": optimizer is not None,
-            "adam_step": _adam_steps(optimizer) if optimizer is not None else None,
-            "scheduler": scheduler.state_dict() if scheduler is not None else None,
-            "saved_at": time.time(), "files": _manifest(tmp),
-        }
-        if hf_config is not None or hf_extra_from is not None:  # export metadata (optional)
-            m0 = unwrap(model[0])
-            meta["export"] = {
-                "hf_config": hf_config,
-                "hf_source": str(hf_extra_from) if hf_extra_from is not None else None,
-                "vocab_divisible_by": getattr(m0, "megarl_vocab_divisible_by", None),
-                "norm_style": getattr(m0, "megarl_norm_style", None)}
-        write_text_atomic(tmp / "meta.json", json.dumps(meta, indent=1, default=str))
-        _fsync_tree(tmp)
-    _barrier("metadata written")
+    if rank == 0 and not written:
+        try:
+            stage = stage_dir(root, progress.step)
+            if stage.is_dir():  # the controller's part, staged before this save
+                for f in sorted(stage.iterdir()):
+                    os.replace(f, tmp / f.name)
+            if hf_extra_from is not None:
+                copy_hf_extra(hf_extra_from, tmp / EXTRA_DIR)
+            files, crcs = _manifest(tmp)
+            meta = {
+                "format": FORMAT, "step": progress.step, "consumed_samples": progress.consumed_samples,
+                "extra": progress.extra, "model": model_signature(model[0]),
+                "parallel": _parallel_layout(), "has_optimizer": optimizer is not None,
+                "adam_step": _adam_steps(optimizer) if optimizer is not None else None,
+                "scheduler": scheduler.state_dict() if scheduler is not None else None,
+                "saved_at": time.time(), "files": files, "crc32": crcs,
+            }
+            if hf_config is not None or hf_extra_from is not None:  # export metadata (optional)
+                m0 = unwrap(model[0])
+                meta["export"] = {
+                    "hf_config": hf_config,
+                    "hf_source": str(hf_extra_from) if hf_extra_from is not None else None,
+                    "vocab_divisible_by": getattr(m0, "megarl_vocab_divisible_by", None),
+                    "norm_style": getattr(m0, "megarl_norm_style", None)}
+            _fsync_tree(tmp)
+            write_text_atomic(tmp / META, json.dumps(meta, indent=1, default=str))  # the manifest: last
+        except OSError as e:
+            written = no_space(e)
+    written = _agree(written if rank == 0 else None)  # metadata written
+    if written:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            shutil.rmtree(stage_dir(root, progress.step), ignore_errors=True)
+            free = shutil.disk_usage(root).free
+            log.error("checkpoint: saving step %d to %s failed: %s", progress.step, root, written)
+        raise CheckpointNoSpace(root, need or _space_needed(root, model, optimizer), free, progress.step)
     if _before_commit is not None:
         _before_commit(tmp)
     if rank == 0:
@@ -347,11 +606,9 @@ def save_checkpoint(checkpoint_dir: str | Path, *, model: list, optimizer: Any =
         os.replace(tmp, final)
         _fsync_dir(root)
         write_text_atomic(root / LATEST, name)  # last: `latest` only ever names a complete one
-        for old in list_checkpoints(root)[:-keep_last]:
-            if old != final:
-                shutil.rmtree(old, ignore_errors=True)
-        log.info("checkpoint: saved step %d to %s in %.1fs", progress.step, final,
-                 time.monotonic() - t0)
+        _prune(root, final, keep_last)
+        log.info("checkpoint: saved step %d to %s in %.1fs (%.1f MiB)", progress.step, final,
+                 time.monotonic() - t0, _tree_bytes(final) / 2**20)
     _barrier("checkpoint committed")
     return final
 

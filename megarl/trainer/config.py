@@ -57,6 +57,11 @@ class TrainerConfig:
     seed: int = knob(1234, help="Trainer seed: weight init where random, dropout RNG trackers. "
                      "Default 1234.")
 
+    max_skipped_steps: int = knob(3, help="A step whose loss or gradient is NaN/inf is skipped (no "
+                                  "update, no LR-schedule step; a WARNING in the rank log and train/skipped = 1 "
+                                  "in the step's metrics, train/skipped_steps the run's total); this many "
+                                  "skipped in a row stop the job naming the cause (steps, >= 1). Default 3.")
+
     # --- logprobs ---
     logprob_temperature: float = knob(1.0, help="Temperature the trainer divides logits by before "
                                       "log-softmax; must equal the generator's convention: "
@@ -69,8 +74,9 @@ class TrainerConfig:
                                " Default ''.")
     checkpoint_interval: int = knob(0, help="Save every N optimizer steps (steps); 0 = only at the "
                                     "end of the run. Default 0.")
-    checkpoint_keep_last: int = knob(2, help="Checkpoints kept on disk; older ones are deleted after "
-                                     "a save succeeds (count, >= 1). Default 2.")
+    keep_checkpoints: int = knob(2, help="Step folders kept on disk; older ones are deleted after a "
+                                 "save succeeds. Keep >= 2 so a damaged newest checkpoint can fall back to "
+                                 "the previous one at resume (count, >= 1). Default 2.")
     resume_from: Optional[str] = knob(None, help="Checkpoint to resume from: a step folder, a "
                                       "checkpoint_dir (its 'latest'), 'auto' (checkpoint_dir's "
                                       "latest if any) or null = start fresh. Default null.")
@@ -94,7 +100,7 @@ class TrainerConfig:
     def problems(self) -> list[str]:
         """Problems this section alone can see, each naming the key and what to change."""
         out = []
-        for key in ("tp", "pp", "dp", "micro_batch_size", "checkpoint_keep_last"):
+        for key in ("tp", "pp", "dp", "micro_batch_size", "keep_checkpoints", "max_skipped_steps"):
             if getattr(self, key) < 1:
                 out.append(f"trainer.{key}={getattr(self, key)}: must be >= 1")
         for key in ("lr_warmup_steps", "lr_decay_steps", "checkpoint_interval"):

@@ -135,7 +135,7 @@ class RankTrainer:
 
         return save_checkpoint(self.checkpoint_dir, model=self.objs.model, optimizer=self.objs.optimizer,
                                scheduler=self.objs.scheduler, progress=self.progress,
-                               keep_last=self.cfg.checkpoint_keep_last,
+                               keep_last=self.cfg.keep_checkpoints,
                                hf_config=read_hf_config(self.model_dir), hf_extra_from=self.model_dir)
 
 
