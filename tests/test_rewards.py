@@ -292,7 +292,7 @@ def test_health_names_a_dead_scoring_process_and_the_pool_restarts(plugin):
 
 
 def test_a_reward_that_raises_scores_wrong(plugin):
-    (s,) = score(RewardConfig(fn=f"{plugin}:boom", workers=1), ["19"], ["19"])
+    (s,) = score(RewardConfig(fn=f"{plugin}:boom", workers=1, max_error_frac=1.0), ["19"], ["19"])
     assert s.reward == 0.0 and s.correct is False
 
 

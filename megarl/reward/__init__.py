@@ -5,8 +5,8 @@ See docs/rewards.md. Importing this package imports neither torch nor math-verif
 
 from megarl.reward import rewards  # noqa: F401  (registers the built-ins: arithmetic, gsm8k, math)
 from megarl.reward.config import RewardConfig
-from megarl.reward.pool import RewardPool, ScoredSample, overlong_penalty
+from megarl.reward.pool import RewardError, RewardPool, ScoredSample, overlong_penalty
 from megarl.reward.registry import get_reward, known_rewards, register_reward
 
-__all__ = ["RewardConfig", "RewardPool", "ScoredSample", "get_reward", "known_rewards",
+__all__ = ["RewardConfig", "RewardError", "RewardPool", "ScoredSample", "get_reward", "known_rewards",
            "overlong_penalty", "register_reward"]

@@ -34,8 +34,14 @@ class RewardConfig:
                                    "(reward units, >= 0); default 1")
     workers: int = knob(2, help="processes scoring the math reward and import-path rewards (processes); "
                         "default 2")
-    timeout_s: float = knob(5.0, help="per-sample scoring timeout in the pool; a timeout scores as wrong "
+    timeout_s: float = knob(5.0, help="per-sample scoring time in the pool, counted from when a scoring "
+                            "process takes the sample; past it the process is killed and replaced, the sample "
+                            "scores the wrong score and is counted in reward/timeouts, and the job goes on "
                             "(seconds, > 0); default 5")
+    max_error_frac: float = knob(0.25, help="largest fraction of a batch's scored (finished) replies on which "
+                                 "the reward function may raise: each such reply scores the wrong score and is "
+                                 "counted in reward/errors; more stops the job with the first traceback "
+                                 "(fraction, 0..1; 0 = any error stops the job); default 0.25")
 
     def __post_init__(self) -> None:
         problems = self.problems()
@@ -51,7 +57,8 @@ class RewardConfig:
             found.append(f"reward.fn={self.fn!r}: {fn_problem}")
         helps = {f.name: f.metadata.get("help", "") for f in dataclasses.fields(self)}
         checks = [("timeout_s", self.timeout_s > 0), ("overlong_buffer", self.overlong_buffer >= 0),
-                  ("overlong_penalty", self.overlong_penalty >= 0)]
+                  ("overlong_penalty", self.overlong_penalty >= 0),
+                  ("max_error_frac", 0 <= self.max_error_frac <= 1)]
         found += [f"reward.{name}={getattr(self, name)!r} is out of range: {helps[name]}"
                   for name, ok in checks if not ok]
         if self.correct <= self.wrong:

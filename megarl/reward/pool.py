@@ -2,22 +2,28 @@
 
 The ``math`` reward runs math-verify (sympy), which can take seconds or hang on a pathological
 reply and enforces its own timeouts with ``signal.alarm``, which only works in a process's main
-thread. So it (and any ``module:function`` reward, whose cost is unknown) runs in a process pool:
-each worker calls it from its main thread, and the pool adds an outer wall-clock deadline so a stuck
-sample scores as wrong instead of stalling the RL loop (the pool is then killed and restarted).
+thread. So it (and any ``module:function`` reward, whose cost is unknown) runs in scoring
+processes: each calls it from its main thread, one sample at a time, and the pool cuts a sample
+that runs past ``reward.timeout_s`` (counted from the moment that process got it): the process is
+killed and replaced, the sample scores ``reward.wrong`` and is counted (``reward/timeouts``), and
+the batch goes on. A reward that raises scores ``reward.wrong`` and is counted (``reward/errors``);
+more than ``reward.max_error_frac`` of a batch's scored samples raising stops the job with
+:class:`RewardError` carrying the first traceback. A scoring process that dies mid-sample (killed
+from outside) is replaced and the sample is scored again once.
 ``arithmetic`` and ``gsm8k`` are a few linear-time regexes over the reply: they run in the calling
 process, since shipping a batch to workers would cost more than scoring it.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import multiprocessing as mp
 import os
 import time
-from concurrent.futures import ProcessPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
+import traceback
+from multiprocessing.connection import wait as wait_any
 from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Sequence
 
 from megarl.executors.base import ExecutorBase, ProcessDied, exit_cause
@@ -30,6 +36,14 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+START_TIMEOUT_S = 120.0  # a scoring process must import megarl.reward and the reward within this (s)
+KILL_JOIN_S = 5.0        # wait for a killed scoring process to be reaped (s)
+
+
+class RewardError(RuntimeError):
+    """The reward function failed on too much of a batch (more than ``reward.max_error_frac``), or
+    could not be loaded in a scoring process; the message carries the first traceback."""
+
 
 @dataclasses.dataclass(frozen=True)
 class ScoredSample:
@@ -41,6 +55,16 @@ class ScoredSample:
     correct: bool
     formatted: bool
     truncated: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class _Verdict:
+    """What scoring one reply gave: ``status`` 'ok', 'error' (the function raised; ``detail`` is
+    the traceback) or 'timeout' (cut at reward.timeout_s)."""
+
+    ok: bool
+    status: str = "ok"
+    detail: str = ""
 
 
 def overlong_penalty(length: int, max_new_tokens: int, buffer: int, penalty: float) -> float:
@@ -58,6 +82,7 @@ class RewardPool(ExecutorBase):
     ``health``/``pids`` report them, ``close`` kills them.
 
     ``max_new_tokens`` is the generator's completion limit (tokens), the end of the overlong ramp.
+    ``last_counts``: the timeouts and errors of the last batch (what :meth:`score` returns).
     """
 
     def __init__(self, cfg: RewardConfig, max_new_tokens: int):
@@ -69,7 +94,8 @@ class RewardPool(ExecutorBase):
         meta = reward_meta(self.fn)
         self._extract: Optional[Callable] = meta["extract"]
         self.in_process: bool = bool(meta["in_process"])
-        self._pool: Optional[ProcessPoolExecutor] = None
+        self._workers: List[_Worker] = []
+        self.last_counts: Dict[str, float] = {"reward/timeouts": 0, "reward/errors": 0}
 
     def start(self) -> "RewardPool":
         if not self.in_process:
@@ -94,7 +120,7 @@ class RewardPool(ExecutorBase):
 
     def _processes(self) -> list:
         """The pool's worker processes (none for an in-process reward or a closed pool)."""
-        return list((getattr(self._pool, "_processes", None) or {}).values()) if self._pool else []
+        return [w.proc for w in self._workers]
 
     @property
     def correct(self) -> float:
@@ -105,20 +131,23 @@ class RewardPool(ExecutorBase):
         return self.cfg.wrong if self.cfg.truncated is None else self.cfg.truncated
 
     def score(self, samples: Sequence[Sample], answers: Sequence[str],
-              decode: Callable[[Sequence[int]], str]) -> None:
+              decode: Callable[[Sequence[int]], str]) -> Dict[str, float]:
         """Set every sample's ``reward``, ``correct`` and ``formatted`` (the ``RewardScorer`` call).
-        ``answers[i]``: the gold answer of prompt ``i``; ``decode``: completion token ids to text."""
+        ``answers[i]``: the gold answer of prompt ``i``; ``decode``: completion token ids to text.
+        Returns the batch's ``reward/timeouts`` and ``reward/errors`` counts (samples)."""
         scored = self.score_texts([decode(s.completion_ids) for s in samples],
                                   [answers[s.prompt_index] for s in samples],
                                   [s.finish_reason for s in samples], [len(s.completion_ids) for s in samples])
         for s, r in zip(samples, scored):
             s.reward, s.correct, s.formatted = r.reward, r.correct, r.formatted
+        return dict(self.last_counts)
 
     def score_texts(self, completions: Sequence[str], golds: Sequence[str], finish_reasons: Sequence[Optional[str]],
                     lengths: Sequence[int]) -> List[ScoredSample]:
         """One :class:`ScoredSample` per reply, from text (what :meth:`score` does for samples).
         ``finish_reasons``: the generator's ('stop', 'length', ...); ``lengths``: completion
-        lengths (tokens)."""
+        lengths (tokens). Raises :class:`RewardError` when more than reward.max_error_frac of the
+        scored replies raised in the reward function."""
         n = len(completions)
         for name, seq in (("gold answers", golds), ("finish reasons", finish_reasons), ("lengths", lengths)):
             if len(seq) != n:
@@ -127,72 +156,162 @@ class RewardPool(ExecutorBase):
         truncated = [reason == "length" for reason in finish_reasons]
         finished = [i for i in range(n) if not truncated[i]]
         verdicts = self._judge([completions[i] for i in finished], [golds[i] for i in finished])
-        correct = dict(zip(finished, verdicts))
+        self._account(verdicts)
+        correct = {i: v.ok for i, v in zip(finished, verdicts)}
         out = []
         for i in range(n):
             if truncated[i]:
                 out.append(ScoredSample(self.truncated_score, False, False, True))
                 continue
             ok = correct[i]
-            formatted = ok if self._extract is None else self._extract(completions[i], strict=cfg.strict) is not None
+            formatted = ok if self._extract is None else self._formatted(completions[i])
             reward = (cfg.correct if ok else cfg.wrong) - overlong_penalty(
                 lengths[i], self.max_new_tokens, cfg.overlong_buffer, cfg.overlong_penalty)
             out.append(ScoredSample(reward, ok, bool(formatted), False))
         return out
 
-    def _judge(self, completions: List[str], golds: List[str]) -> List[bool]:
+    def _formatted(self, completion: str) -> bool:
+        try:
+            return self._extract(completion, strict=self.cfg.strict) is not None  # type: ignore[misc]
+        except Exception:  # noqa: BLE001 - an extractor that raises: the reply is not formatted
+            return False
+
+    def _account(self, verdicts: List[_Verdict]) -> None:
+        """Count the batch's timeouts and errors; too many errors stop the job (RewardError)."""
+        timeouts = sum(v.status == "timeout" for v in verdicts)
+        errors = [v for v in verdicts if v.status == "error"]
+        self.last_counts = {"reward/timeouts": timeouts, "reward/errors": len(errors)}
+        if not (timeouts or errors):
+            return
+        first = errors[0].detail.strip().splitlines()[-1] if errors else ""
+        log.warning("reward: %d of %d sample(s) timed out after %.1fs and %d raised in %s (first: %s); "
+                    "scored %s and counted", timeouts, len(verdicts), self.cfg.timeout_s, len(errors), self.cfg.fn,
+                    first or "-", self.cfg.wrong)
+        if len(errors) > self.cfg.max_error_frac * len(verdicts):
+            raise RewardError(f"reward: {len(errors)} of {len(verdicts)} sample(s) of the batch raised in reward.fn="
+                              f"{self.cfg.fn!r}, more than reward.max_error_frac={self.cfg.max_error_frac}; fix the "
+                              f"reward function. The first traceback:\n{errors[0].detail.rstrip()}")
+
+    def _judge(self, completions: List[str], golds: List[str]) -> List[_Verdict]:
         if not completions:
             return []
         if self.in_process:
             return [_safe_call(self.fn, c, g, self.cfg.strict) for c, g in zip(completions, golds)]
-        pool = self._ensure_pool()
-        futures = [pool.submit(_worker_score, self.cfg.fn, c, g, self.cfg.strict) for c, g in zip(completions, golds)]
-        verdicts, timed_out, failed = [], 0, 0
-        # Outer deadline: all samples in parallel, each allowed timeout_s, plus pool start-up slack.
-        deadline = time.monotonic() + self.cfg.timeout_s * (1 + len(futures) / self.cfg.workers) + 30.0
-        for fut in futures:
-            try:
-                ok = bool(fut.result(timeout=max(0.0, deadline - time.monotonic())))
-            except FutureTimeout:
-                ok, timed_out = False, timed_out + 1
-            except Exception:  # a broken pool (a worker died); the sample scores as wrong
-                ok, failed = False, failed + 1
-            verdicts.append(ok)
-        if timed_out or failed:
-            log.warning("reward: %d sample(s) timed out after %.1fs and %d failed, scored as wrong; "
-                        "restarting the pool", timed_out, self.cfg.timeout_s, failed)
-            self.close()
-        return verdicts
+        return self._judge_in_pool(completions, golds)
 
-    def _ensure_pool(self) -> ProcessPoolExecutor:
-        if self._pool is None:
-            # Workers are spawned by submit() in this thread; each watches this process and dies
-            # with it (megarl.utils.procs.watch_parent), so no scorer outlives the job.
-            self._pool = ProcessPoolExecutor(self.cfg.workers, mp_context=mp.get_context("spawn"),
-                                             initializer=_init_worker,
-                                             initargs=(self.cfg.timeout_s, os.getpid(), spawned_from_main_thread()))
-        return self._pool
+    def _judge_in_pool(self, completions: List[str], golds: List[str]) -> List[_Verdict]:
+        """One sample per scoring process at a time, each cut at timeout_s from when its process got
+        it; a cut or dead process is replaced. Every wait is bounded."""
+        workers = self._ensure_pool()
+        timeout = self.cfg.timeout_s
+        pending = collections.deque(range(len(completions)))
+        out: List[Optional[_Verdict]] = [None] * len(completions)
+        retried: set[int] = set()
+        while pending or any(w.task is not None for w in workers):
+            now = time.monotonic()
+            for w in workers:
+                if w.ready and w.task is None and pending:
+                    i = pending.popleft()
+                    w.give(i, completions[i], golds[i], self.cfg.strict)
+            due = [w.given + timeout for w in workers if w.task is not None] + \
+                  [w.spawned + START_TIMEOUT_S for w in workers if not w.ready]
+            readable = wait_any([w.conn for w in workers], timeout=max(0.0, min(due) - now) if due else None)
+            for w in list(workers):
+                if w.conn not in readable:
+                    continue
+                try:
+                    msg = w.conn.recv()
+                except (EOFError, OSError):  # the process died (killed from outside, or crashed)
+                    if w.task is not None:
+                        if w.task in retried:
+                            out[w.task] = _Verdict(False, "error", f"the scoring process pid {w.proc.pid} "
+                                                   f"{exit_cause(w.proc.exitcode)} twice on this sample")
+                        else:  # once more on a fresh process: a kill from outside loses nothing
+                            retried.add(w.task)
+                            pending.appendleft(w.task)
+                    log.warning("reward: scoring process pid %d %s; starting another", w.proc.pid,
+                                exit_cause(_reap(w.proc)))
+                    self._replace(w)
+                    continue
+                if msg[0] == "ready":
+                    w.ready = True
+                elif msg[0] == "init_error":
+                    self.close()
+                    raise RewardError(f"reward: reward.fn={self.cfg.fn!r} could not be loaded in a scoring "
+                                      f"process:\n{msg[1].rstrip()}")
+                else:
+                    i, status, value = msg
+                    out[i] = _Verdict(bool(value), "ok") if status == "ok" else _Verdict(False, "error", value)
+                    w.task = None
+            now = time.monotonic()
+            for w in list(workers):
+                if w.task is not None and now - w.given >= timeout:
+                    out[w.task] = _Verdict(False, "timeout")
+                    log.warning("reward: sample cut after %.1fs (reward.timeout_s); scoring process pid %d "
+                                "killed and replaced", timeout, w.proc.pid)
+                    self._replace(w)
+                elif not w.ready and now - w.spawned >= START_TIMEOUT_S:
+                    pid = w.proc.pid
+                    self.close()
+                    raise ProcessDied(f"reward: scoring process pid {pid} did not start within "
+                                      f"{START_TIMEOUT_S:.0f}s")
+        return [v if v is not None else _Verdict(False, "error", "not scored") for v in out]
+
+    def _replace(self, w: "_Worker") -> "_Worker":
+        """Kill ``w`` and start another in its place (in ``self._workers``, the list being iterated)."""
+        w.kill()
+        fresh = _Worker(self.cfg.fn, self.cfg.timeout_s)
+        self._workers[self._workers.index(w)] = fresh
+        return fresh
+
+    def _ensure_pool(self) -> List["_Worker"]:
+        if not self._workers:
+            # Started from this thread; each watches this process and dies with it
+            # (megarl.utils.procs.watch_parent), so no scorer outlives the job.
+            self._workers = [_Worker(self.cfg.fn, self.cfg.timeout_s) for _ in range(self.cfg.workers)]
+        return self._workers
 
     def close(self) -> None:
-        if self._pool is not None:
-            procs = self._processes()
-            self._pool.shutdown(wait=False, cancel_futures=True)
-            for proc in procs:
-                proc.kill()  # a stuck sympy call ignores shutdown
-            self._pool = None
+        workers, self._workers = self._workers, []
+        for w in workers:
+            w.kill()  # a stuck sympy call ignores a polite request
 
 
+class _Worker:
+    """One scoring process and its pipe; ``task``: the sample index it is scoring, if any."""
 
-def _safe_call(fn: Callable, completion: str, gold: str, strict: bool) -> bool:
+    def __init__(self, spec: str, timeout_s: float):
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_worker_main, name="megarl-reward", daemon=True,
+                                args=(child, spec, timeout_s, os.getpid(), spawned_from_main_thread()))
+        self.proc.start()
+        child.close()
+        self.spawned, self.given = time.monotonic(), 0.0
+        self.ready = False
+        self.task: Optional[int] = None
+
+    def give(self, i: int, completion: str, gold: str, strict: bool) -> None:
+        self.conn.send((i, completion, gold, strict))
+        self.task, self.given = i, time.monotonic()
+
+    def kill(self) -> None:
+        if self.proc.is_alive():
+            self.proc.kill()
+        _reap(self.proc)
+        self.conn.close()
+
+
+def _reap(proc) -> Optional[int]:
+    proc.join(KILL_JOIN_S)
+    return proc.exitcode
+
+
+def _safe_call(fn: Callable, completion: str, gold: str, strict: bool) -> _Verdict:
     try:
-        return bool(fn(completion, gold, strict=strict))
-    except Exception:  # a reward that raises on odd input must not stop training: the sample is wrong
-        log.warning("reward: %s raised on a sample; scored as wrong", getattr(fn, "__qualname__", fn),
-                    exc_info=True)
-        return False
-
-
-_WORKER_FNS: Dict[str, Callable] = {}
+        return _Verdict(bool(fn(completion, gold, strict=strict)))
+    except Exception:  # noqa: BLE001 - counted; too many in a batch stop the job (RewardPool._account)
+        return _Verdict(False, "error", traceback.format_exc())
 
 
 def _init_worker(timeout_s: float, parent_pid: Optional[int] = None, pdeathsig: bool = True) -> None:
@@ -202,8 +321,20 @@ def _init_worker(timeout_s: float, parent_pid: Optional[int] = None, pdeathsig: 
     rewards.MATH_TIMEOUT_S = max(1, int(timeout_s))
 
 
-def _worker_score(spec: str, completion: str, gold: str, strict: bool) -> bool:
-    fn = _WORKER_FNS.get(spec)
-    if fn is None:
-        fn = _WORKER_FNS[spec] = get_reward(spec)
-    return _safe_call(fn, completion, gold, strict)
+def _worker_main(conn, spec: str, timeout_s: float, parent_pid: Optional[int], pdeathsig: bool) -> None:
+    """A scoring process: load the reward, say ready, then score one (index, completion, gold,
+    strict) at a time from its main thread (math-verify's signal.alarm needs it) until EOF."""
+    _init_worker(timeout_s, parent_pid, pdeathsig)
+    try:
+        fn = get_reward(spec)
+    except BaseException:  # noqa: BLE001 - reported to the pool, which stops the job with it
+        conn.send(("init_error", traceback.format_exc()))
+        return
+    conn.send(("ready", os.getpid()))
+    while True:
+        try:
+            i, completion, gold, strict = conn.recv()
+        except (EOFError, OSError):
+            return
+        v = _safe_call(fn, completion, gold, strict)
+        conn.send((i, v.status, v.ok if v.status == "ok" else v.detail))
