@@ -14,6 +14,7 @@ from typing import Any
 
 from megarl.algorithms.config import OWN_BEHAVIOUR_CORRECTION
 from megarl.config.placement import device_plan
+from megarl.data.tasks import data_problems
 from megarl.models.families import architecture_problem
 from megarl.config.schema import BUILTIN_ARITHMETIC, BUILTIN_SMOLLM2, MegaRLConfig
 
@@ -131,6 +132,7 @@ def check(cfg: MegaRLConfig) -> list[str]:
     for key, value in (("data.train_path", cfg.data.train_path), ("data.eval_path", cfg.data.eval_path)):
         if value and value != BUILTIN_ARITHMETIC and not Path(value).is_file():
             problems.append(f"{key}={value!r}: no such file; give a GSM8K-format jsonl or '{BUILTIN_ARITHMETIC}'")
+    problems += data_problems({"data.train_path": cfg.data.train_path, "data.eval_path": cfg.data.eval_path})
 
     # The model's family: only what DDMA and the conversions verify may start.
     shape = model_shape(cfg.model.path)

@@ -50,15 +50,31 @@ class PromptSource:
             train, held = split_train_eval(tasks, cfg.data.eval_size, seed=cfg.data.seed)
         check_disjoint(train, held)
 
-        def encode(items):
+        # Longer prompts are skipped and counted (self.skipped): past max_model_len - max_new_tokens
+        # the engine could not generate a full reply; past data.max_prompt_tokens the user said so.
+        room = cfg.generator.max_model_len - cfg.generator.max_new_tokens
+        self.max_prompt_tokens = min(cfg.data.max_prompt_tokens, room)
+        why = (f"data.max_prompt_tokens={cfg.data.max_prompt_tokens}" if cfg.data.max_prompt_tokens <= room else
+               f"generator.max_model_len={cfg.generator.max_model_len} - generator.max_new_tokens="
+               f"{cfg.generator.max_new_tokens}")
+        self.skipped: dict[str, int] = {}
+
+        def encode(items, what: str):
             kept = [(t, self.tokenizer.encode(format_prompt(t, self.tokenizer, chat_template=cfg.data.chat_template),
                                               add_special_tokens=False)) for t in items]
-            return [(t, ids) for t, ids in kept if len(ids) <= cfg.data.max_prompt_tokens]
+            long = [(t, ids) for t, ids in kept if len(ids) > self.max_prompt_tokens]
+            self.skipped[what] = len(long)
+            if long:
+                t, ids = long[0]
+                log.warning("prompts: %d of %d %s prompt(s) longer than %d tokens (%s) skipped; the first is %s "
+                            "(%d tokens)", len(long), len(kept), what, self.max_prompt_tokens, why,
+                            t.where or repr(t.question[:40]), len(ids))
+            return [(t, ids) for t, ids in kept if len(ids) <= self.max_prompt_tokens]
 
-        self.train, self.held = encode(train), encode(held)
+        self.train, self.held = encode(train, "train"), encode(held, "held-out")
         if not self.train:
-            raise ConfigError([f"data.train_path={cfg.data.train_path!r}: no prompt fits "
-                               f"data.max_prompt_tokens={cfg.data.max_prompt_tokens}"])
+            raise ConfigError([f"data.train_path={cfg.data.train_path!r}: no prompt fits in {self.max_prompt_tokens} "
+                               f"tokens ({why})"])
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         log.info("prompts: %d train, %d held-out (disjoint by content)", len(self.train), len(self.held))
 

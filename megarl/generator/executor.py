@@ -223,9 +223,14 @@ class GeneratorExecutor(ExecutorBase):
         if limit + 1 > self.cfg.max_model_len:
             raise ValueError(f"max_new_tokens={limit} does not fit generator.max_model_len={self.cfg.max_model_len}")
         prompts = [[int(t) for t in prompt] for prompt in prompts]
+        vocab = _vocab_size(self.model_dir)
         for i, prompt in enumerate(prompts):  # validate all before queueing any
             if not prompt:
                 raise ValueError(f"prompt {i} is empty")
+            if vocab and (min(prompt) < 0 or max(prompt) >= vocab):  # refused here, never inside a replica
+                bad = [t for t in prompt if not 0 <= t < vocab]
+                raise ValueError(f"prompt {i} has token id(s) {bad[:4]} outside the model's vocabulary [0, {vocab}) "
+                                 f"(config.json vocab_size); nothing was queued: check the tokenizer matches model.path")
             if len(prompt) >= self.cfg.max_model_len:
                 raise ValueError(f"prompt {i} has {len(prompt)} tokens, at least generator.max_model_len="
                                  f"{self.cfg.max_model_len}; shorten it or raise max_model_len")
@@ -582,3 +587,15 @@ def _remove_shm_files(prefixes: Sequence[str]) -> None:
                     os.unlink(os.path.join("/dev/shm", name))
                 except OSError:
                     pass
+
+
+_VOCAB: dict[str, int] = {}  # model folder -> config.json vocab_size
+
+
+def _vocab_size(model_dir: str) -> int:
+    """config.json's vocab_size (0 when absent): the token ids a replica's engine accepts."""
+    if model_dir not in _VOCAB:
+        import json
+
+        _VOCAB[model_dir] = int(json.loads((Path(model_dir) / "config.json").read_text()).get("vocab_size") or 0)
+    return _VOCAB[model_dir]
