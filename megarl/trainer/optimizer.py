@@ -8,12 +8,17 @@ the learning rate through it.
 
 from __future__ import annotations
 
+import logging
+import math
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from megarl.trainer.config import TrainerConfig
+
+log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -105,12 +110,20 @@ def build_scheduler(cfg: TrainerConfig, optimizer: Any, total_steps: int):
         override_opt_param_scheduler=False)
 
 
+class NonFiniteStepError(RuntimeError):
+    """trainer.max_skipped_steps steps in a row had a NaN/inf loss or gradient: the job stops."""
+
+
 @dataclass
 class TrainingObjects:
-    """What a training step needs besides data: the DDP-wrapped model chunks, optimizer, scheduler."""
+    """What a training step needs besides data: the DDP-wrapped model chunks, optimizer, scheduler;
+    and the count of steps skipped for a non-finite loss or gradient (in a row, and in all)."""
     model: list
     optimizer: Any
     scheduler: Any
+    max_skipped_steps: int = 3
+    skipped_in_a_row: int = 0
+    skipped_total: int = 0
 
 
 def build_training(cfg: TrainerConfig, model: torch.nn.Module | list,
@@ -119,18 +132,60 @@ def build_training(cfg: TrainerConfig, model: torch.nn.Module | list,
     chunks = model if isinstance(model, list) else [model]
     ddp = [wrap_ddp(cfg, c) for c in chunks]
     opt = build_optimizer(cfg, ddp)
-    return TrainingObjects(model=ddp, optimizer=opt, scheduler=build_scheduler(cfg, opt, total_steps))
+    return TrainingObjects(model=ddp, optimizer=opt, scheduler=build_scheduler(cfg, opt, total_steps),
+                           max_skipped_steps=cfg.max_skipped_steps)
 
 
-def optimizer_step(objs: TrainingObjects) -> dict:
+def all_finite(objs: TrainingObjects, loss: float) -> bool:
+    """Whether the loss and every gradient (after the DP reduction) are finite on every trainer
+    rank: a collective (MAX over the default group), so all ranks skip or step together. Each rank
+    checks its own gradient buffers: a NaN on any rank reaches the shard owner through the reduction."""
+    bad = not math.isfinite(loss)
+    for chunk in objs.model:
+        for p in chunk.parameters():
+            g = getattr(p, "main_grad", None)
+            g = p.grad if g is None else g
+            if not bad and g is not None and not bool(torch.isfinite(g).all()):
+                bad = True
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        flag = torch.tensor([1.0 if bad else 0.0], device="cuda" if torch.cuda.is_available() else "cpu")
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        bad = bool(flag.item())
+    return not bad
+
+
+def optimizer_step(objs: TrainingObjects, loss: float = 0.0) -> dict:
     """One optimizer + scheduler step after forward/backward; zeroes grads for the next step.
 
-    Returns {"update_successful", "grad_norm", "lr"}."""
-    ok, grad_norm, _ = objs.optimizer.step()
-    if ok:
-        objs.scheduler.step(increment=1)
+    A NaN/inf ``loss`` or gradient skips the update and the LR-schedule step (megatron's optimizer
+    does not check without a grad scaler, and clipping by a NaN norm would write NaN into every
+    weight) with a WARNING; ``objs.max_skipped_steps`` skipped in a row raise
+    :class:`NonFiniteStepError`. Returns {"update_successful", "grad_norm", "lr", "skipped" (0/1),
+    "skipped_steps" (the run's total)}."""
+    finite = all_finite(objs, loss)
+    if finite:
+        ok, grad_norm, _ = objs.optimizer.step()
+        if ok:
+            objs.scheduler.step(increment=1)
+        objs.skipped_in_a_row = 0
+    else:
+        ok, grad_norm = False, float("nan")
+        objs.skipped_in_a_row += 1
+        objs.skipped_total += 1
     for chunk in objs.model:
         chunk.zero_grad_buffer()
     objs.optimizer.zero_grad()
     lr = objs.optimizer.param_groups[0]["lr"] if objs.optimizer.param_groups else float("nan")
-    return {"update_successful": bool(ok), "grad_norm": float(grad_norm or 0.0), "lr": float(lr)}
+    if not finite:
+        why = f"loss {loss}" if not math.isfinite(loss) else "a gradient"
+        if objs.skipped_in_a_row >= objs.max_skipped_steps:
+            raise NonFiniteStepError(
+                f"trainer: {objs.skipped_in_a_row} steps in a row had a NaN/inf loss or gradient (the last: {why}); "
+                f"trainer.max_skipped_steps={objs.max_skipped_steps} stops the job. Check the rewards and "
+                f"advantages for inf/NaN, or lower trainer.lr")
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            log.warning("trainer: step skipped: %s is NaN/inf (no update; %d in a row, %d in all; "
+                        "trainer.max_skipped_steps=%d)", why, objs.skipped_in_a_row, objs.skipped_total,
+                        objs.max_skipped_steps)
+    return {"update_successful": bool(ok), "grad_norm": float(grad_norm or 0.0) if finite else float("nan"),
+            "lr": float(lr), "skipped": 0.0 if finite else 1.0, "skipped_steps": float(objs.skipped_total)}

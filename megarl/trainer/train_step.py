@@ -73,7 +73,8 @@ def train_step(objs, batch: RolloutBatch, *, loss_name: str, loss_params: dict[s
         temperature: logits are divided by it before log-softmax (see ``logprobs.py`` convention).
         current_version: the policy version being trained (staleness metrics, a3po).
     Returns (on every rank): ``loss`` (the whole batch's loss), ``grad_norm``, ``lr``,
-    ``update_successful``, ``tokens`` (loss tokens), ``micro_batches`` and the loss's metrics
+    ``update_successful``, ``skipped`` (1 when a NaN/inf loss or gradient skipped the update) and
+    ``skipped_steps`` (the run's total so far), ``tokens`` (loss tokens), ``micro_batches`` and the loss's metrics
     averaged over loss tokens (prefixed ``loss/``).
     """
     from megatron.core import parallel_state as ps
@@ -120,7 +121,7 @@ def train_step(objs, batch: RolloutBatch, *, loss_name: str, loss_params: dict[s
     run_pipeline(model, micro, on_logits, forward_only=False)
     metrics = _reduce_metrics(sums, weight) if ps.is_pipeline_last_stage() else None
     metrics = _broadcast_metrics(metrics)
-    step = optimizer_step(objs)
+    step = optimizer_step(objs, loss=metrics.get("loss", 0.0))  # a NaN/inf loss or gradient: skipped
     out = {"loss": metrics.get("loss", float("nan")), "tokens": metrics.get("tokens", 0.0),
            "micro_batches": len(micro), **step}
     out.update({f"loss/{k}": v for k, v in metrics.items() if k not in ("loss", "tokens")})
