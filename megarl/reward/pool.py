@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 120.0  # a scoring process must import megarl.reward and the reward within this (s)
 KILL_JOIN_S = 5.0        # wait for a killed scoring process to be reaped (s)
+MAX_START_DEATHS = 3     # scoring processes that may die before they are ready, per batch
 
 
 class RewardError(RuntimeError):
@@ -207,6 +208,7 @@ class RewardPool(ExecutorBase):
         pending = collections.deque(range(len(completions)))
         out: List[Optional[_Verdict]] = [None] * len(completions)
         retried: set[int] = set()
+        early_deaths = 0
         while pending or any(w.task is not None for w in workers):
             now = time.monotonic()
             for w in workers:
@@ -222,6 +224,13 @@ class RewardPool(ExecutorBase):
                 try:
                     msg = w.conn.recv()
                 except (EOFError, OSError):  # the process died (killed from outside, or crashed)
+                    if not w.ready:
+                        early_deaths += 1
+                        if early_deaths > MAX_START_DEATHS:
+                            cause = exit_cause(_reap(w.proc))
+                            self.close()
+                            raise RewardError(f"reward: scoring processes for reward.fn={self.cfg.fn!r} die while "
+                                              f"starting ({early_deaths} times; the last {cause}); see its import")
                     if w.task is not None:
                         if w.task in retried:
                             out[w.task] = _Verdict(False, "error", f"the scoring process pid {w.proc.pid} "

@@ -121,3 +121,21 @@ def test_max_error_frac_is_validated():
     bad.__dict__.update(RewardConfig().__dict__, max_error_frac=1.5)
     (problem,) = bad.problems()
     assert problem.startswith("reward.max_error_frac=1.5 is out of range") and "fraction, 0..1" in problem
+
+
+def test_a_reward_whose_import_kills_the_process_stops_the_job(tmp_path, monkeypatch):
+    """A module that exits while being imported in a scoring process: bounded restarts, then one error."""
+    (tmp_path / "dies_on_import.py").write_text(
+        "import os, sys\nif os.environ.get('MEGARL_TEST_IN_WORKER'):\n    os._exit(3)\n"
+        "def judge(completion, gold, *, strict):\n    return True\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("MEGARL_TEST_IN_WORKER", "")
+    try:
+        with RewardPool(RewardConfig(fn="dies_on_import:judge", workers=1), 10) as pool:  # imported here: fine
+            monkeypatch.setenv("MEGARL_TEST_IN_WORKER", "1")  # scoring processes spawned from now inherit it
+            pool.close()
+            with pytest.raises(RewardError, match="die while starting .*exited with code 3"):
+                _score(pool, ["19"])
+            assert pool.pids == []
+    finally:
+        sys.modules.pop("dies_on_import", None)
