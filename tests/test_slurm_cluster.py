@@ -162,22 +162,34 @@ def test_preemption_checkpoints_requeues_and_loses_no_step(cluster, tiny_llama_d
     the controller checkpoints (trainer + controller state) and the job exits; Slurm restarts it
     (SLURM_RESTART_COUNT=1), it resumes, and over both runs every step's samples are trained exactly
     once (trained_samples.jsonl, rewound to the checkpoint on resume)."""
-    steps = 8
+    steps = 5
     job = _submit(cluster, tmp_path, ["--nodes=2", "--gpus-per-node=2"], "train.sbatch",
                   _overrides(tiny_llama_dir, tmp_path, "preempt", "trainer.checkpoint_interval=100",
                              "generator.round_token_budget=4", steps=steps))
     run = tmp_path / "preempt"
     deadline = time.monotonic() + JOB_TIMEOUT_S
-    while time.monotonic() < deadline:  # preempt once 3 steps are logged, while step 4+ runs
-        if (run / "metrics.jsonl").is_file() and len(_rows(run)) >= 3:
+    while time.monotonic() < deadline:  # preempt once 2 steps are logged, while step 3+ runs
+        if (run / "metrics.jsonl").is_file() and len(_rows(run)) >= 2:
             break
         assert cluster.state(job)["state"] in ("PENDING", "RUNNING"), _output(tmp_path, job)[-4000:]
         time.sleep(0.5)
     else:
-        raise AssertionError(f"no 3 steps in {JOB_TIMEOUT_S}s:\n{_output(tmp_path, job)[-4000:]}")
+        raise AssertionError(f"no 2 steps in {JOB_TIMEOUT_S}s:\n{_output(tmp_path, job)[-4000:]}")
     t_signal = time.monotonic()
     subprocess.run(["scontrol", "requeue", str(job)], env=cluster.env(), check=True, capture_output=True,
                    timeout=60)
+    # Slurm holds a requeued job ~120 s (Reason=BeginTime); an operator may release it at once, and the
+    # test does, to keep the suite short. The job itself is not changed.
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        st = cluster.state(job)
+        if st["state"] == "PENDING" and st["reason"] == "BeginTime":
+            subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=cluster.env(),
+                           capture_output=True, timeout=60)
+            break
+        if st["restarts"] and st["state"] == "RUNNING":
+            break
+        time.sleep(0.5)
     # the first run's end (the controller's checkpoint line), then the second run to completion
     st, text = _finish(cluster, job, tmp_path, timeout_s=2 * JOB_TIMEOUT_S)
     _assert_completed(st, text)
@@ -185,7 +197,7 @@ def test_preemption_checkpoints_requeues_and_loses_no_step(cluster, tiny_llama_d
     m = re.search(r"preempted: checkpoint of step (\d+) in place ([\d.]+)s after the signal", text)
     assert m, text[-6000:]
     saved_at, save_s = int(m.group(1)), float(m.group(2))
-    assert 3 <= saved_at < steps and save_s < 30  # within KillWait: the step in flight was not lost
+    assert 2 <= saved_at < steps and save_s < 30  # within KillWait: the step in flight was not lost
     assert "SLURM_RESTART_COUNT=1" in text and f"resuming from the step-{saved_at} checkpoint" in text
     _assert_trained_every_step_once(run, steps)  # no step lost, none trained twice
     print(f"preemption: signal -> checkpoint {save_s:.1f}s, saved at step {saved_at}, job done "
