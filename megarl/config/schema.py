@@ -93,9 +93,19 @@ class ClusterConfig:
     trainer_nodes: int = knob(0, help=(
         "Nodes of the Slurm allocation in the trainer pool (nodes; the first ones of SLURM_JOB_NODELIST). "
         "0 = just enough for trainer tp*pp*dp ranks at cluster.ranks_per_node each. Default 0."))
-    generator_nodes: int = knob(1, help=(
-        "Nodes in the generator pool (nodes; the ones after the trainer pool). The controller runs on the "
-        "first and spawns the vLLM replicas there: this version supports exactly 1. Default 1."))
+    generator_nodes: int = knob(0, help=(
+        "Nodes in the generator pool (nodes; the ones after the trainer pool). generator.replicas spread "
+        "evenly over them, one srun task per replica; the controller runs on the first. 0 = every node after "
+        "the trainer pool. Default 0."))
+    controller_cpus: int = knob(4, help=(
+        "CPUs the controller task asks for on the first generator node (--cpus-per-task; CPUs): its loop, the "
+        "reward pool's workers and the DDMA store. The node's other CPUs are split over its replicas. "
+        "Default 4."))
+    preempt_grace_s: float = knob(120.0, help=(
+        "Under a launcher, SIGTERM (scancel, preemption, requeue) asks the job to checkpoint and exit for a "
+        "requeue: the launcher waits this long for the controller to save (seconds; size it to one train + "
+        "sync phase plus a checkpoint save, and keep it below the site's KillWait / preemption GraceTime). "
+        "Default 120."))
     ranks_per_node: int = knob(0, help=(
         "Rank slots per node (ranks, one GPU each): 0 = the node's GPU count from Slurm "
         "(SLURM_GPUS_ON_NODE / SLURM_GPUS_PER_NODE); set it on CPU-only clusters. Default 0."))

@@ -89,11 +89,14 @@ def check(cfg: MegaRLConfig) -> list[str]:
             f"set trainer.logprob_temperature={want_t} so importance ratios compare like with like")
 
     c = cfg.cluster  # launcher knobs (megarl.cluster; the allocation itself is checked by `megarl launch`)
-    for key, value in (("cluster.trainer_nodes", c.trainer_nodes), ("cluster.ranks_per_node", c.ranks_per_node)):
+    for key, value in (("cluster.trainer_nodes", c.trainer_nodes), ("cluster.ranks_per_node", c.ranks_per_node),
+                       ("cluster.generator_nodes", c.generator_nodes)):
         if value < 0:
             problems.append(f"{key}={value}: must be >= 0 (0 = derive it from the allocation)")
-    if c.generator_nodes < 1:
-        problems.append(f"cluster.generator_nodes={c.generator_nodes}: must be >= 1 (the controller's node)")
+    if c.controller_cpus < 1:
+        problems.append(f"cluster.controller_cpus={c.controller_cpus}: must be >= 1 (CPUs)")
+    if not c.preempt_grace_s > 0:
+        problems.append(f"cluster.preempt_grace_s={c.preempt_grace_s}: must be > 0 (seconds)")
     if c.port_base and not 1024 <= c.port_base <= 65533:
         problems.append(f"cluster.port_base={c.port_base}: use 0 (derive from SLURM_JOB_ID) or a port in 1024..65533")
     if not c.teardown_timeout_s > 0:

@@ -13,10 +13,12 @@ live beside the loop, not inside it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
 import time
+from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -33,7 +35,7 @@ from megarl.controller.summary import ExecutorActivity
 from megarl.executors.base import Generator, RewardScorer, Trainer
 from megarl.rollout import Sample
 from megarl.utils.metrics import PhaseTimer
-from megarl.utils.procs import parse_cpu_list, signals_raise
+from megarl.utils.procs import Preempted, Preemption, parse_cpu_list, signals_raise
 
 if TYPE_CHECKING:  # these import (or may import) torch, which must wait until _select_device has run
     from megarl.controller.weight_sync import WeightSync
@@ -58,22 +60,25 @@ def run_job(cfg: MegaRLConfig) -> int:
     with ExitStack() as stack:
         # First in, last out: SIGTERM/SIGINT/SIGHUP raise JobInterrupted here, the stack closes
         # every executor below, then the handlers are restored (megarl.utils.procs).
-        stack.enter_context(signals_raise())
+        # Under a launcher SIGTERM is a preemption: checkpoint, then exit for a requeue (PREEMPTED_EXIT).
+        preempt = Preemption()
+        stack.enter_context(signals_raise(preemption=preempt if cfg.cluster.launcher == "slurm" else None))
         run = stack.enter_context(RunFolder(cfg, n_eval=len(prompts.held)))
         cfg = pin_resume(cfg, run.path)  # the one verified step folder every process resumes from
         trainer, generator, reward = start_executors(cfg, stack, model_dir, devices, run)
         weights = WeightSync(resolved_sync(cfg), trainer, generator, dims=model_dims(model_dir), generator_cfg=cfg.generator,
                              probe_prompt=prompts.eval_set()[1][0], pad_id=prompts.pad_id)
         log.info("weight sync: %s", describe_sync(cfg))
-        train(cfg, run, prompts, trainer, generator, reward, weights)
+        train(cfg, run, prompts, trainer, generator, reward, weights, preempt)
         run.finish(cfg.controller.steps)
     return 0
 
 
 def train(cfg: MegaRLConfig, run: RunFolder, prompts: PromptSource, trainer: Trainer, generator: Generator,
-          reward: RewardScorer, weights: WeightSync) -> None:
+          reward: RewardScorer, weights: WeightSync, preempt: Preemption | None = None) -> None:
     """The RL loop. Each step: keep up to ``max_policy_lag`` later batches generating, take this
-    step's rollouts, score them, train, sync the weights; evaluate and checkpoint on schedule."""
+    step's rollouts, score them, train, sync the weights; evaluate and checkpoint on schedule. A
+    preemption abandons the generation wait, or lets a step past it finish, then checkpoints."""
     from megarl.batch import RolloutBatch
     from megarl.trainer.checkpoint import should_save
 
@@ -86,29 +91,53 @@ def train(cfg: MegaRLConfig, run: RunFolder, prompts: PromptSource, trainer: Tra
                             last_step=steps)
     resume_controller(cfg, run, trainer.step_count, rollouts)
     activity = ExecutorActivity(generator)
-    for step in range(trainer.step_count + 1, steps + 1):
-        timer = PhaseTimer()
-        activity.begin()
-        rollouts.fill(step)  # up to max_policy_lag later batches generate while this one trains
-        with timer.phase("generate"):  # waiting for this step's rollouts
-            tasks, prompt_ids, samples, lag_metrics = rollouts.take(step, trainer.step_count)
-        with timer.phase("reward"):
-            reward_counts = reward.score(samples, [t.answer for t in tasks], prompts.decode) or {}
-        advantages = group_advantages(cfg, samples, [s.reward for s in samples])
-        with timer.phase("train"):
-            train_metrics = trainer.step(RolloutBatch.from_samples(samples, advantages, pad_id=prompts.pad_id))
-        with timer.phase("sync"):
-            sync_metrics = weights.push(trainer.step_count)
-        times = timer.finish()
-        metrics = step_metrics(train_metrics, times, activity.end(times), sync_metrics, lag_metrics, samples,
-                               prompt_ids)
-        metrics.update(reward_counts)  # reward/timeouts, reward/errors (samples)
-        run.log_samples(step, [trained_record(s) for s in samples])
-        if every and (step % every == 0 or step == steps):
-            metrics.update(evaluate(generator, prompts, run, step=step))
-        if should_save(cfg.trainer, step, steps):
-            metrics["checkpoint/seconds"] = checkpoint(cfg, trainer, rollouts)
-        run.log(step, steps, metrics)
+    preempt = preempt or Preemption()
+    with checkpoint_on_preemption(cfg, trainer, rollouts, preempt):
+        for step in range(trainer.step_count + 1, steps + 1):
+            preempt.check()  # a SIGTERM during the last step is served here
+            timer = PhaseTimer()
+            activity.begin()
+            rollouts.fill(step)  # up to max_policy_lag later batches generate while this one trains
+            with timer.phase("generate"):  # waiting for this step's rollouts
+                tasks, prompt_ids, samples, lag_metrics = rollouts.take(step, trainer.step_count)
+            with preempt.deferred():  # reward, train, sync, log and save finish before a preemption
+                with timer.phase("reward"):
+                    reward_counts = reward.score(samples, [t.answer for t in tasks], prompts.decode) or {}
+                advantages = group_advantages(cfg, samples, [s.reward for s in samples])
+                with timer.phase("train"):
+                    train_metrics = trainer.step(RolloutBatch.from_samples(samples, advantages, pad_id=prompts.pad_id))
+                with timer.phase("sync"):
+                    sync_metrics = weights.push(trainer.step_count)
+                times = timer.finish()
+                metrics = step_metrics(train_metrics, times, activity.end(times), sync_metrics, lag_metrics, samples,
+                                       prompt_ids)
+                metrics.update(reward_counts)  # reward/timeouts, reward/errors (samples)
+                run.log_samples(step, [trained_record(s) for s in samples])
+                if every and (step % every == 0 or step == steps):
+                    metrics.update(evaluate(generator, prompts, run, step=step))
+                if should_save(cfg.trainer, step, steps):
+                    metrics["checkpoint/seconds"] = checkpoint(cfg, trainer, rollouts)
+                run.log(step, steps, metrics)
+
+
+@contextlib.contextmanager
+def checkpoint_on_preemption(cfg: MegaRLConfig, trainer: Trainer, rollouts: RolloutQueue,
+                             preempt: Preemption) -> Iterator[None]:
+    """On :class:`Preempted`: save the trainer at its current step with the controller's state (the
+    step being generated is in it, with its finished samples and partial rollouts), unless that step
+    was just saved on schedule, then let it propagate (the job exits with PREEMPTED_EXIT)."""
+    from megarl.trainer.checkpoint import should_save
+
+    try:
+        yield
+    except Preempted:
+        version = trainer.step_count
+        with preempt.deferred():
+            if version and not should_save(cfg.trainer, version, cfg.controller.steps):
+                checkpoint(cfg, trainer, rollouts)
+        log.warning("preempted: checkpoint of step %d in place %.1fs after the signal; exiting for a requeue "
+                    "(the restarted job resumes there, losing no step)", version, time.monotonic() - preempt.at)
+        raise
 
 
 def start_executors(cfg: MegaRLConfig, stack: ExitStack, model_dir: Path, devices: DevicePlan,
@@ -132,7 +161,10 @@ def start_executors(cfg: MegaRLConfig, stack: ExitStack, model_dir: Path, device
         log.info("trainer: resuming from the step-%d checkpoint (trainer.resume_from=%s)", trainer.step_count,
                  t.resume_from)
     log.info("starting the generator (%d vLLM replica(s), tp=%d)", cfg.generator.replicas, cfg.generator.tp)
-    generator = stack.enter_context(GeneratorExecutor(cfg.generator, model_dir, cuda_devices=devices.generator).start())
+    attached = cfg.cluster.launcher == "slurm"  # replicas started by srun on the generator nodes attach here
+    generator = stack.enter_context(GeneratorExecutor(cfg.generator, model_dir, cuda_devices=devices.generator,
+                                                      launcher=cfg.cluster.launcher,
+                                                      log_dir=run.path / "logs" if attached else None).start())
     reward = stack.enter_context(RewardPool(cfg.reward, cfg.generator.max_new_tokens))
     return trainer, generator, reward
 

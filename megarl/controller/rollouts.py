@@ -75,7 +75,7 @@ class RolloutQueue:
     def take(self, step: int,
              trainer_version: int) -> tuple[list[Task], list[list[int]], list[Sample], dict[str, float]]:
         """(tasks, prompt ids, samples ordered by group then sample, lag metrics) of ``step``."""
-        tasks, prompt_ids, groups = self.pending.pop(step)
+        tasks, prompt_ids, groups = self.pending[step]  # popped once taken: a preempted wait keeps it in state_dict
         while True:
             self._wait_for(groups)
             stale = [g for g in groups if any(policy_lag(s.versions, trainer_version) > self.lag
@@ -89,6 +89,7 @@ class RolloutQueue:
                 index = self.pool.pop(g)[0].prompt_index
                 (new,) = self.generator.submit([prompt_ids[index]], self.n_samples, prompt_indices=[index])
                 groups[groups.index(g)] = new
+        del self.pending[step]
         samples = [s for g in groups for s in sorted(self.pool.pop(g), key=lambda s: s.sample_index)]
         for s in samples:
             s.uid = sample_id(step, s.prompt_index, s.sample_index)

@@ -89,8 +89,11 @@ class _Track:
 
 class _ReplicaHandle:
     def __init__(self, index: int, process, conn, log_path: Path):
+        from megarl.executors.attach import RemoteProcess
+
         self.index = index
         self.process = process
+        self.remote = isinstance(process, RemoteProcess)  # attached from another node, not spawned here
         self.conn = conn
         self.log_path = log_path
         self.active: set[str] = set()  # rids in flight on this replica
@@ -109,7 +112,12 @@ class GeneratorExecutor(ExecutorBase):
     megarl/executors/base.py: start, health, close, pids)."""
 
     def __init__(self, cfg: GeneratorConfig, model_dir: str | os.PathLike,
-                 cuda_devices: Sequence[int] | None = None):
+                 cuda_devices: Sequence[int] | None = None, launcher: str = "local",
+                 log_dir: str | os.PathLike | None = None):
+        """``launcher``: 'local' spawns the replicas here; 'slurm' waits for them to attach (started by
+        srun on the generator nodes, ``megarl rank --role generator``; megarl/executors/attach.py).
+        ``log_dir``: the replicas' logs (default generator.log_dir, else a temporary folder); attached
+        replicas on other nodes write there, so it must be on a filesystem every node sees."""
         on_cpu = not torch.cuda.is_available()
         problems = cfg.problems(on_cpu=on_cpu)
         if problems:
@@ -130,14 +138,21 @@ class GeneratorExecutor(ExecutorBase):
         self._round_ids = itertools.count()
         self._replies: dict[Any, Any] = {}
         self._failure: GeneratorError | None = None
-        self._own_log_dir = not cfg.log_dir  # a temporary folder, removed after a clean shutdown
-        self._log_dir = Path(cfg.log_dir) if cfg.log_dir else Path(tempfile.mkdtemp(prefix="megarl-gen-"))
+        if launcher not in ("local", "slurm"):
+            raise ValueError(f"launcher={launcher!r}: one of 'local' (spawn the replicas here) or 'slurm' (they attach)")
+        self.launcher = launcher
+        log_dir = log_dir or cfg.log_dir
+        self._own_log_dir = not log_dir  # a temporary folder, removed after a clean shutdown
+        self._log_dir = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="megarl-gen-"))
         self._finalizer = None
+        self._closing = False
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> "GeneratorExecutor":
         cfg = self.cfg
         self._log_dir.mkdir(parents=True, exist_ok=True)
+        if self.launcher == "slurm":
+            return self._attach()
         binds = threads_binds(cfg) if self.on_cpu else [None] * cfg.replicas
         ctx = mp.get_context("spawn")
         # Runs on shutdown(), on garbage collection and at interpreter exit: no engine outlives us.
@@ -173,10 +188,45 @@ class GeneratorExecutor(ExecutorBase):
             raise
         return self
 
+    def _attach(self) -> "GeneratorExecutor":
+        """Attach mode: accept the replicas srun started on the generator nodes, send each its start
+        arguments (what a spawned replica gets as its arguments), wait until every one is ready."""
+        from megarl.executors.attach import AttachError, AttachSpec, RemoteProcess, accept_ranks
+
+        cfg = self.cfg
+        try:
+            conns = accept_ranks(AttachSpec.from_env(port_var="MEGARL_GENERATOR_PORT"), cfg.replicas,
+                                 cfg.start_timeout_s, role="generator", unit="replica",
+                                 timeout_knob="generator.start_timeout_s")
+        except AttachError as e:
+            raise GeneratorError(str(e)) from None
+        try:
+            for r, (conn, hello) in enumerate(conns):
+                log_path = self._log_dir / f"generator_replica{r}.log"
+                handle = _ReplicaHandle(r, RemoteProcess(hello["pid"], hello.get("node") or hello["host"]), conn,
+                                        log_path)
+                self._replicas.append(handle)
+                conn.send(("init", {"cfg": cfg, "model_dir": self.model_dir, "on_cpu": self.on_cpu,
+                                    "log_path": str(log_path)}))
+                threading.Thread(target=self._reader, args=(handle,), daemon=True,
+                                 name=f"megarl-gen-reader-{r}").start()
+            log.info("generator: waiting up to %.0fs for %d attached replica(s) to start (logs in %s)",
+                     cfg.start_timeout_s, cfg.replicas, self._log_dir)
+            self._wait(lambda: all(h.info for h in self._replicas), cfg.start_timeout_s,
+                       f"{cfg.replicas} attached generator replica(s) to start", progress_resets=False)
+        except BaseException:
+            self.shutdown()
+            raise
+        log.info("generator: %d replica(s) ready on %s", cfg.replicas,
+                 ", ".join(sorted({h.process.host for h in self._replicas})))
+        return self
+
     def shutdown(self) -> None:
         """Ask every replica to exit; kill those that do not within shutdown_timeout_s. A replica
         still starting (loading vLLM, not yet reading its pipe) is killed at once: waiting for it
-        would only delay a job that is being stopped, e.g. by a signal during start-up."""
+        would only delay a job that is being stopped, e.g. by a signal during start-up. An attached
+        replica exits when told to, or when its connection closes."""
+        self._closing = True
         for h in self._replicas:
             try:
                 h.conn.send(("shutdown",))
@@ -189,6 +239,10 @@ class GeneratorExecutor(ExecutorBase):
         if self._finalizer is not None:
             self._finalizer()  # kills stragglers (and their TP workers), idempotent
         for h in self._replicas:
+            if h.remote:
+                from megarl.executors.attach import shutdown as close_socket
+
+                close_socket(h.conn)  # wakes its reader; the replica sees EOF and exits
             h.conn.close()
             _remove_shm_files(h.info.get("shm_prefixes", []))
         self._replicas = []
@@ -476,6 +530,8 @@ class GeneratorExecutor(ExecutorBase):
             try:
                 msg = h.conn.recv()
             except (EOFError, OSError):
+                if h.remote:  # here, not in _handle: shutdown() waits for it without pumping
+                    h.process.mark_gone(clean=self._closing)
                 self._inbox.put((h.index, ("eof",)))
                 return
             self._inbox.put((h.index, msg))
@@ -515,7 +571,8 @@ class GeneratorExecutor(ExecutorBase):
             last = msg[1].strip().splitlines()[-1] if msg[1].strip() else "unknown error"
             self._fail(h, f"raised {last}\n{msg[1]}")
         elif kind == "eof":
-            self._fail(h, self._exit_cause(h))
+            if not self._closing:
+                self._fail(h, self._exit_cause(h))
 
     def _finish(self, h: _ReplicaHandle, res: dict) -> None:
         rid = res["rid"]
@@ -537,12 +594,16 @@ class GeneratorExecutor(ExecutorBase):
 
     def _exit_cause(self, h: _ReplicaHandle) -> str:
         h.process.join(2.0)
+        if h.remote:
+            return (f"lost its connection to the controller (the process exited or was killed, or node "
+                    f"{h.process.host} failed; its srun step reports the exit code)")
         return exit_cause(h.process.exitcode)
 
     def _fail(self, h: _ReplicaHandle, cause: str) -> None:
         if self._failure is None:
+            where = f"pid {h.process.pid} on {h.process.host}" if h.remote else f"pid {h.process.pid}"
             self._failure = GeneratorEngineDied(
-                f"generator replica {h.index} (pid {h.process.pid}) {cause}\n"
+                f"generator replica {h.index} ({where}) {cause}\n"
                 f"--- last lines of {h.log_path} ---\n{h.log_tail()}")
 
     def _check_failed(self) -> None:
@@ -558,9 +619,12 @@ class GeneratorExecutor(ExecutorBase):
               also_check: Callable[[], None] | None = None) -> None:
         """Pump messages until ``done()``; raise on a dead replica, when ``also_check()`` raises, or
         after ``timeout`` seconds (without any message arriving, when ``progress_resets``)."""
+        from megarl.utils.procs import raise_if_preempted
+
         deadline = time.monotonic() + timeout
         last_log = time.monotonic()
         while True:
+            raise_if_preempted()  # a preemption abandons this wait (not inside a deferred sync or save)
             self._check_failed()
             if also_check is not None:
                 also_check()

@@ -229,7 +229,7 @@ class TrainerExecutor(ExecutorBase):
         for r, (conn, hello) in enumerate(conns):
             log_path = self.log_dir / f"trainer_rank{r}.log"
             rank = _Rank(r, rank_coords(r, self.cfg.tp, self.cfg.pp, self.cfg.dp),
-                         RemoteProcess(hello["pid"], hello["host"]), conn, log_path)
+                         RemoteProcess(hello["pid"], hello.get("node") or hello["host"]), conn, log_path)
             self._ranks.append(rank)
             self._post(rank, ("init", {"cfg": self.cfg, "algo": self.algo, "model_dir": self.model_dir,
                                        "total_steps": self.total_steps, "run_dir": str(self.run_dir),

@@ -175,9 +175,13 @@ def attached_rank_main(rank: int, world: int, *, controller: tuple[str, int], au
 
     if cuda_devices is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = cuda_devices
+    from megarl.utils.procs import defer_sigterm_to_controller
+
+    defer_sigterm_to_controller(f"trainer rank {rank}")  # a preemption checkpoints through the controller
     conn = connect(controller[0], controller[1], authkey, connect_timeout_s)
     chan = _Channel(conn)
-    chan.send("hello", {"rank": rank, "host": socket.gethostname(), "pid": os.getpid(), "job": job_id})
+    chan.send("hello", {"rank": rank, "host": socket.gethostname(), "node": os.environ.get("SLURMD_NODENAME", ""),
+                        "pid": os.getpid(), "job": job_id})
     log.info("trainer rank %d: attached to the controller at %s:%d; waiting up to %.0fs for its start arguments",
              rank, controller[0], controller[1], connect_timeout_s)
     if not conn.poll(connect_timeout_s):

@@ -133,12 +133,94 @@ def signal_name(signum: int) -> str:
         return f"signal {signum}"
 
 
+def defer_sigterm_to_controller(who: str) -> None:
+    """For a process a launcher started beside the controller (an attached trainer rank or
+    generator replica): SIGTERM (scancel, a preemption or requeue signals every process of the
+    job) no longer kills it. The controller checkpoints through it and then tells it to exit; if
+    the controller is gone instead, its connection closes and it exits then. SIGKILL (KillWait)
+    still ends it."""
+    if not spawned_from_main_thread():
+        return
+
+    def handler(signum: int, frame) -> None:
+        try:
+            os.write(2, f"megarl: {who} received {signal_name(signum)}: waiting for the controller to checkpoint "
+                        f"and end the job\n".encode())
+        except OSError:
+            pass
+
+    signal.signal(signal.SIGTERM, handler)
+
+
+PREEMPTED_EXIT = 75  # EX_TEMPFAIL: the job checkpointed after SIGTERM and should be requeued
+
+
+class Preempted(BaseException):
+    """SIGTERM under a launcher (scancel, preemption, requeue): the job checkpoints and exits with
+    :data:`PREEMPTED_EXIT` so that the launcher requeues it."""
+
+    def __init__(self, signum: int = signal.SIGTERM):
+        self.signum = int(signum)
+        super().__init__(f"preempted by {signal_name(signum)}")
+
+    @property
+    def exit_code(self) -> int:
+        return PREEMPTED_EXIT
+
+
+class Preemption:
+    """The controller's view of a preemption request. SIGTERM sets it (:func:`signals_raise` with
+    ``preemption=``); it is acted on only where the job's state is whole: :meth:`check` raises
+    :class:`Preempted` there, unless inside :meth:`deferred` (a train step, a weight sync, a
+    checkpoint: they finish first). Waits that may be long and are safe to abandon (the generator
+    waiting for rollouts) call :func:`raise_if_preempted` on every poll."""
+
+    def __init__(self) -> None:
+        self.signum = 0
+        self.at = 0.0  # time.monotonic() of the request
+        self._defer = 0
+
+    @property
+    def requested(self) -> bool:
+        return bool(self.signum)
+
+    def request(self, signum: int) -> None:
+        if not self.signum:
+            self.signum, self.at = int(signum), time.monotonic()
+            log.warning("received %s: checkpointing and exiting for a requeue (the generation in flight is "
+                        "abandoned; a train step or sync in flight finishes first)", signal_name(signum))
+
+    @contextlib.contextmanager
+    def deferred(self) -> Iterator[None]:
+        self._defer += 1
+        try:
+            yield
+        finally:
+            self._defer -= 1
+
+    def check(self) -> None:
+        if self.signum and not self._defer:
+            raise Preempted(self.signum)
+
+
+_PREEMPTION: Preemption | None = None  # the one installed by signals_raise(preemption=...)
+
+
+def raise_if_preempted() -> None:
+    """Raise :class:`Preempted` when a preemption was requested and nothing defers it."""
+    if _PREEMPTION is not None:
+        _PREEMPTION.check()
+
+
 @contextlib.contextmanager
-def signals_raise(signals: Sequence[int] = DEFAULT_SIGNALS) -> Iterator[None]:
+def signals_raise(signals: Sequence[int] = DEFAULT_SIGNALS,
+                  preemption: Preemption | None = None) -> Iterator[None]:
     """While inside, each of ``signals`` raises :class:`JobInterrupted` in the main thread; a
     second one (while the first unwinds) exits the process at once with ``128 + signum``. The
     previous handlers are restored on exit. Off the main thread (where Python cannot install
-    handlers) it does nothing and says so."""
+    handlers) it does nothing and says so. With ``preemption`` (a job under a launcher), SIGTERM
+    only requests it (every later SIGTERM too: Slurm may signal twice); SIGINT / SIGHUP as above."""
+    global _PREEMPTION
     if not spawned_from_main_thread():
         log.warning("signal handlers can only be installed from the main thread; %s keep their "
                     "current handlers", ", ".join(signal_name(s) for s in signals))
@@ -147,6 +229,9 @@ def signals_raise(signals: Sequence[int] = DEFAULT_SIGNALS) -> Iterator[None]:
     fired: list[int] = []
 
     def handler(signum: int, frame) -> None:
+        if preemption is not None and signum == signal.SIGTERM and not fired:
+            preemption.request(signum)
+            return
         if fired:  # already unwinding: do not interrupt the cleanup with a second exception
             try:
                 os.write(2, f"megarl: second signal ({signal_name(signum)}) while shutting down; "
@@ -162,8 +247,10 @@ def signals_raise(signals: Sequence[int] = DEFAULT_SIGNALS) -> Iterator[None]:
     try:
         for s in signals:
             previous[s] = signal.signal(s, handler)
+        _PREEMPTION = preemption
         yield
     finally:
+        _PREEMPTION = None
         for s, old in previous.items():
             signal.signal(s, old if old is not None else signal.SIG_DFL)
 
