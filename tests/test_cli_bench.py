@@ -67,8 +67,8 @@ def test_bench_sync_quick(tmp_path):
     # every method must land identical bytes (the bench exits non-zero otherwise)
     _ok(_cli("sync", "--quick", "--trials", "1", "--trainer", "2,1,1", "--out", tmp_path))
     result = json.loads((tmp_path / "sync.json").read_text())
-    assert set(result["best_seconds"]) == {"ddma_zero_copy", "ddma_zero_copy_verify", "ddma_p2p",
-                                           "gather_broadcast", "shm_push", "memcpy"}
+    assert {"ddma_zero_copy", "ddma_zero_copy_verify", "ddma_gloo", "ddma_nccl_gloo", "gather_broadcast",
+            "shm_push", "memcpy"} <= set(result["best_seconds"])  # tests/test_bench_sync.py: the variants
     assert result["bytes_landed_per_worker"] > 0
     assert (tmp_path / "sync.png").stat().st_size > 1000
 
