@@ -130,7 +130,9 @@ def test_the_generator_spans_nodes():
         assert flag in g, (flag, g)
     assert "--cpus-per-task=4" in rmap.srun_lines(["megarl"], "c", [])["controller"]
     assert "--cpus-per-task=8" in rmap.srun_lines(["megarl"], "c", [])["trainer"]  # 64 CPUs / 8 ranks
-    assert rmap.transport == "p2p"  # other hosts: DDMA's point-to-point path, chosen from the placement
+    assert rmap.transport == "nccl"  # GPUs on other hosts: chosen from the placement (sync.transport=p2p there)
+    assert build_role_map(_env("n[1-6]"), _cfg("trainer.pp=2", "trainer.dp=16", "cluster.device=cpu", "generator.replicas=2",
+                                                "sync.transport=auto")).transport == "gloo"
     # replicas that do not spread evenly
     text = _problems(_env("n[1-6]"), _cfg("trainer.pp=2", "trainer.dp=16", "cluster.generator_nodes=2",
                                           "generator.replicas=3"))

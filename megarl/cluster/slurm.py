@@ -397,13 +397,15 @@ def build_role_map(env: SlurmEnv, cfg) -> RoleMap:
         raise AllocationError(problems)
 
     controller = g_nodes[0]
-    multi_host = len({env.addr(n) for n in (*t_nodes, *g_nodes)}) > 1
     transport = ""
-    if cfg.sync.method == "ddma" and multi_host:
-        if cfg.sync.transport == "zero_copy":
-            raise AllocationError(["sync.transport=zero_copy reads the trainer's memory from the same host, but the "
-                                   "trainer and generator are on different nodes; set sync.transport=auto (or p2p)"])
-        transport = "p2p"  # what auto picks across hosts (the gloo / NCCL point-to-point path)
+    if cfg.sync.method == "ddma":  # the pools are always other nodes (the controller resolves it the same way)
+        from megarl.ddma.transport.choice import choose_transport, transport_problem
+
+        device = "cpu" if cfg.cluster.device == "cpu" or not (t_gpus or g_gpus) else "cuda"
+        problem = transport_problem(cfg.sync.transport, device=device, same_host=False)
+        if problem:
+            raise AllocationError([problem + " (the trainer and generator pools are different nodes)"])
+        transport = choose_transport(cfg.sync.transport, device=device, same_host=False)
     ranks = []
     for r in range(n_train):  # megatron order, as TrainerExecutor's rank_coords
         local = r % per_node
