@@ -39,6 +39,7 @@ from megarl.executors.base import ExecutorBase, ExecutorError, ExecutorTimeout, 
 from megarl.generator.config import GeneratorConfig
 from megarl.generator.threads import threads_binds
 from megarl.generator.engine import replica_main
+from megarl.generator.replicas import ReplicaHandle, Track, remove_shm_files
 from megarl.generator.shm_source import pack_to_shm
 from megarl.rollout import Sample
 from megarl.utils.procs import spawned_from_main_thread
@@ -59,52 +60,6 @@ class GeneratorEngineDied(GeneratorError, ProcessDied):
 
 class GeneratorTimeout(GeneratorError, ExecutorTimeout):
     """A wait on the engines exceeded its configured timeout."""
-
-
-@dataclasses.dataclass
-class _Track:
-    """One sample being generated, possibly over several rounds."""
-
-    key: str
-    group_id: int
-    sample_index: int
-    prompt_index: int
-    prompt_ids: list[int]
-    max_new_tokens: int
-    round_budget: int = 0
-    sampling: dict = dataclasses.field(default_factory=dict)
-    replica: int = -1
-    rounds: int = 0
-    ids: list[int] = dataclasses.field(default_factory=list)
-    lps: list[float] = dataclasses.field(default_factory=list)
-    vers: list[int] = dataclasses.field(default_factory=list)
-
-    def sample(self, finish_reason: str, stop_reason: Any) -> Sample:
-        return Sample(prompt_ids=list(self.prompt_ids), completion_ids=list(self.ids),
-                      behav_logprobs=list(self.lps), versions=list(self.vers),
-                      finish_reason=finish_reason, group_id=self.group_id,
-                      sample_index=self.sample_index, prompt_index=self.prompt_index,
-                      stop_reason=stop_reason, num_rounds=self.rounds)
-
-
-class _ReplicaHandle:
-    def __init__(self, index: int, process, conn, log_path: Path):
-        from megarl.executors.attach import RemoteProcess
-
-        self.index = index
-        self.process = process
-        self.remote = isinstance(process, RemoteProcess)  # attached from another node, not spawned here
-        self.conn = conn
-        self.log_path = log_path
-        self.active: set[str] = set()  # rids in flight on this replica
-        self.info: dict = {}
-
-    def log_tail(self, lines: int = 25) -> str:
-        try:
-            text = self.log_path.read_text(errors="replace").splitlines()
-        except OSError:
-            return "(no log)"
-        return "\n".join(text[-lines:])
 
 
 class GeneratorExecutor(ExecutorBase):
@@ -129,10 +84,10 @@ class GeneratorExecutor(ExecutorBase):
         self.on_cpu = on_cpu
         self.cuda_devices = list(cuda_devices) if cuda_devices is not None else None
         self.version = 0
-        self._replicas: list[_ReplicaHandle] = []
+        self._replicas: list[ReplicaHandle] = []
         self._inbox: queue.Queue = queue.Queue()
-        self._tracks: dict[str, _Track] = {}  # rid -> track in flight
-        self._partials: list[_Track] = []
+        self._tracks: dict[str, Track] = {}  # rid -> track in flight
+        self._partials: list[Track] = []
         self._done: list[Sample] = []
         self._group_ids = itertools.count()
         self._round_ids = itertools.count()
@@ -175,7 +130,7 @@ class GeneratorExecutor(ExecutorBase):
                 proc.start()
                 procs.append(proc)
                 child_conn.close()
-                handle = _ReplicaHandle(r, proc, parent_conn, log_path)
+                handle = ReplicaHandle(r, proc, parent_conn, log_path)
                 self._replicas.append(handle)
                 threading.Thread(target=self._reader, args=(handle,), daemon=True,
                                  name=f"megarl-gen-reader-{r}").start()
@@ -203,7 +158,7 @@ class GeneratorExecutor(ExecutorBase):
         try:
             for r, (conn, hello) in enumerate(conns):
                 log_path = self._log_dir / f"generator_replica{r}.log"
-                handle = _ReplicaHandle(r, RemoteProcess(hello["pid"], hello.get("node") or hello["host"]), conn,
+                handle = ReplicaHandle(r, RemoteProcess(hello["pid"], hello.get("node") or hello["host"]), conn,
                                         log_path)
                 self._replicas.append(handle)
                 conn.send(("init", {"cfg": cfg, "model_dir": self.model_dir, "on_cpu": self.on_cpu,
@@ -244,7 +199,7 @@ class GeneratorExecutor(ExecutorBase):
 
                 close_socket(h.conn)  # wakes its reader; the replica sees EOF and exits
             h.conn.close()
-            _remove_shm_files(h.info.get("shm_prefixes", []))
+            remove_shm_files(h.info.get("shm_prefixes", []))
         self._replicas = []
         if self._own_log_dir and self._failure is None:
             shutil.rmtree(self._log_dir, ignore_errors=True)  # after a failure it names the logs
@@ -291,13 +246,13 @@ class GeneratorExecutor(ExecutorBase):
         if prompt_indices is not None and len(prompt_indices) != len(prompts):
             raise ValueError(f"{len(prompt_indices)} prompt_indices for {len(prompts)} prompts")
         groups = []
-        by_replica: dict[int, list[_Track]] = {}
+        by_replica: dict[int, list[Track]] = {}
         for i, prompt in enumerate(prompts):
             g = next(self._group_ids)
             groups.append(g)
             replica = self._least_loaded()
             for s in range(n):
-                track = _Track(key=f"g{g}s{s}", group_id=g, sample_index=s,
+                track = Track(key=f"g{g}s{s}", group_id=g, sample_index=s,
                                prompt_index=prompt_indices[i] if prompt_indices is not None else i,
                                prompt_ids=prompt, max_new_tokens=limit, round_budget=budget,
                                sampling=sampling)
@@ -363,7 +318,7 @@ class GeneratorExecutor(ExecutorBase):
     def resume_partials(self) -> int:
         """Resubmit every cached partial rollout under the current policy; returns how many."""
         tracks, self._partials = self._partials, []
-        by_replica: dict[int, list[_Track]] = {}
+        by_replica: dict[int, list[Track]] = {}
         for t in tracks:
             r = self._least_loaded()
             t.replica = r
@@ -384,7 +339,7 @@ class GeneratorExecutor(ExecutorBase):
         round still running in an engine is not included: it is generated again on restore)."""
         self._pump(0.0)
         tracks = {id(t): t for t in [*self._tracks.values(), *self._partials] if t.group_id in groups}
-        return [{f.name: getattr(t, f.name) for f in dataclasses.fields(_Track) if f.name not in ("key", "replica")}
+        return [{f.name: getattr(t, f.name) for f in dataclasses.fields(Track) if f.name not in ("key", "replica")}
                 for t in tracks.values()]
 
     def restore(self, tracks: Sequence[dict], groups: Sequence[int] = ()) -> dict[int, int]:
@@ -393,10 +348,10 @@ class GeneratorExecutor(ExecutorBase):
         ``groups`` (this executor numbers its own groups, so old ids never collide with new ones)."""
         self._check_failed()
         new_ids = {int(g): next(self._group_ids) for g in dict.fromkeys([*groups, *(d["group_id"] for d in tracks)])}
-        by_replica: dict[int, list[_Track]] = {}
+        by_replica: dict[int, list[Track]] = {}
         for d in tracks:
             old = int(d["group_id"])
-            t = _Track(key=f"g{new_ids[old]}s{d['sample_index']}", **{**d, "group_id": new_ids[old]})
+            t = Track(key=f"g{new_ids[old]}s{d['sample_index']}", **{**d, "group_id": new_ids[old]})
             t.replica = self._least_loaded()
             self._replicas[t.replica].active.add(t.key)
             by_replica.setdefault(t.replica, []).append(t)
@@ -499,7 +454,7 @@ class GeneratorExecutor(ExecutorBase):
     def _least_loaded(self) -> int:
         return min(range(len(self._replicas)), key=lambda r: len(self._replicas[r].active))
 
-    def _send_round(self, replica: int, tracks: list[_Track]) -> None:
+    def _send_round(self, replica: int, tracks: list[Track]) -> None:
         specs = []
         for t in tracks:
             remaining = t.max_new_tokens - len(t.ids)
@@ -516,7 +471,7 @@ class GeneratorExecutor(ExecutorBase):
             self._replicas[replica].active.discard(t.key)
         self._send(self._replicas[replica], ("submit", specs))
 
-    def _send(self, h: _ReplicaHandle, msg: tuple) -> None:
+    def _send(self, h: ReplicaHandle, msg: tuple) -> None:
         """A command to one replica; a closed pipe means it died: raise naming it and how."""
         try:
             h.conn.send(msg)
@@ -524,7 +479,7 @@ class GeneratorExecutor(ExecutorBase):
             self._fail(h, self._exit_cause(h))
             self._check_failed()
 
-    def _reader(self, h: _ReplicaHandle) -> None:
+    def _reader(self, h: ReplicaHandle) -> None:
         """Drain one replica's pipe into the inbox (so a replica never blocks on a full pipe)."""
         while True:
             try:
@@ -547,7 +502,7 @@ class GeneratorExecutor(ExecutorBase):
             got = True
             self._handle(self._replicas[r] if r < len(self._replicas) else None, msg)
 
-    def _handle(self, h: _ReplicaHandle | None, msg: tuple) -> None:
+    def _handle(self, h: ReplicaHandle | None, msg: tuple) -> None:
         if h is None:
             return
         kind = msg[0]
@@ -574,7 +529,7 @@ class GeneratorExecutor(ExecutorBase):
             if not self._closing:
                 self._fail(h, self._exit_cause(h))
 
-    def _finish(self, h: _ReplicaHandle, res: dict) -> None:
+    def _finish(self, h: ReplicaHandle, res: dict) -> None:
         rid = res["rid"]
         h.active.discard(rid)
         t = self._tracks.pop(rid, None)
@@ -592,14 +547,14 @@ class GeneratorExecutor(ExecutorBase):
         else:
             self._done.append(t.sample(reason, res["stop_reason"]))
 
-    def _exit_cause(self, h: _ReplicaHandle) -> str:
+    def _exit_cause(self, h: ReplicaHandle) -> str:
         h.process.join(2.0)
         if h.remote:
             return (f"lost its connection to the controller (the process exited or was killed, or node "
                     f"{h.process.host} failed; its srun step reports the exit code)")
         return exit_cause(h.process.exitcode)
 
-    def _fail(self, h: _ReplicaHandle, cause: str) -> None:
+    def _fail(self, h: ReplicaHandle, cause: str) -> None:
         if self._failure is None:
             where = f"pid {h.process.pid} on {h.process.host}" if h.remote else f"pid {h.process.pid}"
             self._failure = GeneratorEngineDied(
@@ -639,18 +594,6 @@ class GeneratorExecutor(ExecutorBase):
                 last_log = now
             if self._pump(min(_POLL_S, deadline - now)) and progress_resets:
                 deadline = time.monotonic() + timeout
-
-
-def _remove_shm_files(prefixes: Sequence[str]) -> None:
-    for prefix in prefixes:
-        if not prefix or "/" in prefix:
-            continue
-        for name in os.listdir("/dev/shm") if os.path.isdir("/dev/shm") else []:
-            if name.startswith(prefix):
-                try:
-                    os.unlink(os.path.join("/dev/shm", name))
-                except OSError:
-                    pass
 
 
 _VOCAB: dict[str, int] = {}  # model folder -> config.json vocab_size

@@ -1,0 +1,73 @@
+"""The generator executor's bookkeeping of its replicas: one sample's rounds (:class:`Track`), one
+replica process, spawned here or attached from another node (:class:`ReplicaHandle`), and the
+shared-memory files a replica may leave behind."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from megarl.executors.attach import RemoteProcess
+from megarl.rollout import Sample
+
+
+@dataclasses.dataclass
+class Track:
+    """One sample being generated, possibly over several rounds."""
+
+    key: str
+    group_id: int
+    sample_index: int
+    prompt_index: int
+    prompt_ids: list[int]
+    max_new_tokens: int
+    round_budget: int = 0
+    sampling: dict = dataclasses.field(default_factory=dict)
+    replica: int = -1
+    rounds: int = 0
+    ids: list[int] = dataclasses.field(default_factory=list)
+    lps: list[float] = dataclasses.field(default_factory=list)
+    vers: list[int] = dataclasses.field(default_factory=list)
+
+    def sample(self, finish_reason: str, stop_reason: Any) -> Sample:
+        return Sample(prompt_ids=list(self.prompt_ids), completion_ids=list(self.ids),
+                      behav_logprobs=list(self.lps), versions=list(self.vers),
+                      finish_reason=finish_reason, group_id=self.group_id,
+                      sample_index=self.sample_index, prompt_index=self.prompt_index,
+                      stop_reason=stop_reason, num_rounds=self.rounds)
+
+
+class ReplicaHandle:
+    def __init__(self, index: int, process, conn, log_path: Path):
+        self.index = index
+        self.process = process
+        self.remote = isinstance(process, RemoteProcess)  # attached from another node, not spawned here
+        self.conn = conn
+        self.log_path = log_path
+        self.active: set[str] = set()  # rids in flight on this replica
+        self.info: dict = {}
+
+    def log_tail(self, lines: int = 25) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return "(no log)"
+        return "\n".join(text[-lines:])
+
+
+def remove_shm_files(prefixes: Sequence[str]) -> None:
+    for prefix in prefixes:
+        if not prefix or "/" in prefix:
+            continue
+        for name in os.listdir("/dev/shm") if os.path.isdir("/dev/shm") else []:
+            if name.startswith(prefix):
+                try:
+                    os.unlink(os.path.join("/dev/shm", name))
+                except OSError:
+                    pass
+
+
+__all__ = ["ReplicaHandle", "Track", "remove_shm_files"]
