@@ -5,8 +5,8 @@ same job under `megarl launch local`, and what a preemption costs. One run, side
   metrics.jsonl (scheduling, srun, Megatron ranks and vLLM start, the v0 sync and probe);
 - **median step** on Slurm (2 trainer nodes, dp 2, + 1 generator node, DDMA gloo across nodes) and
   under ``megarl launch local`` (the same role map as local processes), and their ratio;
-- **preemption**: ``scancel --batch --signal=TERM`` (what ``#SBATCH --signal=B:TERM@s`` sends before the
-  time limit) after 2 steps: seconds from the signal to the controller's checkpoint and to the
+- **preemption**: ``scancel --batch --signal=USR1`` (what ``#SBATCH --signal=B:USR1@s`` sends before the
+  time limit; the launcher passes it on to the controller and requeues the job itself) after 2 steps: seconds from the signal to the controller's checkpoint and to the
   first run's exit, steps lost (trained sample ids against every step's expected ids), and seconds
   from the requeued job's start to its first resumed step. Slurm holds a requeued job ~120 s
   (Reason=BeginTime); the bench releases it at once and reports the hold apart.
@@ -102,7 +102,7 @@ def preemption_run(c: SlurmCluster, model: Path, out: Path, steps: int) -> dict:
     run = out / "preempt"
     _wait(lambda: len(_rows(run)) >= 2, 600, "2 steps before the preemption")
     t_sig = time.monotonic()
-    subprocess.run(["scancel", "--batch", "--signal=TERM", str(job)], env=c.env(), check=True, timeout=60)
+    subprocess.run(["scancel", "--batch", "--signal=USR1", str(job)], env=c.env(), check=True, timeout=60)
     st = _wait(lambda: (s := c.state(job))["restarts"] >= 1 and s, 300, "the job to be requeued")
     t_exit = time.monotonic() - t_sig
     hold = st["reason"] == "BeginTime"

@@ -99,6 +99,8 @@ class SlurmCluster:
             raise SlurmUnavailable("the test cluster needs root (slurmd, munged and /etc/hosts)")
         ensure_installed()
         self.down(quiet=True)  # a cluster left by a killed run in the same folder
+        for sub in ("state", "log"):  # a fresh cluster: no job or node state of an earlier one
+            shutil.rmtree(self.root / sub, ignore_errors=True)
         for sub in ("etc", "state", "log", "gres"):
             (self.root / sub).mkdir(parents=True, exist_ok=True)
         self._hosts()

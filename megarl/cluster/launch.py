@@ -265,10 +265,14 @@ def supervise(tasks: list[Task], teardown_s: float, *, preempt_grace_s: float = 
 
 
 def _preempt_controller(ctrl: Task, grace_s: float) -> None:
-    """Pass the preemption on to the controller (a batch-only signal, ``--signal=B:TERM@s``, reaches
-    only this process; srun forwards SIGTERM to its task) and give it ``grace_s`` to checkpoint."""
+    """Pass the preemption on to the controller (a batch-only signal, ``--signal=B:USR1@s``, reaches
+    only this process) as SIGUSR1, which srun forwards to its task unchanged (a SIGTERM would make
+    srun SIGKILL it), and give it ``grace_s`` to checkpoint."""
     t0 = time.monotonic()
-    _signal(ctrl, signal.SIGTERM)
+    try:
+        os.kill(ctrl.proc.pid, signal.SIGUSR1)  # the srun client itself, not its process group
+    except ProcessLookupError:
+        pass
     log.warning("preemption: waiting up to %.0fs (cluster.preempt_grace_s) for the controller to checkpoint",
                 grace_s)
     _wait([ctrl], grace_s, "the controller to checkpoint after the preemption signal")

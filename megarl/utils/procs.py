@@ -45,6 +45,10 @@ PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 POLL_S = 1.0  # how often the watch thread re-checks its parent
 DEFAULT_SIGNALS: tuple[int, ...] = tuple(
     s for s in (getattr(signal, n, None) for n in ("SIGTERM", "SIGINT", "SIGHUP")) if s is not None)
+# Under a launcher both ask for a checkpoint: SIGTERM from Slurm (scancel, preemption, requeue) and
+# SIGUSR1, the one srun passes on to its tasks unchanged (srun turns a SIGTERM it receives into
+# SIGKILL for its tasks), which the launcher forwards and `#SBATCH --signal=B:USR1@s` sends.
+PREEMPT_SIGNALS: tuple[int, ...] = (signal.SIGTERM, signal.SIGUSR1)
 
 
 # ---------------------------------------------------------------------------------- child side
@@ -149,7 +153,8 @@ def defer_sigterm_to_controller(who: str) -> None:
         except OSError:
             pass
 
-    signal.signal(signal.SIGTERM, handler)
+    for sig in PREEMPT_SIGNALS:
+        signal.signal(sig, handler)
 
 
 PREEMPTED_EXIT = 75  # EX_TEMPFAIL: the job checkpointed after SIGTERM and should be requeued
@@ -218,8 +223,9 @@ def signals_raise(signals: Sequence[int] = DEFAULT_SIGNALS,
     """While inside, each of ``signals`` raises :class:`JobInterrupted` in the main thread; a
     second one (while the first unwinds) exits the process at once with ``128 + signum``. The
     previous handlers are restored on exit. Off the main thread (where Python cannot install
-    handlers) it does nothing and says so. With ``preemption`` (a job under a launcher), SIGTERM
-    only requests it (every later SIGTERM too: Slurm may signal twice); SIGINT / SIGHUP as above."""
+    handlers) it does nothing and says so. With ``preemption`` (a job under a launcher), SIGTERM and
+    SIGUSR1 (:data:`PREEMPT_SIGNALS`) only request it (every later one too: Slurm may signal twice);
+    SIGINT / SIGHUP as above."""
     global _PREEMPTION
     if not spawned_from_main_thread():
         log.warning("signal handlers can only be installed from the main thread; %s keep their "
@@ -229,7 +235,7 @@ def signals_raise(signals: Sequence[int] = DEFAULT_SIGNALS,
     fired: list[int] = []
 
     def handler(signum: int, frame) -> None:
-        if preemption is not None and signum == signal.SIGTERM and not fired:
+        if preemption is not None and signum in PREEMPT_SIGNALS and not fired:
             preemption.request(signum)
             return
         if fired:  # already unwinding: do not interrupt the cleanup with a second exception
@@ -244,6 +250,8 @@ def signals_raise(signals: Sequence[int] = DEFAULT_SIGNALS,
         raise JobInterrupted(signum)
 
     previous = {}
+    if preemption is not None:
+        signals = tuple(dict.fromkeys([*signals, *PREEMPT_SIGNALS]))
     try:
         for s in signals:
             previous[s] = signal.signal(s, handler)
