@@ -160,13 +160,13 @@ def defer_sigterm_to_controller(who: str) -> None:
 PREEMPTED_EXIT = 75  # EX_TEMPFAIL: the job checkpointed after SIGTERM and should be requeued
 
 
-class Preempted(BaseException):
-    """SIGTERM under a launcher (scancel, preemption, requeue): the job checkpoints and exits with
-    :data:`PREEMPTED_EXIT` so that the launcher requeues it."""
+class Preempted(JobInterrupted):
+    """SIGTERM / SIGUSR1 under a launcher (scancel, preemption, requeue, the time limit's signal):
+    the job has checkpointed and exits with :data:`PREEMPTED_EXIT` so that the launcher requeues it."""
 
     def __init__(self, signum: int = signal.SIGTERM):
-        self.signum = int(signum)
-        super().__init__(f"preempted by {signal_name(signum)}")
+        super().__init__(signum)
+        self.args = (f"preempted by {signal_name(signum)}; checkpointed for a requeue",)
 
     @property
     def exit_code(self) -> int:
