@@ -215,6 +215,13 @@ def test_calibration_refuses_what_does_not_fit(tmp_path):
     spec.write_text(yaml.safe_dump(d))
     with pytest.raises(ValueError, match="--prompts 8 --new-tokens 16"):
         calibrate_spec(spec)
+    t = json.loads((tmp_path / "t1.json").read_text())
+    t["config"].update(batch=2, seq=200)  # a trainer bench of another shape: the optimizer's per-step cost differs
+    (tmp_path / "t1.json").write_text(json.dumps(t))
+    d["workloads"][0]["reply_tokens"] = 8
+    spec.write_text(yaml.safe_dump(d))
+    with pytest.raises(ValueError, match="--batch 8 --seq 20"):
+        calibrate_spec(spec)
     w = Workload("w", batch=1, prompt_tokens=0, reply_tokens=1, model_bytes=0.0, lag=0)
     c = lambda v: type("C", (), {"value": v})()  # noqa: E731
     ph = phases(w, {1: c(1.0), 2: c(1.0)}, {1: c(1.0), 2: c(1.0)}, c(1.0))

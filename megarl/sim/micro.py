@@ -3,8 +3,11 @@ only, then ``megarl bench step``'s sync and async median steps predicted from th
 
 Constants (each printed with the bench file and field it came from):
 
-- ``train_tok_s[k]``: trainer tokens/s on k cores, ``megarl bench trainer --threads k`` (the step's
-  model, dtype and micro-batch): ``tokens_per_step / min(times_s.ours)``.
+- ``train_tok_s[k]``: trainer tokens/s on k cores, ``megarl bench trainer --threads k`` at the step's
+  model, dtype, micro-batch, batch and row length (``--batch B --seq P+R``: the optimizer step, Adam
+  over every parameter, is a cost per step, so a smaller batch amortises it over fewer tokens;
+  measured: 64 x 72 tokens trained at ~190 tok/s on 2 cores in the step bench, 16 x 72 at 59-121 in
+  the micro-bench): ``tokens_per_step / min(times_s.ours)``.
 - ``gen_tok_s[k]``: generator tokens/s on k cores, ``megarl bench generator --threads-bind <k cores>``
   at the step bench's batch (``--prompts`` = prompts x samples) and reply length (``--new-tokens``,
   EOS ignored): ``max(generator_tok_s)``.
@@ -69,8 +72,12 @@ def _read(path: Path, what: str) -> dict:
         raise ValueError(f"calibration: {path} is not valid JSON ({exc.msg} at line {exc.lineno})") from None
 
 
-def trainer_constant(path: Path, cores: int) -> Constant:
+def trainer_constant(path: Path, cores: int, batch: int | None = None, seq: int | None = None) -> Constant:
     d = _read(path, "trainer")
+    c = d.get("config") or {}
+    if batch is not None and (c.get("batch"), c.get("seq")) not in ((None, None), (batch, seq)):
+        raise ValueError(f"calibration: {path} trained {c.get('batch')} x {c.get('seq')} tokens; the workload's step is "
+                         f"{batch} x {seq} (megarl bench trainer --batch {batch} --seq {seq})")
     times = (d.get("times_s") or {}).get("ours")
     if not times or "tokens_per_step" not in d:
         raise ValueError(f"calibration: {path} lacks tokens_per_step / times_s.ours (a `megarl bench trainer` JSON)")
@@ -172,7 +179,8 @@ def calibrate_spec(path: str | Path, steps: int = 12) -> dict:
         w = _workload(wd)
         b = {**(spec.get("benches") or {}), **(wd.get("benches") or {})}
         try:
-            train = {int(k): trainer_constant(rel(v), int(k)) for k, v in b["trainer"].items()}
+            train = {int(k): trainer_constant(rel(v), int(k), w.batch, w.prompt_tokens + w.reply_tokens)
+                     for k, v in b["trainer"].items()}
             gen = {int(k): generator_constant(rel(v), int(k), w.batch, w.reply_tokens) for k, v in b["generator"].items()}
             sync_bps = sync_constant(rel(b["sync"]), b.get("sync_method", SYNC_METHOD))
         except KeyError as exc:
