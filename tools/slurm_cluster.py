@@ -142,7 +142,8 @@ class SlurmCluster:
             except subprocess.TimeoutExpired:
                 pass
         self.procs = []
-        # job steps outlive slurmd under proctrack/linuxproc: end what our nodes started
+        # daemons a failed start did not record, then job steps (they outlive slurmd under proctrack/linuxproc)
+        subprocess.run(["pkill", "-KILL", "-f", f"slurm(ctld|d) .*-f {self.conf}"], capture_output=True)
         subprocess.run(["pkill", "-KILL", "-f", f"slurmstepd.*{self.root}"], capture_output=True)
         state.unlink(missing_ok=True)
         munge_pid = self.root / "state" / "munged.pid"
