@@ -1,0 +1,113 @@
+"""Soak: a long tiny async job (lag 2, partial rollouts), and what its processes hold over time.
+
+Runs ``megarl train configs/tiny_test.yaml`` on a tiny random model for ``--steps`` steps and samples
+every process of the job (the controller and everything it started: trainer ranks, vLLM replicas,
+scoring processes) after step ``--early`` and after step ``steps - 5``: resident memory (RSS), open
+file descriptors, and the job's shared-memory files in /dev/shm; then, after the job ends, whether
+any /dev/shm file or process of it is left. Growth of each process's RSS between the two samples is
+the figure (issue 21's goal: under 5%). Writes soak.json.
+
+    .venv/bin/python tools/soak.py [--steps 200] [--early 20] [--out docs]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _rows(path: Path) -> int:
+    return sum(1 for line in path.read_text().splitlines() if line.strip()) if path.is_file() else 0
+
+
+def _shm() -> set[str]:
+    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+
+
+def _sample(root: psutil.Process) -> dict[int, dict]:
+    """pid -> {role, rss_mb, fds} for the controller and every descendant."""
+    out = {}
+    for p in [root, *root.children(recursive=True)]:
+        try:
+            with p.oneshot():
+                cmd = " ".join(p.cmdline())
+                role = ("controller" if p.pid == root.pid else "trainer/replica/scorer (spawned)"
+                        if "multiprocessing" in cmd else cmd[:60])
+                out[p.pid] = {"role": role, "ppid": p.ppid(), "rss_mb": p.memory_info().rss / 2**20,
+                              "fds": p.num_fds()}
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--early", type=int, default=20)
+    ap.add_argument("--out", default=str(REPO / "docs"))
+    a = ap.parse_args(argv)
+    sys.path.insert(0, str(REPO))
+    from megarl.models.tiny import make_tiny_hf_checkpoint
+
+    work = Path(tempfile.mkdtemp(prefix="megarl-soak-"))
+    model = make_tiny_hf_checkpoint(work / "tiny", "llama", seed=0)
+    shm_before = _shm()
+    cmd = [sys.executable, "-m", "megarl", "train", str(REPO / "configs" / "tiny_test.yaml"), f"model.path={model}",
+           f"logging.out_dir={work}", "name=soak", f"controller.steps={a.steps}", "controller.max_policy_lag=2",
+           "generator.round_token_budget=4", "controller.eval_every=0", "trainer.checkpoint_interval=50",
+           "logging.tensorboard=false"]
+    t0 = time.monotonic()
+    with open(work / "soak.log", "w") as log:
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    root = psutil.Process(proc.pid)
+    metrics = work / "soak" / "metrics.jsonl"
+    samples = {}
+    for label, at in (("early", a.early), ("late", a.steps - 5)):
+        while _rows(metrics) < at and proc.poll() is None:
+            time.sleep(0.2)
+        if proc.poll() is not None:
+            break
+        samples[label] = {"step": _rows(metrics), "t_s": time.monotonic() - t0, "procs": _sample(root),
+                          "shm_files": sorted(_shm() - shm_before)}
+        print(f"{label}: step {samples[label]['step']}, {len(samples[label]['procs'])} processes, "
+              f"{sum(p['rss_mb'] for p in samples[label]['procs'].values()):.0f} MB RSS", flush=True)
+    code = proc.wait()
+    time.sleep(2)
+    after = {"exit": code, "shm_left": sorted(_shm() - shm_before),
+             "alive": [pid for pid in samples.get("late", {}).get("procs", {}) if psutil.pid_exists(pid)
+                       and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]}
+    growth = []
+    if "early" in samples and "late" in samples:
+        for pid, e in samples["early"]["procs"].items():
+            late = samples["late"]["procs"].get(pid)
+            if late:
+                growth.append({"pid": pid, "role": e["role"], "rss_early_mb": round(e["rss_mb"], 1),
+                               "rss_late_mb": round(late["rss_mb"], 1),
+                               "growth_pct": round(100 * (late["rss_mb"] / e["rss_mb"] - 1), 2),
+                               "fds_early": e["fds"], "fds_late": late["fds"]})
+    result = {"command": " ".join(["tools/soak.py", *(argv or sys.argv[1:])]), "job": cmd[3:], "steps": a.steps,
+              "wall_s": time.monotonic() - t0, "per_process": growth, "after": after,
+              "shm_during": {k: v["shm_files"] for k, v in samples.items()}}
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "soak.json").write_text(json.dumps(result, indent=1) + "\n")
+    for g in growth:
+        print(f"pid {g['pid']:>7} {g['role'][:40]:<40} RSS {g['rss_early_mb']:8.1f} -> {g['rss_late_mb']:8.1f} MB "
+              f"({g['growth_pct']:+.2f}%), fds {g['fds_early']} -> {g['fds_late']}")
+    print(f"exit {code}; /dev/shm files left: {after['shm_left']}; processes left: {after['alive']}; "
+          f"{out / 'soak.json'}")
+    return 0 if code == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
