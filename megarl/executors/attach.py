@@ -180,9 +180,31 @@ def connect(host: str, port: int, authkey: bytes, timeout_s: float,
                       f"({timeout_knob}): {err}")
 
 
+def join_controller(who: str, index: int, controller: tuple[str, int], authkey: bytes, job_id: str,
+                    timeout_s: float, timeout_knob: str) -> tuple[Connection, dict]:
+    """The far end of :func:`accept_ranks` (a trainer rank or a generator replica started by a
+    launcher): SIGTERM deferred to the controller, connect, say hello as ``index``, and wait for the
+    controller's start arguments; (connection, the ``init`` dict)."""
+    from megarl.utils.procs import defer_sigterm_to_controller
+
+    defer_sigterm_to_controller(f"{who} {index}")  # a preemption checkpoints through the controller
+    conn = connect(controller[0], controller[1], authkey, timeout_s, timeout_knob=timeout_knob)
+    conn.send(("hello", {"rank": index, "host": socket.gethostname(), "node": os.environ.get("SLURMD_NODENAME", ""),
+                         "pid": os.getpid(), "job": job_id}))
+    log.info("%s %d: attached to the controller at %s:%d; waiting up to %.0fs for its start arguments", who, index,
+             controller[0], controller[1], timeout_s)
+    if not conn.poll(timeout_s):
+        raise TimeoutError(f"{who} {index}: the controller sent no start arguments within {timeout_s:.0f}s "
+                           f"({timeout_knob})")
+    kind, init = conn.recv()
+    if kind != "init":
+        raise RuntimeError(f"{who} {index}: expected the controller's 'init', got {kind!r}")
+    return conn, init
+
+
 def _where(hello: dict) -> str:
     """``pid N on node`` (the Slurm node name when the task has one; several nodes may share a host)."""
     return f"pid {hello.get('pid')} on {hello.get('node') or hello.get('host')}"
 
 
-__all__ = ["AttachError", "AttachSpec", "RemoteProcess", "accept_ranks", "connect", "shutdown"]
+__all__ = ["AttachError", "AttachSpec", "RemoteProcess", "accept_ranks", "connect", "join_controller", "shutdown"]

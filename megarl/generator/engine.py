@@ -310,22 +310,10 @@ def attached_replica_main(replica: int, *, controller: tuple[str, int], authkey:
     ``megarl rank --role generator``): connect to the generator executor at ``controller`` (retrying
     up to ``connect_timeout_s``), say hello, receive the start arguments a spawned replica gets, and
     run it over that connection. Never returns."""
-    import socket
+    from megarl.executors.attach import join_controller
 
-    from megarl.executors.attach import connect
-    from megarl.utils.procs import defer_sigterm_to_controller
-
-    defer_sigterm_to_controller(f"generator replica {replica}")  # a preemption checkpoints through the controller
-    conn = connect(controller[0], controller[1], authkey, connect_timeout_s, timeout_knob="generator.start_timeout_s")
-    conn.send(("hello", {"rank": replica, "host": socket.gethostname(), "node": os.environ.get("SLURMD_NODENAME", ""),
-                         "pid": os.getpid(), "job": job_id}))
-    if not conn.poll(connect_timeout_s):
-        raise TimeoutError(f"generator replica {replica}: the controller sent no start arguments within "
-                           f"{connect_timeout_s:.0f}s (generator.start_timeout_s)")
-    kind, init = conn.recv()
-    if kind != "init":
-        raise RuntimeError(f"generator replica {replica}: expected the controller's 'init', got {kind!r}")
-    print(f"generator replica {replica}: attached to the controller at {controller[0]}:{controller[1]}; "
-          f"logs in {init['log_path']}", file=sys.stderr, flush=True)
+    conn, init = join_controller("generator replica", replica, controller, authkey, job_id, connect_timeout_s,
+                                 "generator.start_timeout_s")
+    print(f"generator replica {replica}: logs in {init['log_path']}", file=sys.stderr, flush=True)
     replica_main(conn, init["cfg"], init["model_dir"], replica, threads_bind, init["on_cpu"], init["log_path"],
                  cuda_devices, attached=True, cleanup=cleanup)

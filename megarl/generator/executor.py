@@ -130,14 +130,8 @@ class GeneratorExecutor(ExecutorBase):
                 proc.start()
                 procs.append(proc)
                 child_conn.close()
-                handle = ReplicaHandle(r, proc, parent_conn, log_path)
-                self._replicas.append(handle)
-                threading.Thread(target=self._reader, args=(handle,), daemon=True,
-                                 name=f"megarl-gen-reader-{r}").start()
-            log.info("generator: waiting up to %.0fs for %d replica(s) to start (logs in %s)",
-                     cfg.start_timeout_s, cfg.replicas, self._log_dir)
-            self._wait(lambda: all(h.info for h in self._replicas), cfg.start_timeout_s,
-                       f"{cfg.replicas} generator replica(s) to start", progress_resets=False)
+                self._adopt(ReplicaHandle(r, proc, parent_conn, log_path))
+            self._await_started("generator")
         except BaseException:
             self.shutdown()  # a failed start leaves no engine behind
             raise
@@ -158,23 +152,29 @@ class GeneratorExecutor(ExecutorBase):
         try:
             for r, (conn, hello) in enumerate(conns):
                 log_path = self._log_dir / f"generator_replica{r}.log"
-                handle = ReplicaHandle(r, RemoteProcess(hello["pid"], hello.get("node") or hello["host"]), conn,
-                                        log_path)
-                self._replicas.append(handle)
                 conn.send(("init", {"cfg": cfg, "model_dir": self.model_dir, "on_cpu": self.on_cpu,
                                     "log_path": str(log_path)}))
-                threading.Thread(target=self._reader, args=(handle,), daemon=True,
-                                 name=f"megarl-gen-reader-{r}").start()
-            log.info("generator: waiting up to %.0fs for %d attached replica(s) to start (logs in %s)",
-                     cfg.start_timeout_s, cfg.replicas, self._log_dir)
-            self._wait(lambda: all(h.info for h in self._replicas), cfg.start_timeout_s,
-                       f"{cfg.replicas} attached generator replica(s) to start", progress_resets=False)
+                self._adopt(ReplicaHandle(r, RemoteProcess(hello["pid"], hello.get("node") or hello["host"]), conn,
+                                          log_path))
+            self._await_started("attached generator")
         except BaseException:
             self.shutdown()
             raise
         log.info("generator: %d replica(s) ready on %s", cfg.replicas,
                  ", ".join(sorted({h.process.host for h in self._replicas})))
         return self
+
+    def _adopt(self, handle: ReplicaHandle) -> None:
+        """A started replica (spawned or attached): tracked, its pipe drained by a reader thread."""
+        self._replicas.append(handle)
+        threading.Thread(target=self._reader, args=(handle,), daemon=True,
+                         name=f"megarl-gen-reader-{handle.index}").start()
+
+    def _await_started(self, kind: str) -> None:
+        """Wait until every replica reported ready (``kind``: 'generator' or 'attached generator')."""
+        what = f"{self.cfg.replicas} {kind} replica(s) to start"
+        log.info("generator: waiting up to %.0fs for %s (logs in %s)", self.cfg.start_timeout_s, what, self._log_dir)
+        self._wait(lambda: all(h.info for h in self._replicas), self.cfg.start_timeout_s, what, progress_resets=False)
 
     def shutdown(self) -> None:
         """Ask every replica to exit; kill those that do not within shutdown_timeout_s. A replica

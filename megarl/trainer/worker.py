@@ -171,25 +171,13 @@ def attached_rank_main(rank: int, world: int, *, controller: tuple[str, int], au
     executor at ``controller`` (retrying up to ``connect_timeout_s``), then serve like a spawned
     rank, joining the trainer's process group at ``master_addr:master_port``. ``cleanup``: run
     before the process exits (its job-scoped temp dir). Never returns."""
-    from megarl.executors.attach import connect
+    from megarl.executors.attach import join_controller
 
     if cuda_devices is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = cuda_devices
-    from megarl.utils.procs import defer_sigterm_to_controller
-
-    defer_sigterm_to_controller(f"trainer rank {rank}")  # a preemption checkpoints through the controller
-    conn = connect(controller[0], controller[1], authkey, connect_timeout_s)
+    conn, init = join_controller("trainer rank", rank, controller, authkey, job_id, connect_timeout_s,
+                                 "trainer.start_timeout_s")
     chan = _Channel(conn)
-    chan.send("hello", {"rank": rank, "host": socket.gethostname(), "node": os.environ.get("SLURMD_NODENAME", ""),
-                        "pid": os.getpid(), "job": job_id})
-    log.info("trainer rank %d: attached to the controller at %s:%d; waiting up to %.0fs for its start arguments",
-             rank, controller[0], controller[1], connect_timeout_s)
-    if not conn.poll(connect_timeout_s):
-        raise TimeoutError(f"trainer rank {rank}: the controller sent no start arguments within "
-                           f"{connect_timeout_s:.0f}s (trainer.start_timeout_s)")
-    kind, init = chan.recv()
-    if kind != "init":
-        raise RuntimeError(f"trainer rank {rank}: expected the controller's 'init', got {kind!r}")
     log.info("trainer rank %d: logs in %s", rank, init["log_path"])
     _redirect_output(init["log_path"])
     _run(chan, rank, lambda ch: _serve(ch, rank, world, master_port, init["cfg"], init["algo"], init["model_dir"],
