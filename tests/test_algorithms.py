@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from megarl.algorithms import (a3po_alpha, aggregate, policy_loss, known_losses)
+from megarl.algorithms import (a3po_alpha, aggregate, policy_loss)
 
 # float64 hand values via a few exp/log ops: ~1e-15 relative error; rtol 1e-9 ample, atol 1e-12 for exact-0 grads
 TOL = dict(rtol=1e-9, atol=1e-12)

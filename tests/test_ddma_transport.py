@@ -17,14 +17,13 @@ import os
 import subprocess
 import sys
 import textwrap
-import threading
 
 import pytest
 import torch
 
 from megarl.ddma.layouts import GeneratorTopology, SrcRank, TrainerTopology
 from megarl.ddma.sync import DdmaSender, DdmaTransportError, SyncSpec, host_store
-from megarl.ddma.transport import TRANSPORTS, choose_transport, transport_problem
+from megarl.ddma.transport import choose_transport, transport_problem
 from megarl.ddma.transport.base import plan_buckets
 from megarl.ddma.transport.cuda_ipc import ExportCache, explain_open_failure, ptrace_permitted
 from megarl.ddma.transport.nccl import chunk_segments, param_groups, pair_streams

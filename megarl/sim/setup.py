@@ -18,8 +18,8 @@ from typing import Any, Mapping
 import yaml
 
 from megarl.sim.events import SimConfig, SimResult, simulate
-from megarl.sim.hardware import CpuModel, Hardware, get_hardware
-from megarl.sim.workload import (DecodeCost, Efficiency, LengthDist, ModelCost, decode_cost, load_dims,
+from megarl.sim.hardware import Hardware, get_hardware
+from megarl.sim.workload import (Efficiency, LengthDist, ModelCost, decode_cost, load_dims,
                                  sync_seconds, train_seconds)
 
 SYNC_METHODS = ("ddma", "gather_broadcast")

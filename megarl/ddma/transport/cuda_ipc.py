@@ -34,7 +34,7 @@ import os
 
 import torch
 
-from megarl.ddma.transport.base import DdmaTransportError, Transport, is_fp8, land_fp8, log, rows_of
+from megarl.ddma.transport.base import DdmaTransportError, Transport, is_fp8, land_fp8, rows_of
 
 _SYS_PIDFD_OPEN, _SYS_PIDFD_GETFD = 434, 438  # x86_64 and aarch64 share these numbers
 MANY_RUNS = 16  # above this many runs per (sender, parameter) one indexed gather beats per-run copies
