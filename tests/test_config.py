@@ -232,6 +232,24 @@ def test_threads_bind_shape_is_checked_before_start(overrides, words):
     assert words in str(e.value)
 
 
+@pytest.mark.parametrize("overrides,want", [
+    (["generator.temperature=0.7", "trainer.logprob_temperature=1.0"], "set trainer.logprob_temperature=0.7"),
+    (["generator.temperature=0.7", "trainer.logprob_temperature=0.5"], "set trainer.logprob_temperature=0.7"),
+    (["generator.temperature=0.7", "generator.logprobs_mode=raw", "trainer.logprob_temperature=0.7"],
+     "set trainer.logprob_temperature=1.0"),
+    (["generator.temperature=0", "trainer.logprob_temperature=0.7"], "set trainer.logprob_temperature=1.0"),
+])
+def test_trainer_logprob_temperature_must_match_the_engines(overrides, want):
+    """The trainer's logprob temperature must reproduce the engine's reported distribution (the
+    tempered one with logprobs_mode 'processed', the untempered one with 'raw' or greedy): any other
+    value makes every importance ratio wrong, so validation refuses it, naming the value to set."""
+    with pytest.raises(ConfigError) as e:
+        load_config("configs/quickstart.yaml", ["cluster.device=cpu", *overrides])
+    assert want in str(e.value)
+    ok = [o for o in overrides if not o.startswith("trainer.")] + [want.split()[-1]]
+    assert load_config("configs/quickstart.yaml", ["cluster.device=cpu", *ok]) is not None
+
+
 @pytest.mark.parametrize("fields,words", [
     ({"model_type": "mistral"}, "model_type='mistral' is not supported"),
     ({"model_type": "qwen2", "architectures": ["Qwen2ForSequenceClassification"]}, "only Qwen2ForCausalLM"),

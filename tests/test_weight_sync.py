@@ -90,3 +90,19 @@ def test_probe_runs_at_the_first_sync_then_every_probe_every():
     assert [n for n in range(1, 32) if probe_due(n, 10)] == [1, 11, 21, 31]
     assert [n for n in range(1, 6) if probe_due(n, 1)] == [1, 2, 3, 4, 5]
     assert [n for n in range(1, 30) if probe_due(n, 0)] == [1]  # 0: the first sync only, never none
+
+
+def test_default_probe_bound_follows_the_coarser_of_engine_and_trainer():
+    """fp32 on both sides: 1e-3 nats; bf16 weights on either side: 0.25; FP8: 1.0 (the numbers'
+    sources: megarl/controller/weight_sync.py). An explicit sync.probe_max_gap wins."""
+    from megarl.controller.loop import resolved_sync
+    from megarl.controller.weight_sync import default_probe_gap
+
+    assert default_probe_gap("float32", "none") == default_probe_gap("float32", "none", "float32") == 1e-3
+    assert default_probe_gap("float32", "none", "bfloat16") == default_probe_gap("bfloat16", "none") == 0.25
+    assert default_probe_gap("bfloat16", "fp8_per_channel", "float32") == 1.0
+    qs = str(Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml")
+    gap = lambda *o: resolved_sync(load_config(qs, ["cluster.device=cpu", *o])).probe_max_gap  # noqa: E731
+    assert gap("trainer.params_dtype=float32", "generator.dtype=float32") == 1e-3
+    assert gap("trainer.params_dtype=bfloat16", "generator.dtype=float32") == 0.25
+    assert gap("trainer.params_dtype=bfloat16", "sync.probe_max_gap=0.5") == 0.5
