@@ -252,14 +252,18 @@ def model_dims(model_dir: Path) -> ModelDims:
 
 
 def resolved_sync(cfg: MegaRLConfig):
-    """``cfg.sync`` with ``transport`` resolved (auto / p2p -> the transport this job uses, megarl.ddma.transport)."""
+    """``cfg.sync`` with ``transport`` resolved (auto / p2p -> the transport this job uses, megarl.ddma.transport)
+    and ``probe_max_gap`` 0 replaced by the bound for the engine's and the trainer's precision."""
     import dataclasses
 
     from megarl.config.validate import cuda_expected
     from megarl.ddma.transport import choose_transport
 
+    from megarl.controller.weight_sync import default_probe_gap
     device = "cuda" if cuda_expected(cfg.cluster.device) else "cpu"
-    return dataclasses.replace(cfg.sync, transport=choose_transport(
+    gap = cfg.sync.probe_max_gap or default_probe_gap(cfg.generator.dtype, cfg.generator.quantization,
+                                                      cfg.trainer.params_dtype)
+    return dataclasses.replace(cfg.sync, probe_max_gap=gap, transport=choose_transport(
         cfg.sync.transport, device=device, same_host=cfg.cluster.launcher == "local"))
 
 
