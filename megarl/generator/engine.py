@@ -169,6 +169,8 @@ class _Replica:
     def update(self, source: dict, version: int) -> None:
         """Apply new weights between two steps (in-flight requests are kept and continue)."""
         t0 = time.monotonic()
+        # The kill matrix (tests/faults) waits for this line to kill a replica mid-landing.
+        _log(f"replica {self.replica} (pid {os.getpid()}): landing weights v{version}")
         # Sources addressed per worker (DDMA) need to know which replica this is.
         self.engine.collective_rpc("megarl_reload_weights", args=({**source, "replica": self.replica},))
         # Drop every KV block computed with the old weights: running requests are preempted and
@@ -177,6 +179,7 @@ class _Replica:
             raise RuntimeError("vLLM refused to reset its prefix cache after a weight update")
         self.version = version
         self.load_s += time.monotonic() - t0
+        _log(f"replica {self.replica}: weights v{version} landed in {time.monotonic() - t0:.2f}s")
         self.conn.send(("updated", version, time.monotonic() - t0))
 
     def info(self) -> dict:
@@ -242,6 +245,11 @@ class _Replica:
                 return
             if self.running and self.engine.has_unfinished_requests():
                 self.step()
+
+
+def _log(message: str) -> None:
+    """An INFO line in the replica's log (its stdout is the log file; vLLM owns its logging setup)."""
+    print(f"{time.strftime('%H:%M:%S')} INFO megarl.generator.engine: {message}", flush=True)
 
 
 def _dist_ident(worker=None) -> str:

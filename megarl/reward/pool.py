@@ -8,8 +8,9 @@ that runs past ``reward.timeout_s`` (counted from the moment that process got it
 killed and replaced, the sample scores ``reward.wrong`` and is counted (``reward/timeouts``), and
 the batch goes on. A reward that raises scores ``reward.wrong`` and is counted (``reward/errors``);
 more than ``reward.max_error_frac`` of a batch's scored samples raising stops the job with
-:class:`RewardError` carrying the first traceback. A scoring process that dies mid-sample (killed
-from outside) is replaced and the sample is scored again once.
+:class:`RewardError` carrying the first traceback. A scoring process that dies (killed from
+outside, or crashed) is replaced and counted (``reward/worker_deaths``); the sample it held is scored
+again once on a fresh process (dying on it twice scores it as an error), so the batch goes on.
 ``arithmetic`` and ``gsm8k`` are a few linear-time regexes over the reply: they run in the calling
 process, since shipping a batch to workers would cost more than scoring it.
 """
@@ -96,7 +97,8 @@ class RewardPool(ExecutorBase):
         self._extract: Optional[Callable] = meta["extract"]
         self.in_process: bool = bool(meta["in_process"])
         self._workers: List[_Worker] = []
-        self.last_counts: Dict[str, float] = {"reward/timeouts": 0, "reward/errors": 0}
+        self.last_counts: Dict[str, float] = {"reward/timeouts": 0, "reward/errors": 0, "reward/worker_deaths": 0}
+        self._deaths = 0  # scoring processes found dead during the current batch
 
     def start(self) -> "RewardPool":
         if not self.in_process:
@@ -135,7 +137,8 @@ class RewardPool(ExecutorBase):
               decode: Callable[[Sequence[int]], str]) -> Dict[str, float]:
         """Set every sample's ``reward``, ``correct`` and ``formatted`` (the ``RewardScorer`` call).
         ``answers[i]``: the gold answer of prompt ``i``; ``decode``: completion token ids to text.
-        Returns the batch's ``reward/timeouts`` and ``reward/errors`` counts (samples)."""
+        Returns the batch's ``reward/timeouts`` and ``reward/errors`` counts (samples) and
+        ``reward/worker_deaths`` (scoring processes that died and were replaced)."""
         scored = self.score_texts([decode(s.completion_ids) for s in samples],
                                   [answers[s.prompt_index] for s in samples],
                                   [s.finish_reason for s in samples], [len(s.completion_ids) for s in samples])
@@ -156,6 +159,7 @@ class RewardPool(ExecutorBase):
         cfg = self.cfg
         truncated = [reason == "length" for reason in finish_reasons]
         finished = [i for i in range(n) if not truncated[i]]
+        self._deaths = 0
         verdicts = self._judge([completions[i] for i in finished], [golds[i] for i in finished])
         self._account(verdicts)
         correct = {i: v.ok for i, v in zip(finished, verdicts)}
@@ -181,7 +185,8 @@ class RewardPool(ExecutorBase):
         """Count the batch's timeouts and errors; too many errors stop the job (RewardError)."""
         timeouts = sum(v.status == "timeout" for v in verdicts)
         errors = [v for v in verdicts if v.status == "error"]
-        self.last_counts = {"reward/timeouts": timeouts, "reward/errors": len(errors)}
+        self.last_counts = {"reward/timeouts": timeouts, "reward/errors": len(errors),
+                            "reward/worker_deaths": self._deaths}
         if not (timeouts or errors):
             return
         first = errors[0].detail.strip().splitlines()[-1] if errors else ""
@@ -238,8 +243,10 @@ class RewardPool(ExecutorBase):
                         else:  # once more on a fresh process: a kill from outside loses nothing
                             retried.add(w.task)
                             pending.appendleft(w.task)
-                    log.warning("reward: scoring process pid %d %s; starting another", w.proc.pid,
-                                exit_cause(_reap(w.proc)))
+                    self._deaths += 1
+                    log.warning("reward: scoring process pid %d %s%s; starting another (reward/worker_deaths)",
+                                w.proc.pid, exit_cause(_reap(w.proc)),
+                                " while scoring a sample, which is scored again" if w.task is not None else "")
                     self._replace(w)
                     continue
                 if msg[0] == "ready":

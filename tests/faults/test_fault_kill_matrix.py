@@ -3,15 +3,21 @@ every step) is killed at a point drawn from a fixed seed, then resumed with trai
 
 Kinds of kill point (SIGKILL each): the controller after a logged step; the controller while it
 checkpoints (the staged controller state or the trainer's temp folder on disk); a trainer rank
-mid-step and mid-sync; a vLLM replica mid-decode. After the kill the job ends (a killed controller's
-processes die with it; a killed rank or replica stops the job naming it), nothing is left running,
-and the resumed run trains exactly the sample ids of a run that never stopped, each once.
+mid-step and mid-sync; a vLLM replica mid-decode and mid-landing (after its log line "landing
+weights vN", before "weights vN landed": the test checks the second never came); a reward scoring
+process while it scores a sample (the run uses a slow import-path reward that marks each sample it
+starts). After the kill the job ends (a killed controller's processes die with it; a killed rank or
+replica stops the job naming it, SIGKILL included), nothing is left running, and the resumed run
+trains exactly the sample ids of a run that never stopped, each once. A killed reward worker is the
+exception that does not stop the job: the pool replaces it, scores its sample again on the fresh
+process and counts it (``reward/worker_deaths``); the job finishes with those same ids, each once.
 
-The first drawn point runs in the default suite, all 20 in the slow one (`-m slow`). SUBSET, the
-first point of each kind (ids 00, 01, 02, 03, 06: `-m slow -k "00- or 01- or 02- or 03- or 06-"`),
-took 60-130 s a point here, so 5 in the default suite would not fit its budget. Every wait is
-bounded. Not checked here: bit-identical final weights (needs a deterministic generation mode,
-not built yet).
+POINTS (20) of the 7 kinds x 4 steps are drawn, every kind at least once. The first drawn point runs
+in the default suite, all 20 in the slow one (`-m slow`). SUBSET, the first point of each kind (ids
+00, 01, 03, 04, 10, 11, 16: `-m slow -k "00- or 01- or 03- or 04- or 10- or 11- or 16-"`), took
+40-130 s a point here, so they would not all fit the default suite's budget. Every wait is bounded.
+Bit-identical final weights across kill + resume need controller.deterministic:
+tests/faults/test_fault_deterministic.py.
 """
 
 from __future__ import annotations
@@ -31,7 +37,9 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 SEED = 21
 STEPS = 6
-KINDS = ("controller", "controller_in_save", "trainer_mid_step", "trainer_mid_sync", "replica_mid_decode")
+KINDS = ("controller", "controller_in_save", "trainer_mid_step", "trainer_mid_sync", "replica_mid_decode",
+         "replica_mid_landing", "reward_worker")
+POINTS = 20
 COMMON = ("controller.max_policy_lag=2", f"controller.steps={STEPS}", "controller.eval_every=0",
           "generator.round_token_budget=4", "trainer.checkpoint_interval=1", "algorithm.entropy_coef=0.01")
 WAIT_S = 300.0   # for a trigger or a job to end (s)
@@ -39,15 +47,35 @@ GONE_S = 60.0    # for every process of a killed job to exit (s)
 
 
 def draw(seed: int = SEED) -> list[tuple[str, int]]:
-    """The matrix: every (kind, step), step in 2..STEPS-1 (a checkpoint exists before it; the job
-    has a step after it), 5 kinds x 4 steps = 20 points, in an order drawn from a fixed seed."""
-    points = [(kind, step) for kind in KINDS for step in range(2, STEPS)]
-    return random.Random(seed).sample(points, len(points))
+    """The matrix: POINTS of the (kind, step) pairs, step in 2..STEPS-1 (a checkpoint exists before
+    it; the job has a step after it), 7 kinds x 4 steps = 28 to draw from, every kind at least once,
+    in an order drawn from a fixed seed."""
+    rng = random.Random(seed)
+    steps = range(2, STEPS)
+    first = [(kind, rng.choice(steps)) for kind in KINDS]  # every kind once
+    rest = rng.sample([(k, s) for k in KINDS for s in steps if (k, s) not in first], POINTS - len(first))
+    return rng.sample(first + rest, POINTS)
 
 
 MATRIX = draw()
 SUBSET = [next(p for p in MATRIX if p[0] == kind) for kind in KINDS]  # one point of each kind
-DEFAULT = MATRIX[0]  # the one point in the default suite (~1.5 min with the straight run); the rest: -m slow
+DEFAULT = MATRIX[0]  # the one point in the default suite (~1.5-2 min with the straight run); the rest: -m slow
+
+
+# The reward_worker kind scores with this module in the job's scoring processes (reward.fn by import
+# path, as users load theirs): it marks each sample it starts (file name: its pid) and takes 0.3 s, so
+# the test can SIGKILL a process while it scores. Its samples must finish (a truncated reply is never
+# scored), so that run also stops replies at an 'e' (generator.stop); sample ids do not change.
+SLOW_REWARD = """
+import os, time
+
+def judge(completion, gold, *, strict):
+    marks = os.environ["MEGARL_TEST_REWARD_MARKS"]
+    open(os.path.join(marks, f"{os.getpid()}-{time.monotonic_ns()}"), "w").close()
+    time.sleep(0.3)
+    return completion.strip() == gold.strip()
+"""
+KIND_EXTRA = {"reward_worker": ("reward.fn=matrix_reward:judge", "reward.workers=2", "generator.stop=[e]")}
 
 
 def _cmd(out_dir: Path, model_dir: Path, *extra: str) -> list[str]:
@@ -110,8 +138,9 @@ def straight(tiny_llama_dir, tmp_path_factory):
     return {s: sorted(ids) for s, ids in _trained(out_dir / "tiny-test").items()}
 
 
-def _kill(kind: str, step: int, proc: subprocess.Popen, run: Path, log: Path) -> str:
-    """Wait for the point, SIGKILL its process; returns what was killed (for messages)."""
+def _kill(kind: str, step: int, proc: subprocess.Popen, run: Path, log: Path, side: Path) -> str:
+    """Wait for the point, SIGKILL its process; returns what was killed (for messages). ``side``:
+    the replicas' logs (generator.log_dir) and the reward's marks."""
     text = lambda: log.read_text(errors="replace") if log.is_file() else ""  # noqa: E731
     ckpts = run / "checkpoints"
     if kind == "controller":
@@ -128,6 +157,18 @@ def _kill(kind: str, step: int, proc: subprocess.Popen, run: Path, log: Path) ->
         victim = int(pids.group(1).split(",")[0])
         marker = f"answer: train step {step}" if kind == "trainer_mid_step" else f"DDMA sync of weights v{step}"
         _wait(lambda: marker in text(), f"'{marker}'", proc)
+    elif kind == "replica_mid_landing":  # the replica logs this line as it starts landing an update
+        replica_log = side / "gen" / "generator_replica0.log"
+        marker = re.compile(rf"replica 0 \(pid (\d+)\): landing weights v{step}\b")
+        found = _wait(lambda: marker.search(replica_log.read_text(errors="replace")) if replica_log.is_file() else None,
+                      f"replica 0 landing weights v{step}", proc, poll=0.002)
+        victim = int(found.group(1))
+    elif kind == "reward_worker":  # a scoring process that has just started a sample of step `step`
+        _wait(lambda: _rows(run) >= step - 1, f"step {step - 1} logged", proc)
+        seen = set(os.listdir(side / "marks"))
+        fresh = _wait(lambda: sorted(set(os.listdir(side / "marks")) - seen), "a sample being scored", proc,
+                      poll=0.005)
+        victim = int(fresh[0].split("-")[0])
     else:  # replica_mid_decode: the controller's child that is neither a trainer rank nor a tracker
         pids = _wait(lambda: re.search(r"trainer: \d+ rank\(s\) ready .*? pids \[([\d, ]+)\]", text()),
                      "the trainer's pids", proc)
@@ -148,13 +189,21 @@ def _kill(kind: str, step: int, proc: subprocess.Popen, run: Path, log: Path) ->
 @pytest.mark.parametrize("kind,step", [pytest.param(*p, marks=() if p == DEFAULT else pytest.mark.slow,
                                                     id=f"{i:02d}-{p[0]}-s{p[1]}") for i, p in enumerate(MATRIX)])
 def test_kill_then_resume_trains_every_sample_once(kind, step, straight, tiny_llama_dir, tmp_path):
+    """Every kill ends the job (a dead reward worker: replaced, counted, the job goes on), leaves
+    nothing running, and the resumed run trains exactly the straight run's sample ids, each once."""
     run = tmp_path / "tiny-test"
     log = tmp_path / "first.log"
+    side = tmp_path / "side"
+    (side / "marks").mkdir(parents=True)
+    (side / "matrix_reward.py").write_text(SLOW_REWARD)
+    extra = (f"generator.log_dir={side / 'gen'}", *KIND_EXTRA.get(kind, ()))
+    env = dict(os.environ, PYTHONUNBUFFERED="1", MEGARL_TEST_REWARD_MARKS=str(side / "marks"),
+               PYTHONPATH=os.pathsep.join(p for p in (str(side), os.environ.get("PYTHONPATH", "")) if p))
     with open(log, "w") as out:
-        proc = subprocess.Popen(_cmd(tmp_path, tiny_llama_dir), cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
-                                env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        proc = subprocess.Popen(_cmd(tmp_path, tiny_llama_dir, *extra), cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
+                                env=env)
         try:
-            what = _kill(kind, step, proc, run, log)
+            what = _kill(kind, step, proc, run, log, side)
             family = _descendants(proc.pid)
             code = proc.wait(WAIT_S)
         finally:
@@ -162,17 +211,25 @@ def test_kill_then_resume_trains_every_sample_once(kind, step, straight, tiny_ll
                 proc.kill()
                 proc.wait(30)
     first = log.read_text(errors="replace")
-    assert code != 0, f"{what}: the job exited 0\n{first[-3000:]}"
-    if kind.startswith(("trainer", "replica")):  # the job names the dead process
-        assert "SIGKILL" in first, f"{what}: the cause is not named\n{first[-3000:]}"
     deadline = time.monotonic() + GONE_S
     while _alive(family) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not _alive(family), f"{what}: processes left running: {_alive(family)}"
-
-    resumed = subprocess.run(_cmd(tmp_path, tiny_llama_dir, "trainer.resume_from=auto"), capture_output=True,
-                             text=True, timeout=900, cwd=REPO)
-    assert resumed.returncode == 0, f"{what}: resume failed\n{resumed.stdout[-3000:]}{resumed.stderr[-3000:]}"
+    if kind == "reward_worker":  # replaced, its sample scored again, counted; the job finishes
+        assert code == 0, f"{what}: the job did not go on\n{first[-3000:]}"
+        rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+        assert sum(r.get("reward/worker_deaths", 0) for r in rows) >= 1, f"{what}: the death was not counted"
+        assert "starting another (reward/worker_deaths)" in first, first[-3000:]
+    else:
+        assert code != 0, f"{what}: the job exited 0\n{first[-3000:]}"
+        if kind.startswith(("trainer", "replica")):  # the job names the dead process
+            assert "SIGKILL" in first, f"{what}: the cause is not named\n{first[-3000:]}"
+        if kind == "replica_mid_landing":  # it died before the update landed
+            landed = (side / "gen" / "generator_replica0.log").read_text(errors="replace")
+            assert f"weights v{step} landed" not in landed, f"{what}: killed after the landing"
+        resumed = subprocess.run(_cmd(tmp_path, tiny_llama_dir, "trainer.resume_from=auto", *extra),
+                                 capture_output=True, text=True, timeout=900, cwd=REPO, env=env)
+        assert resumed.returncode == 0, f"{what}: resume failed\n{resumed.stdout[-3000:]}{resumed.stderr[-3000:]}"
     trained = _trained(run)
     assert sorted(trained) == list(range(1, STEPS + 1)), (what, sorted(trained))
     ids = [i for s in trained.values() for i in s]
@@ -181,6 +238,6 @@ def test_kill_then_resume_trains_every_sample_once(kind, step, straight, tiny_ll
 
 
 def test_the_matrix_is_seeded_and_covers_every_kind():
-    assert draw() == MATRIX and len(MATRIX) == len(set(MATRIX)) == 20
+    assert draw() == MATRIX and len(MATRIX) == len(set(MATRIX)) == POINTS == 20
     assert {k for k, _ in SUBSET} == set(KINDS) and all(p in MATRIX for p in SUBSET)
     assert all(2 <= s <= STEPS - 1 for _, s in MATRIX)

@@ -49,11 +49,11 @@ def test_a_hanging_reward_is_cut_scored_wrong_counted_and_the_batch_goes_on(faul
         first_pids = set(pool.pids)
         got = _score(pool, ["19", "hang", "20", "boom", "19", "hang"])
         assert [s.reward for s in got] == [1.0, WRONG, WRONG, WRONG, 1.0, WRONG]
-        assert pool.last_counts == {"reward/timeouts": 2, "reward/errors": 1}
+        assert pool.last_counts == {"reward/timeouts": 2, "reward/errors": 1, "reward/worker_deaths": 0}
         assert len(pool.pids) == 2 and set(pool.pids) != first_pids  # the cut processes were replaced
         # the next batch runs on the replacement processes, and counts start again
         assert [s.reward for s in _score(pool, ["19", "18"])] == [1.0, WRONG]
-        assert pool.last_counts == {"reward/timeouts": 0, "reward/errors": 0}
+        assert pool.last_counts == {"reward/timeouts": 0, "reward/errors": 0, "reward/worker_deaths": 0}
         assert all(h["alive"] for h in pool.health())
     assert pool.pids == []
 
@@ -64,7 +64,7 @@ def test_score_returns_the_counts_for_the_step_metrics(faulty):
                for text in ("19", "hang", "boom", "19")]
     with RewardPool(RewardConfig(fn=faulty, workers=2, timeout_s=1.0, max_error_frac=0.5), 10) as pool:
         counts = pool.score(samples, ["19"], lambda ids: "".join(map(chr, ids)))
-    assert counts == {"reward/timeouts": 1, "reward/errors": 1}
+    assert counts == {"reward/timeouts": 1, "reward/errors": 1, "reward/worker_deaths": 0}
     assert [s.reward for s in samples] == [1.0, 0.0, 0.0, 1.0] and [s.correct for s in samples] == [
         True, False, False, True]
 
@@ -101,7 +101,7 @@ def test_an_in_process_reward_that_raises_is_counted_too(monkeypatch):
 
 def test_a_scoring_process_killed_mid_sample_loses_nothing(faulty):
     """The kill matrix's reward-worker point: SIGKILL while it scores; the sample is scored again on
-    a fresh process, nothing is counted as an error, and the job goes on."""
+    a fresh process, nothing is counted as an error, the death is counted, and the job goes on."""
     with RewardPool(RewardConfig(fn=faulty, workers=1, timeout_s=10.0), 10) as pool:
         assert [s.correct for s in _score(pool, ["19"])] == [True]  # the process is up and scoring
         (victim,) = pool.pids
@@ -112,7 +112,7 @@ def test_a_scoring_process_killed_mid_sample_loses_nothing(faulty):
         finally:
             killer.cancel()
         assert [s.correct for s in got] == [True]
-        assert pool.last_counts == {"reward/timeouts": 0, "reward/errors": 0}
+        assert pool.last_counts == {"reward/timeouts": 0, "reward/errors": 0, "reward/worker_deaths": 1}
         assert victim not in pool.pids and len(pool.pids) == 1
 
 
