@@ -172,6 +172,7 @@ def test_generator_executor_is_a_generator(cfg, gen, tiny_llama_dir, tmp_path):
     state = copy.deepcopy(g.snapshot({group}))  # as the checkpoint file holds it
     new_ids = g.restore(state, groups=[group])
     assert set(new_ids) == {group}
+    g.drain()  # in flight: finished or cut (a cut partial stays cached for collect)
     g.collect()
     activity = g.activity()
     assert set(activity) == {"busy_s", "load_s"} and activity["busy_s"] > 0

@@ -62,6 +62,14 @@ class ControllerConfig:
         "Greedy held-out evaluation every N steps, plus a baseline before the first step and one after the "
         "last, scored strictly (last number of a finished reply; never the training reward) (steps; "
         "0 = never). Default 10."))
+    deterministic: bool = knob(False, help=(
+        "Reproducible runs: every sample round is generated with its own seed (from generator.seed and the "
+        "sample's id), engines decode one sequence at a time with no prefix cache, and weights change only "
+        "when no round is in flight, so which weights a round uses is a function of the step, not of timing; "
+        "a job killed and resumed with trainer.resume_from=auto then ends with the same weights, bit for bit, "
+        "as one that never stopped (on the same machine and config). Slower: generation is serial and waits "
+        "for in-flight rounds at every sync. A reward cut by reward.timeout_s is timing-dependent and breaks "
+        "the guarantee. Default false."))
 
 
 @dataclass

@@ -67,7 +67,8 @@ def run_job(cfg: MegaRLConfig) -> int:
         cfg = pin_resume(cfg, run.path)  # the one verified step folder every process resumes from
         trainer, generator, reward = start_executors(cfg, stack, model_dir, devices, run)
         weights = WeightSync(resolved_sync(cfg), trainer, generator, dims=model_dims(model_dir), generator_cfg=cfg.generator,
-                             probe_prompt=prompts.eval_set()[1][0], pad_id=prompts.pad_id)
+                             probe_prompt=prompts.eval_set()[1][0], pad_id=prompts.pad_id,
+                             quiesce=cfg.controller.deterministic)
         log.info("weight sync: %s", describe_sync(cfg))
         train(cfg, run, prompts, trainer, generator, reward, weights, preempt)
         run.finish(cfg.controller.steps)
@@ -88,7 +89,7 @@ def train(cfg: MegaRLConfig, run: RunFolder, prompts: PromptSource, trainer: Tra
         run.log_eval(0, steps, evaluate(generator, prompts, run, step=0))
     rollouts = RolloutQueue(generator, prompts, prompts_per_step=cfg.controller.prompts_per_step,
                             n_samples=cfg.generator.n_samples, max_policy_lag=cfg.controller.max_policy_lag,
-                            last_step=steps)
+                            last_step=steps, deterministic=cfg.controller.deterministic)
     resume_controller(cfg, run, trainer.step_count, rollouts)
     activity = ExecutorActivity(generator)
     preempt = preempt or Preemption()
@@ -164,7 +165,8 @@ def start_executors(cfg: MegaRLConfig, stack: ExitStack, model_dir: Path, device
     attached = cfg.cluster.launcher == "slurm"  # replicas started by srun on the generator nodes attach here
     generator = stack.enter_context(GeneratorExecutor(cfg.generator, model_dir, cuda_devices=devices.generator,
                                                       launcher=cfg.cluster.launcher,
-                                                      log_dir=run.path / "logs" if attached else None).start())
+                                                      log_dir=run.path / "logs" if attached else None,
+                                                      deterministic=cfg.controller.deterministic).start())
     reward = stack.enter_context(RewardPool(cfg.reward, cfg.generator.max_new_tokens))
     return trainer, generator, reward
 
@@ -257,9 +259,9 @@ def resolved_sync(cfg: MegaRLConfig):
     import dataclasses
 
     from megarl.config.validate import cuda_expected
+    from megarl.controller.weight_sync import default_probe_gap
     from megarl.ddma.transport import choose_transport
 
-    from megarl.controller.weight_sync import default_probe_gap
     device = "cuda" if cuda_expected(cfg.cluster.device) else "cpu"
     gap = cfg.sync.probe_max_gap or default_probe_gap(cfg.generator.dtype, cfg.generator.quantization,
                                                       cfg.trainer.params_dtype)

@@ -21,6 +21,11 @@ their unfinished ones as partial rollouts (the rounds finished so far), and the 
 ``load_state_dict`` on resume puts them back: finished samples are trained exactly as they were
 generated, partial ones continue under the resumed weights, so after a kill no sample is lost or
 trained twice. Every trained sample has an id, ``s<step>p<prompt index>k<sample index>``.
+
+``deterministic`` (controller.deterministic): each group is submitted with a seed key
+(``s<step>p<prompt index>``, and a regeneration count when generated again), from which the
+generator derives every round's seed (megarl/generator/executor.py), so the samples of a step are
+the same in a run resumed from a checkpoint as in one that never stopped.
 """
 
 from __future__ import annotations
@@ -45,10 +50,11 @@ class RolloutQueue:
     """The batches of the steps ahead, generating; ``n_samples`` per prompt (a GRPO group)."""
 
     def __init__(self, generator: Generator, prompts: PromptSource, *, prompts_per_step: int, n_samples: int,
-                 max_policy_lag: int, last_step: int):
+                 max_policy_lag: int, last_step: int, deterministic: bool = False):
         self.generator, self.prompts = generator, prompts
         self.per_step, self.lag, self.last_step = prompts_per_step, max_policy_lag, last_step
         self.n_samples = n_samples
+        self.deterministic = deterministic
         self.pending: dict[int, tuple[list[Task], list[list[int]], list[int]]] = {}  # step -> (tasks, ids, groups)
         self.pool: dict[int, list[Sample]] = collections.defaultdict(list)  # group id -> finished samples
         self.next_step: int | None = None
@@ -67,7 +73,9 @@ class RolloutQueue:
         while (self.next_step <= self.last_step and
                admission_capacity(self.lag, batch, step - 1, accepted=(self.next_step - 1) * batch, running=0) >= batch):
             tasks, prompt_ids = self.prompts.batch(self.next_step - 1, self.per_step)
-            groups = self.generator.submit(prompt_ids, self.n_samples, prompt_indices=list(range(len(prompt_ids))))
+            indices = list(range(len(prompt_ids)))
+            groups = self.generator.submit(prompt_ids, self.n_samples, prompt_indices=indices,
+                                           **self._seeds(self.next_step, indices))
             self.pending[self.next_step] = (tasks, prompt_ids, list(groups))
             self.submitted_at[self.next_step] = time.monotonic()
             self.next_step += 1
@@ -87,7 +95,8 @@ class RolloutQueue:
                         step, len(stale), self.lag)
             for g in stale:
                 index = self.pool.pop(g)[0].prompt_index
-                (new,) = self.generator.submit([prompt_ids[index]], self.n_samples, prompt_indices=[index])
+                (new,) = self.generator.submit([prompt_ids[index]], self.n_samples, prompt_indices=[index],
+                                               **self._seeds(step, [index], again=self.regenerated))
                 groups[groups.index(g)] = new
         del self.pending[step]
         samples = [s for g in groups for s in sorted(self.pool.pop(g), key=lambda s: s.sample_index)]
@@ -98,6 +107,12 @@ class RolloutQueue:
         # upper bound (the batch may have finished while the trainer trained)
         metrics["gen/batch_latency_s"] = time.monotonic() - self.submitted_at.pop(step)
         return tasks, prompt_ids, samples, metrics
+
+    def _seeds(self, step: int, indices: list[int], again: int = 0) -> dict:
+        """``submit``'s seed keys in deterministic mode (none otherwise)."""
+        if not self.deterministic:
+            return {}
+        return {"seed_keys": [f"s{step}p{i}" + (f"g{again}" if again else "") for i in indices]}
 
     def _wait_for(self, groups: list[int]) -> None:
         missing = lambda: sum(max(0, self.n_samples - len(self.pool[g])) for g in groups)  # noqa: E731

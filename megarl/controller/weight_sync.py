@@ -116,11 +116,13 @@ STRATEGIES: dict[str, type] = {"ddma": DdmaPush, "shm": ShmPush}  # sync.method 
 
 class WeightSync:
     """``push(version)`` moves the trainer's weights into every generator engine (the strategy of
-    ``sync.method``) and proves they arrived (the logprob probe)."""
+    ``sync.method``) and proves they arrived (the logprob probe). ``quiesce``
+    (controller.deterministic): let every round in flight finish under the old weights first."""
 
     def __init__(self, cfg: SyncConfig, trainer: Trainer, generator: Generator, *, dims: ModelDims,
-                 generator_cfg: GeneratorConfig, probe_prompt: list[int], pad_id: int = 0):
+                 generator_cfg: GeneratorConfig, probe_prompt: list[int], pad_id: int = 0, quiesce: bool = False):
         self.cfg, self.trainer, self.generator = cfg, trainer, generator
+        self.quiesce = quiesce  # controller.deterministic: weights change only when no round is in flight
         self.probe_prompt, self.pad_id = list(probe_prompt), pad_id
         self.max_gap = cfg.probe_max_gap or default_probe_gap(generator_cfg.dtype, generator_cfg.quantization)
         self.strategy = STRATEGIES[cfg.method](cfg, trainer, generator, dims=dims, generator_cfg=generator_cfg)
@@ -129,6 +131,8 @@ class WeightSync:
     def push(self, version: int) -> dict[str, float]:
         """Sync weights ``version`` to the generator; returns ``sync/*`` metrics."""
         t0 = time.monotonic()
+        if self.quiesce:  # before the senders start: their wait (sync.timeout_s) must not cover it
+            self.generator.drain()
         out = self.strategy.push(version)
         self.syncs += 1
         if probe_due(self.syncs, self.cfg.probe_every):

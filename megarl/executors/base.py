@@ -135,6 +135,9 @@ class Generator(Protocol):
     def poll(self) -> list[Sample]:
         """Finished samples so far, without waiting."""
 
+    def drain(self, timeout_s: float | None = None) -> None:
+        """Wait until no round is in flight (cut partial rollouts stay cached)."""
+
     def generate(self, prompts: Sequence[Sequence[int]], n_samples: int | None = None,
                  max_new_tokens: int | None = None, sampling: dict | None = None,
                  round_token_budget: int | None = None) -> list[Sample]:

@@ -75,7 +75,12 @@ def force_cpu_attention_kernel(kernel: str) -> None:
     cpu_attn._get_attn_isa = forced
 
 
-def engine_args(cfg: GeneratorConfig, model_dir: str, replica: int, on_cpu: bool):
+def engine_args(cfg: GeneratorConfig, model_dir: str, replica: int, on_cpu: bool, deterministic: bool = False):
+    """vLLM's engine arguments for replica ``replica``. ``deterministic`` (controller.deterministic):
+    one sequence at a time, no prefix cache, and a whole prompt in one prefill step, so a request's
+    numerics never depend on what else the engine holds; per-request seeds then make each sample a
+    function of its seed and weights (a chunked prefill would crash them on CPU: vLLM rewinds the
+    request's generator offset, which CPU generators lack)."""
     from vllm import EngineArgs
 
     from megarl.generator.weights import WORKER_EXTENSION
@@ -91,9 +96,11 @@ def engine_args(cfg: GeneratorConfig, model_dir: str, replica: int, on_cpu: bool
         enforce_eager=cfg.enforce_eager,
         logprobs_mode="processed_logprobs" if cfg.logprobs_mode == "processed" else "raw_logprobs",
         worker_extension_cls=WORKER_EXTENSION,
-        enable_prefix_caching=True,
+        enable_prefix_caching=not deterministic,
         disable_log_stats=True,
     )
+    if deterministic:
+        kwargs.update(max_num_seqs=1, max_num_batched_tokens=max(cfg.max_model_len, 2048))
     if cfg.tp > 1:
         kwargs["distributed_executor_backend"] = "mp"
     if not on_cpu:
@@ -107,7 +114,8 @@ def engine_args(cfg: GeneratorConfig, model_dir: str, replica: int, on_cpu: bool
 class _Replica:
     """The loop inside the replica process."""
 
-    def __init__(self, conn, cfg: GeneratorConfig, model_dir: str, replica: int, on_cpu: bool):
+    def __init__(self, conn, cfg: GeneratorConfig, model_dir: str, replica: int, on_cpu: bool,
+                 deterministic: bool = False):
         from vllm import LLMEngine
 
         self.conn = conn
@@ -115,7 +123,7 @@ class _Replica:
         self.replica = replica
         self.parent_pid = os.getppid()
         self.version = 0
-        self.engine = LLMEngine.from_engine_args(engine_args(cfg, model_dir, replica, on_cpu))
+        self.engine = LLMEngine.from_engine_args(engine_args(cfg, model_dir, replica, on_cpu, deterministic))
         self.pending: dict[str, dict] = {}  # rid -> {"ids": [...], "lps": [...], "vers": [...]}
         self.running = True
         self.steps = 0
@@ -124,7 +132,7 @@ class _Replica:
         self.load_s = 0.0  # seconds loading weights
         self.last_report = time.monotonic()
 
-    def sampling_params(self, max_tokens: int, overrides: dict):
+    def sampling_params(self, max_tokens: int, overrides: dict, seed: int | None = None):
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -136,6 +144,7 @@ class _Replica:
             max_tokens=max_tokens, stop=stop, logprobs=0, output_kind=RequestOutputKind.DELTA,
             detokenize=bool(stop),  # text is only needed to match stop strings
             ignore_eos=bool(overrides.get("ignore_eos", False)),
+            seed=seed,  # set only in deterministic mode (see engine_args)
         )
 
     # --- commands ------------------------------------------------------------------------------
@@ -147,7 +156,7 @@ class _Replica:
                 self.pending[rid] = {"ids": [], "lps": [], "vers": []}
                 self.engine.add_request(rid, {"prompt_token_ids": list(spec["prompt_ids"])},
                                         self.sampling_params(int(spec["max_tokens"]),
-                                                             spec.get("sampling") or {}))
+                                                             spec.get("sampling") or {}, spec.get("seed")))
         elif kind == "update":
             self.update(msg[1], int(msg[2]))
         elif kind == "health":
@@ -258,11 +267,12 @@ def _dist_ident(worker=None) -> str:
 
 def replica_main(conn, cfg: GeneratorConfig, model_dir: str, replica: int, threads_bind: str | None,
                  on_cpu: bool, log_path: str, cuda_devices: str | None, parent_pid: int | None = None,
-                 pdeathsig: bool = True, attached: bool = False, cleanup=None) -> None:
+                 pdeathsig: bool = True, attached: bool = False, cleanup=None, deterministic: bool = False) -> None:
     """Entry point of a replica process (spawned by the executor). ``parent_pid`` / ``pdeathsig``:
     see :func:`megarl.utils.procs.watch_parent` (the replica dies with the executor's process).
     ``attached``: started by a launcher on another node (:func:`attached_replica_main`); it has no
-    parent to watch and exits when the executor's connection closes. ``cleanup``: run before exit."""
+    parent to watch and exits when the executor's connection closes. ``cleanup``: run before exit.
+    ``deterministic``: controller.deterministic (see :func:`engine_args`)."""
     from megarl.utils.procs import watch_parent
 
     if not attached:
@@ -284,7 +294,7 @@ def replica_main(conn, cfg: GeneratorConfig, model_dir: str, replica: int, threa
     replica_obj = None
     code = 0
     try:
-        replica_obj = _Replica(conn, cfg, model_dir, replica, on_cpu)
+        replica_obj = _Replica(conn, cfg, model_dir, replica, on_cpu, deterministic)
         replica_obj.loop()
     except EOFError:
         pass  # executor closed the pipe: exit quietly
@@ -324,4 +334,4 @@ def attached_replica_main(replica: int, *, controller: tuple[str, int], authkey:
                                  "generator.start_timeout_s")
     print(f"generator replica {replica}: logs in {init['log_path']}", file=sys.stderr, flush=True)
     replica_main(conn, init["cfg"], init["model_dir"], replica, threads_bind, init["on_cpu"], init["log_path"],
-                 cuda_devices, attached=True, cleanup=cleanup)
+                 cuda_devices, attached=True, cleanup=cleanup, deterministic=bool(init.get("deterministic")))

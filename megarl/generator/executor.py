@@ -14,6 +14,15 @@ cached with its tokens, logprobs and versions, and resumed -- prompt + tokens so
 prompt, the remaining budget as the limit -- after the next weight update, so its later tokens come
 from the newer policy. If nothing else is left to generate while a caller waits for samples,
 cached partials resume under the current policy rather than stall the loop.
+
+Deterministic mode (``deterministic=True``, controller.deterministic): every round of a sample is
+its own request with a seed derived from (generator.seed, the sample's seed key from the caller,
+its sample index, the tokens it has so far), and the engines run one sequence at a time without a
+prefix cache (engine.engine_args), so a round's tokens and logprobs are a function of its seed, its
+prefix and the weights, whatever else runs and whenever it runs. ``drain()`` before each update
+(the controller's weight sync does it) makes the weights of every round the version current when it
+was submitted, and :meth:`restore` puts back cut partials as cached (resumed at the next update or
+stall, as in the run that saved them) and only re-sends the rounds that were in flight.
 """
 
 from __future__ import annotations
@@ -29,6 +38,7 @@ import tempfile
 import threading
 import time
 import weakref
+import zlib
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -68,11 +78,12 @@ class GeneratorExecutor(ExecutorBase):
 
     def __init__(self, cfg: GeneratorConfig, model_dir: str | os.PathLike,
                  cuda_devices: Sequence[int] | None = None, launcher: str = "local",
-                 log_dir: str | os.PathLike | None = None):
+                 log_dir: str | os.PathLike | None = None, deterministic: bool = False):
         """``launcher``: 'local' spawns the replicas here; 'slurm' waits for them to attach (started by
         srun on the generator nodes, ``megarl rank --role generator``; megarl/executors/attach.py).
         ``log_dir``: the replicas' logs (default generator.log_dir, else a temporary folder); attached
-        replicas on other nodes write there, so it must be on a filesystem every node sees."""
+        replicas on other nodes write there, so it must be on a filesystem every node sees.
+        ``deterministic``: controller.deterministic (see the module docstring)."""
         on_cpu = not torch.cuda.is_available()
         problems = cfg.problems(on_cpu=on_cpu)
         if problems:
@@ -83,6 +94,7 @@ class GeneratorExecutor(ExecutorBase):
         self.model_dir = str(model_dir)
         self.on_cpu = on_cpu
         self.cuda_devices = list(cuda_devices) if cuda_devices is not None else None
+        self.deterministic = bool(deterministic)
         self.version = 0
         self._replicas: list[ReplicaHandle] = []
         self._inbox: queue.Queue = queue.Queue()
@@ -126,7 +138,8 @@ class GeneratorExecutor(ExecutorBase):
                 log_path = self._log_dir / f"generator_replica{r}.log"
                 proc = ctx.Process(target=replica_main, name=f"megarl-gen-{r}",
                                    args=(child_conn, cfg, self.model_dir, r, binds[r], self.on_cpu,
-                                         str(log_path), cuda, os.getpid(), pdeathsig), daemon=False)
+                                         str(log_path), cuda, os.getpid(), pdeathsig),
+                                   kwargs={"deterministic": self.deterministic}, daemon=False)
                 proc.start()
                 procs.append(proc)
                 child_conn.close()
@@ -153,7 +166,7 @@ class GeneratorExecutor(ExecutorBase):
             for r, (conn, hello) in enumerate(conns):
                 log_path = self._log_dir / f"generator_replica{r}.log"
                 conn.send(("init", {"cfg": cfg, "model_dir": self.model_dir, "on_cpu": self.on_cpu,
-                                    "log_path": str(log_path)}))
+                                    "log_path": str(log_path), "deterministic": self.deterministic}))
                 self._adopt(ReplicaHandle(r, RemoteProcess(hello["pid"], hello.get("node") or hello["host"]), conn,
                                           log_path))
             self._await_started("attached generator")
@@ -214,13 +227,15 @@ class GeneratorExecutor(ExecutorBase):
     # ------------------------------------------------------------------ generation
     def submit(self, prompts: Sequence[Sequence[int]], n_samples: int | None = None,
                max_new_tokens: int | None = None, prompt_indices: Sequence[int] | None = None,
-               sampling: dict | None = None, round_token_budget: int | None = None) -> list[int]:
+               sampling: dict | None = None, round_token_budget: int | None = None,
+               seed_keys: Sequence[str] | None = None) -> list[int]:
         """Queue ``n_samples`` generations of every prompt (token ids); returns their group ids.
         The samples of a group go to one replica, where they share the prompt's prefix cache.
 
         ``sampling`` overrides the config's temperature / top_p / top_k / stop for these prompts
         (e.g. greedy evaluation on the training engines); ``round_token_budget`` overrides the
-        partial-rollout budget (0 = off)."""
+        partial-rollout budget (0 = off). ``seed_keys`` (deterministic mode; one per prompt, unique
+        in the job, the same after a resume): the per-request seeds derive from them."""
         self._check_failed()
         n = n_samples or self.cfg.n_samples
         limit = max_new_tokens or self.cfg.max_new_tokens
@@ -245,6 +260,8 @@ class GeneratorExecutor(ExecutorBase):
                                  f"{self.cfg.max_model_len}; shorten it or raise max_model_len")
         if prompt_indices is not None and len(prompt_indices) != len(prompts):
             raise ValueError(f"{len(prompt_indices)} prompt_indices for {len(prompts)} prompts")
+        if seed_keys is not None and len(seed_keys) != len(prompts):
+            raise ValueError(f"{len(seed_keys)} seed_keys for {len(prompts)} prompts")
         groups = []
         by_replica: dict[int, list[Track]] = {}
         for i, prompt in enumerate(prompts):
@@ -255,7 +272,7 @@ class GeneratorExecutor(ExecutorBase):
                 track = Track(key=f"g{g}s{s}", group_id=g, sample_index=s,
                                prompt_index=prompt_indices[i] if prompt_indices is not None else i,
                                prompt_ids=prompt, max_new_tokens=limit, round_budget=budget,
-                               sampling=sampling)
+                               sampling=sampling, seed_key=seed_keys[i] if seed_keys is not None else "")
                 track.replica = replica
                 by_replica.setdefault(replica, []).append(track)
                 self._replicas[replica].active.add(track.key)  # reserve for load balancing
@@ -336,22 +353,31 @@ class GeneratorExecutor(ExecutorBase):
     def snapshot(self, groups: set[int]) -> list[dict]:
         """The unfinished samples of ``groups`` as plain dicts (for the controller's checkpoint):
         prompt, sampling, and the tokens / logprobs / versions of every round finished so far (a
-        round still running in an engine is not included: it is generated again on restore)."""
+        round still running in an engine is not included: it is generated again on restore;
+        ``in_flight`` says which had one)."""
         self._pump(0.0)
+        running = {id(t) for t in self._tracks.values()}
         tracks = {id(t): t for t in [*self._tracks.values(), *self._partials] if t.group_id in groups}
-        return [{f.name: getattr(t, f.name) for f in dataclasses.fields(Track) if f.name not in ("key", "replica")}
-                for t in tracks.values()]
+        return [{**{f.name: getattr(t, f.name) for f in dataclasses.fields(Track) if f.name not in ("key", "replica")},
+                 "in_flight": id(t) in running} for t in tracks.values()]
 
     def restore(self, tracks: Sequence[dict], groups: Sequence[int] = ()) -> dict[int, int]:
         """Continue samples from :meth:`snapshot` (possibly of an earlier process) under the current
         weights; returns ``{old group id: new group id}`` for every group of ``tracks`` and
-        ``groups`` (this executor numbers its own groups, so old ids never collide with new ones)."""
+        ``groups`` (this executor numbers its own groups, so old ids never collide with new ones).
+        In deterministic mode only the samples that had a round in flight are sent now; the cut
+        partials wait, cached, for the next update (or a stall), as they did in the saving run."""
         self._check_failed()
         new_ids = {int(g): next(self._group_ids) for g in dict.fromkeys([*groups, *(d["group_id"] for d in tracks)])}
         by_replica: dict[int, list[Track]] = {}
         for d in tracks:
             old = int(d["group_id"])
+            d = dict(d)
+            in_flight = d.pop("in_flight", True)
             t = Track(key=f"g{new_ids[old]}s{d['sample_index']}", **{**d, "group_id": new_ids[old]})
+            if self.deterministic and not in_flight:
+                self._partials.append(t)
+                continue
             t.replica = self._least_loaded()
             self._replicas[t.replica].active.add(t.key)
             by_replica.setdefault(t.replica, []).append(t)
@@ -395,6 +421,8 @@ class GeneratorExecutor(ExecutorBase):
         must stay readable until this returns. ``peer_check``: called while waiting, raises if the
         sender side died (its death would otherwise show only as this wait's timeout)."""
         t0 = time.monotonic() if _t0 is None else _t0
+        if self.deterministic and self._tracks:  # every round runs under the weights it was submitted with
+            self.drain()
         acked: set[int] = set()
         self._replies[("updated", version)] = acked
         for h in self._replicas:
@@ -466,8 +494,10 @@ class GeneratorExecutor(ExecutorBase):
             t.rounds += 1
             self._tracks[rid] = t
             self._replicas[replica].active.add(rid)
-            specs.append({"rid": rid, "prompt_ids": t.prompt_ids + t.ids, "max_tokens": limit,
-                          "sampling": t.sampling})
+            spec = {"rid": rid, "prompt_ids": t.prompt_ids + t.ids, "max_tokens": limit, "sampling": t.sampling}
+            if self.deterministic:
+                spec["seed"] = request_seed(self.cfg.seed, t)
+            specs.append(spec)
             self._replicas[replica].active.discard(t.key)
         self._send(self._replicas[replica], ("submit", specs))
 
@@ -594,6 +624,14 @@ class GeneratorExecutor(ExecutorBase):
                 last_log = now
             if self._pump(min(_POLL_S, deadline - now)) and progress_resets:
                 deadline = time.monotonic() + timeout
+
+
+def request_seed(seed: int, t: Track) -> int:
+    """The seed of ``t``'s next round (deterministic mode): a function of generator.seed, the
+    sample's seed key and index, and how many tokens it has, never of timing or batching; a sample
+    submitted without a key (evaluation, the probe) is keyed by its prompt."""
+    key = t.seed_key or f"prompt:{zlib.crc32(repr(t.prompt_ids).encode())}"
+    return zlib.crc32(f"{seed}|{key}|{t.sample_index}|{len(t.ids)}".encode())
 
 
 _VOCAB: dict[str, int] = {}  # model folder -> config.json vocab_size

@@ -26,6 +26,7 @@ class Track:
     max_new_tokens: int
     round_budget: int = 0
     sampling: dict = dataclasses.field(default_factory=dict)
+    seed_key: str = ""  # deterministic mode: what its per-request seeds derive from (executor.request_seed)
     replica: int = -1
     rounds: int = 0
     ids: list[int] = dataclasses.field(default_factory=list)
