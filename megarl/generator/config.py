@@ -57,8 +57,10 @@ class GeneratorConfig:
                               "behav_logprobs come from: 'processed' = the tempered one tokens are "
                               "sampled from (trainer divides logits by the temperature), 'raw' = the "
                               "untempered model (trainer temperature 1). Default processed.")
-    seed: int = knob(0, help="Engine sampling seed (replica r uses seed + r; per-request seeds "
-                     "crash vLLM's in-process CPU engine). Default 0.")
+    seed: int = knob(0, help="Engine sampling seed (replica r uses seed + r); with "
+                     "controller.deterministic, every request's seed derives from it and the sample's id "
+                     "instead (per-request seeds work on CPU only without chunked prefill, which that mode "
+                     "turns off). Default 0.")
 
     # --- async / partial rollouts ---
     round_token_budget: int = knob(0, help="Partial rollouts: a generation is cut after this many new "
