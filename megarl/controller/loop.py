@@ -162,6 +162,10 @@ def start_executors(cfg: MegaRLConfig, stack: ExitStack, model_dir: Path, device
         log.info("trainer: resuming from the step-%d checkpoint (trainer.resume_from=%s)", trainer.step_count,
                  t.resume_from)
     log.info("starting the generator (%d vLLM replica(s), tp=%d)", cfg.generator.replicas, cfg.generator.tp)
+    if cfg.controller.deterministic:
+        log.info("controller.deterministic: per-request seeds from generator.seed=%d, one sequence at a time per "
+                 "engine (generator.max_num_seqs=%d not used), no prefix cache, every sync waits for the rounds in "
+                 "flight: slower, reproducible across kill + resume", cfg.generator.seed, cfg.generator.max_num_seqs)
     attached = cfg.cluster.launcher == "slurm"  # replicas started by srun on the generator nodes attach here
     generator = stack.enter_context(GeneratorExecutor(cfg.generator, model_dir, cuda_devices=devices.generator,
                                                       launcher=cfg.cluster.launcher,
