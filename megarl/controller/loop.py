@@ -112,7 +112,7 @@ def train(cfg: MegaRLConfig, run: RunFolder, prompts: PromptSource, trainer: Tra
                 times = timer.finish()
                 metrics = step_metrics(train_metrics, times, activity.end(times), sync_metrics, lag_metrics, samples,
                                        prompt_ids)
-                metrics.update(reward_counts)  # reward/timeouts, reward/errors (samples)
+                metrics.update(reward_counts)  # reward/timeouts, reward/errors (samples), reward/worker_deaths
                 run.log_samples(step, [trained_record(s) for s in samples])
                 if every and (step % every == 0 or step == steps):
                     metrics.update(evaluate(generator, prompts, run, step=step))

@@ -373,9 +373,11 @@ class GeneratorExecutor(ExecutorBase):
         for d in tracks:
             old = int(d["group_id"])
             d = dict(d)
-            in_flight = d.pop("in_flight", True)
+            in_flight = d.pop("in_flight", None)  # None: a checkpoint from before the flag
+            if in_flight and d.get("rounds"):
+                d["rounds"] -= 1  # the round lost with the old process is generated again, not counted twice
             t = Track(key=f"g{new_ids[old]}s{d['sample_index']}", **{**d, "group_id": new_ids[old]})
-            if self.deterministic and not in_flight:
+            if self.deterministic and in_flight is False:
                 self._partials.append(t)
                 continue
             t.replica = self._least_loaded()
