@@ -210,3 +210,18 @@ def test_async_kill_then_resume_trains_every_sample_once(tiny_llama_dir, tmp_pat
         assert got["tokens"] >= len(t["ids"]), uid
         if t["vers"]:
             assert got["versions"][0] == min(t["vers"]), uid
+
+
+def test_train_below_temperature_one_matches_the_engines_logprobs(tiny_llama_dir, tmp_path):
+    """Sampling at T=0.7 with logprobs_mode 'processed': the engine reports log_softmax(logits / 0.7)
+    of what it sampled, the trainer divides by trainer.logprob_temperature=0.7, and with both in fp32
+    the two agree to FP32_MISMATCH_BOUND on every trained token. (That the untempered distribution
+    differs measurably: tests/test_generator.py; that a trainer temperature other than the engine's
+    is refused before anything starts: tests/test_trainer_config.py.)"""
+    out = _train(tiny_llama_dir, tmp_path, "controller.steps=2", "controller.eval_every=0",
+                 "trainer.checkpoint_interval=0", "generator.temperature=0.7", "trainer.logprob_temperature=0.7")
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    rows = _rows(tmp_path / "tiny-test")
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        assert 0 <= r["train/loss/mismatch"] < FP32_MISMATCH_BOUND, r["train/loss/mismatch"]
