@@ -225,3 +225,28 @@ def test_train_below_temperature_one_matches_the_engines_logprobs(tiny_llama_dir
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
         assert 0 <= r["train/loss/mismatch"] < FP32_MISMATCH_BOUND, r["train/loss/mismatch"]
+
+
+def test_train_with_the_quickstarts_numerics(tiny_llama_dir, tmp_path):
+    """The quickstart's own numerics, which tiny_test.yaml pins back for the other tests: a bf16
+    trainer (fp32 master weights) syncing into the fp32 engine, sampling at T=0.7 with the trainer's
+    logprobs at 0.7. It trains, every sync is verified and probed within the bf16 bound (0.25 nats,
+    megarl/controller/weight_sync.py), and the mismatch is the bf16 forward's rounding: above the fp32
+    bound (the trainer really runs bf16: bf16 keeps 8 significant bits, a relative rounding of up to
+    2^-9 ~ 2e-3 on every weight and activation, which moves logprobs by ~1e-2 nats, 100x the fp32
+    bound's 1e-4) and below the bf16 probe bound."""
+    qs = {"trainer.params_dtype": "bfloat16", "generator.temperature": "0.7", "trainer.logprob_temperature": "0.7"}
+    from megarl.config import load_config
+
+    shipped = load_config(str(REPO / "configs" / "quickstart.yaml"), ["cluster.device=cpu"])
+    assert (shipped.trainer.params_dtype, shipped.generator.temperature, shipped.trainer.logprob_temperature,
+            shipped.generator.dtype) == ("bfloat16", 0.7, 0.7, "float32")  # what this test stands for
+    out = _train(tiny_llama_dir, tmp_path, "controller.steps=2", "controller.eval_every=0", "trainer.checkpoint_interval=0",
+                 "sync.probe_every=1", *(f"{k}={v}" for k, v in qs.items()))
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    rows = _rows(tmp_path / "tiny-test")
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r["sync/verified"] == 1.0 and r["train/grad_norm"] > 0
+        assert r["sync/probe_gap"] < 0.25, r["sync/probe_gap"]
+        assert FP32_MISMATCH_BOUND < r["train/loss/mismatch"] < 0.25, r["train/loss/mismatch"]
