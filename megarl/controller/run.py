@@ -14,6 +14,7 @@ from pathlib import Path
 
 from megarl.config import to_dict
 from megarl.config.schema import MegaRLConfig
+from megarl.controller.summary import StepTimings
 
 log = logging.getLogger("megarl")
 
@@ -41,7 +42,7 @@ class RunFolder:
         self.n_eval = n_eval
         self._evals: list[tuple[float, float]] = []  # (mean training reward since the last eval, accuracy)
         self._rewards: list[float] = []  # training reward of each step since the last eval
-        self._rows: list[dict] = []  # this process's step metrics, for the summary
+        self._timings = StepTimings()  # this process's steps, for the summary
         self._t0 = time.monotonic()
         self.samples_path = self.path / "trained_samples.jsonl"
 
@@ -78,13 +79,13 @@ class RunFolder:
         if "eval/accuracy" in metrics:
             self._watch(metrics["eval/accuracy"])
         self.metrics.log(step, metrics)
-        self._rows.append(metrics)
+        self._timings.add(metrics)
         if step % self.cfg.logging.log_every == 0 or step == total or "eval/accuracy" in metrics:
             log.info("%s %s", self._progress(step, total), phase_line(step, total, metrics))
 
     def _progress(self, step: int, total: int, width: int = 20) -> str:
         """`[#####---------------] 25% ETA 3m05s`: from this process's mean step (evals included)."""
-        done = len(self._rows)
+        done = len(self._timings)
         left = total - step
         eta = (time.monotonic() - self._t0) / max(done, 1) * left
         filled = int(width * step / max(total, 1))
@@ -123,7 +124,7 @@ class RunFolder:
         from megarl.controller.summary import summarize, summary_lines
         from megarl.utils.metrics import plot_metrics
 
-        summary = summarize(self._rows, self.cfg.controller.max_policy_lag, self.cfg.controller.lag_choice)
+        summary = summarize(self._timings.rows(), self.cfg.controller.max_policy_lag, self.cfg.controller.lag_choice)
         if summary:
             (self.path / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
             for line in summary_lines(summary):
