@@ -74,7 +74,7 @@ class RunFolder:
         """Record one training step; print its phase line; watch for a gamed reward at evals."""
         from megarl.utils.metrics import phase_line
 
-        if "reward/mean" in metrics:
+        if "reward/mean" in metrics and self.cfg.controller.eval_every:  # the window _watch compares; none without evals
             self._rewards.append(metrics["reward/mean"])
         if "eval/accuracy" in metrics:
             self._watch(metrics["eval/accuracy"])
