@@ -337,17 +337,13 @@ def _cmd_plan_sync(args: argparse.Namespace) -> int:
         if not args.link_gbps > 0:
             raise ValueError(f"--link-gbps {args.link_gbps:g}: must be > 0")
         cfg = dict(_load_hf_config(args.model))
-        # The plan depends on tensor shapes only: RoPE scaling (e.g. Llama 3.1's "llama3") is irrelevant.
-        cfg.pop("rope_scaling", None)
-        cfg.pop("rope_parameters", None)
+        if "_error" in cfg:
+            raise ValueError(f"--model {args.model}: {cfg['_error']}")
         from megarl.ddma.layouts import GeneratorTopology, TrainerTopology, validate_vllm_tp
         from megarl.ddma.project import format_projection, project_sync
         from megarl.models.layouts import ModelDims, validate_parallel
 
-        try:
-            dims = ModelDims.from_hf_config(cfg)
-        except KeyError as exc:
-            raise ValueError(f"--model {args.model}: HF config lacks {exc}") from None
+        dims = ModelDims.from_hf_config(cfg)  # a config it cannot read is one ValueError line
         validate_parallel(dims, ttp, tpp)
         validate_vllm_tp(dims, gtp)
         result = project_sync(dims, TrainerTopology(ttp, tpp, tdp), GeneratorTopology(gtp, reps),

@@ -28,7 +28,7 @@ def model_dir(tmp_path: Path) -> Path:
     d.mkdir()
     (d / "config.json").write_text(json.dumps({
         "model_type": "llama", "num_hidden_layers": 4, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "hidden_size": 128, "vocab_size": 49152}))
+        "num_key_value_heads": 2, "hidden_size": 128, "intermediate_size": 256, "vocab_size": 49152}))
     return d
 
 
@@ -194,8 +194,9 @@ def test_validation_does_not_import_engines(tmp_path, model_dir):
 def test_trainer_tp_must_divide_intermediate_size(tmp_path):
     d = tmp_path / "m"
     d.mkdir()
-    (d / "config.json").write_text(json.dumps({"num_hidden_layers": 4, "num_attention_heads": 4,
-                                               "num_key_value_heads": 4, "intermediate_size": 250}))
+    (d / "config.json").write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 4, "num_attention_heads": 4,
+                                               "num_key_value_heads": 4, "hidden_size": 128,
+                                               "intermediate_size": 250, "vocab_size": 1000}))
     (msg,) = problems_of(None, [f"model.path={d}", "trainer.tp=4"])
     assert msg.startswith("trainer.tp=4") and "intermediate_size=250" in msg
 
@@ -251,7 +252,7 @@ def test_trainer_logprob_temperature_must_match_the_engines(overrides, want):
 
 
 @pytest.mark.parametrize("fields,words", [
-    ({"model_type": "mistral"}, "model_type='mistral' is not supported"),
+    ({"model_type": "mixtral"}, "model_type='mixtral' is not supported"),
     ({"model_type": "qwen2", "architectures": ["Qwen2ForSequenceClassification"]}, "only Qwen2ForCausalLM"),
     ({"attention_bias": True}, "attention_bias=true"),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_type='yarn'"),

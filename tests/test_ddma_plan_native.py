@@ -39,10 +39,10 @@ MORE_DIMS = {
     "qwen2_mha8_tied": dict(model_type="qwen2", num_hidden_layers=4, hidden_size=64, num_attention_heads=8,
                             num_key_value_heads=8, head_dim=8, intermediate_size=128, vocab_size=250,
                             tie_word_embeddings=True),
-    # kv 2 < generator TP 4/8 (vLLM replicates KV heads); llama with attention_bias; vocab % 64 == 0
-    "llama_kv2_bias": dict(model_type="llama", num_hidden_layers=4, hidden_size=32, num_attention_heads=8,
+    # kv 2 < generator TP 4/8 (vLLM replicates KV heads) with q/k/v biases (qwen2); vocab % 64 == 0
+    "qwen2_kv2_bias": dict(model_type="qwen2", num_hidden_layers=4, hidden_size=32, num_attention_heads=8,
                            num_key_value_heads=2, head_dim=4, intermediate_size=64, vocab_size=256,
-                           attention_bias=True),
+                           ),
 }
 ALL_DIMS = {**DIMS, **MORE_DIMS}
 
@@ -50,10 +50,7 @@ ALL_DIMS = {**DIMS, **MORE_DIMS}
 def _dims(name: str) -> ModelDims:
     cfg = dict(rms_norm_eps=1e-5, tie_word_embeddings=False)
     cfg.update(ALL_DIMS[name])
-    # Llama with q/k/v biases: a layout case for the planner only. Real Llama attention_bias=true also
-    # has an o_proj bias, which no verified layout holds, so from_hf_config refuses that config.
-    qkv_bias = cfg.pop("attention_bias", False)
-    return dataclasses.replace(ModelDims.from_hf_config(cfg), qkv_bias=True) if qkv_bias else ModelDims.from_hf_config(cfg)
+    return ModelDims.from_hf_config(cfg)
 
 
 def _valid(d: ModelDims, ttp: int, pp: int, gtp: int) -> bool:
@@ -70,7 +67,7 @@ def _sample(n: int = 60) -> list[tuple]:
     cases = [c for c in grid if _valid(_dims(c[0]), c[1], c[2], c[4])]
     must = [("llama_kv8_untied", 8, 4, 4, 8, 4),  # TP 8 on both sides, widest DP/replicas
             ("llama_kv8_untied", 8, 2, 2, 1, 2),  # TP 8 -> 1
-            ("llama_kv2_bias", 2, 4, 4, 8, 2),    # kv 2 < generator TP 8: replicated KV heads
+            ("qwen2_kv2_bias", 2, 4, 4, 8, 2),    # kv 2 < generator TP 8: replicated KV heads
             ("qwen2_mha8_tied", 1, 4, 2, 8, 1),   # tied at PP > 1 (output-layer copy skipped)
             ("llama_kv2_tied", 2, 2, 4, 4, 4)]
     assert all(c in cases for c in must)

@@ -15,14 +15,17 @@ from typing import Any
 from megarl.algorithms.config import OWN_BEHAVIOUR_CORRECTION
 from megarl.config.placement import device_plan
 from megarl.data.tasks import data_problems
+from megarl.models.dims import ModelDims, divisors, parallel_problems, vllm_tp_problems
 from megarl.models.families import architecture_problem
 from megarl.config.schema import BUILTIN_ARITHMETIC, BUILTIN_SMOLLM2, MegaRLConfig
 
 # Shape of the built-in model, so a config using it validates before the (slow) first conversion.
-# SmolLM2-135M-Instruct: Llama architecture, 30 layers, 9 heads / 3 KV heads, hidden 576.
+# SmolLM2-135M-Instruct: Llama architecture, 30 layers, 9 heads / 3 KV heads, hidden 576, tied.
 BUILTIN_MODEL_SHAPES = {
-    BUILTIN_SMOLLM2: {"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
-                      "hidden_size": 576, "intermediate_size": 1536, "vocab_size": 49152},
+    BUILTIN_SMOLLM2: {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "num_hidden_layers": 30,
+                      "num_attention_heads": 9, "num_key_value_heads": 3, "hidden_size": 576,
+                      "intermediate_size": 1536, "vocab_size": 49152, "tie_word_embeddings": True,
+                      "rope_theta": 100000.0, "rms_norm_eps": 1e-5, "max_position_embeddings": 8192},
 }
 
 
@@ -33,9 +36,11 @@ def model_shape(path: str) -> dict[str, Any] | None:
     cfg_file = Path(path) / "config.json"
     if not cfg_file.is_file():
         return None
-    cfg = json.loads(cfg_file.read_text())
-    cfg.setdefault("num_key_value_heads", cfg.get("num_attention_heads"))
-    return cfg
+    try:
+        cfg = json.loads(cfg_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        return {"_error": f"{cfg_file} is not valid JSON ({e})"}
+    return cfg if isinstance(cfg, dict) else {"_error": f"{cfg_file} holds a JSON {type(cfg).__name__}, not an object"}
 
 
 def rank_counts(cfg: MegaRLConfig) -> dict[str, int]:
@@ -137,36 +142,17 @@ def check(cfg: MegaRLConfig) -> list[str]:
             problems.append(f"{key}={value!r}: no such file; give a GSM8K-format jsonl or '{BUILTIN_ARITHMETIC}'")
     problems += data_problems({"data.train_path": cfg.data.train_path, "data.eval_path": cfg.data.eval_path})
 
-    # The model's family: only what DDMA and the conversions verify may start.
+    # The model's family (only what DDMA and the conversions verify may start), then the parallel
+    # sizes against its shape: the same rules the trainer and the generator apply (megarl.models.dims).
     shape = model_shape(cfg.model.path)
-    if shape and "model_type" in shape:
-        problem = architecture_problem(shape)
+    if shape:
+        problem = shape.get("_error") or architecture_problem(shape)
         if problem:
             problems.append(f"model.path={cfg.model.path!r}: {problem}")
-
-    # Parallel sizes against the model's shape.
-    if shape:
-        heads, groups = shape["num_attention_heads"], shape["num_key_value_heads"]
-        layers = shape["num_hidden_layers"]
-        if heads % t.tp:
-            problems.append(f"trainer.tp={t.tp}: must divide the model's num_attention_heads={heads}; "
-                            f"use one of {divisors(heads)}")
-        elif groups % t.tp:
-            problems.append(f"trainer.tp={t.tp}: must divide the model's num_key_value_heads={groups} "
-                            f"(Megatron splits query groups across TP); use one of {divisors(groups)}")
-        ffn = shape.get("intermediate_size")
-        if ffn and ffn % t.tp and not heads % t.tp:
-            problems.append(f"trainer.tp={t.tp}: must divide the model's intermediate_size={ffn}; "
-                            f"use one of {[d for d in divisors(heads) if ffn % d == 0]}")
-        if layers % t.pp:
-            problems.append(f"trainer.pp={t.pp}: must divide the model's num_hidden_layers={layers}; "
-                            f"use one of {divisors(layers)}")
-        if heads % g.tp:
-            problems.append(f"generator.tp={g.tp}: must divide the model's num_attention_heads={heads}; "
-                            f"use one of {divisors(heads)}")
-        elif groups % g.tp and g.tp % groups:
-            problems.append(f"generator.tp={g.tp}: vLLM needs num_key_value_heads={groups} and TP to divide "
-                            f"one another; use one of {[d for d in divisors(heads) if groups % d == 0 or d % groups == 0]}")
+        else:
+            dims = ModelDims.from_hf_config(shape)
+            problems += parallel_problems(dims, t.tp, t.pp, tp_key="trainer.tp", pp_key="trainer.pp")
+            problems += vllm_tp_problems(dims, g.tp, tp_key="generator.tp")
 
     # Rank counts: the executors' sums must match the job's world size when one is given.
     world = cfg.cluster.world_size or _env_world_size()
@@ -190,10 +176,6 @@ def _env_world_size() -> int:
     """World size a launcher announced in MEGARL_WORLD_SIZE, or 0 when run locally."""
     value = os.environ.get("MEGARL_WORLD_SIZE", "")
     return int(value) if value.isdigit() else 0
-
-
-def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def _round_up(n: int, k: int) -> int:

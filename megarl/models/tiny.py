@@ -1,8 +1,10 @@
 """Tiny random HF checkpoints for tests: real architectures, real tokenizer, seconds to build.
 
-They load offline in transformers and vLLM like any HF folder. Every parameter is random, norms
-included (around 1) and Qwen2's q/k/v biases non-zero, so a layout bug in any conversion
-(a swapped norm, a mis-sliced bias, a transposed projection) changes the logits visibly.
+They load offline in transformers and vLLM like any HF folder, one for every family in
+``megarl.models.families`` (its spec names the transformers config class and the extra arguments).
+Every parameter is random, norms included (around 1, Qwen3's q_norm / k_norm too) and Qwen2's q/k/v
+biases non-zero, so a layout bug in any conversion (a swapped norm, a mis-sliced bias, a transposed
+projection) changes the logits visibly. ``rope_scaling`` gives a Llama 3.x-style ``llama3`` rope.
 """
 
 from __future__ import annotations
@@ -13,10 +15,16 @@ from pathlib import Path
 
 import torch
 
+from megarl.models.families import FAMILIES as _SPECS
 from megarl.models.gguf_to_hf import torch_dtype_from_name, write_generation_config
 from megarl.models.smollm2 import ensure_smollm2_tokenizer
 
-FAMILIES = ("llama", "qwen2")
+FAMILIES = tuple(_SPECS)
+# Llama 3.2's rope scaling (factor 32, low 1, high 4) with original_max_position_embeddings 64 instead
+# of 8192: at a tiny test's 10-60 positions the scaled low frequencies then rotate visibly (at 8192
+# they would not, and a missed scaling could not change the logits).
+LLAMA32_TINY_ROPE = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 64}
 
 # SmolLM2's tokenizer: the vocabulary and special tokens every tiny model shares.
 SMOLLM2_VOCAB_SIZE = 49152
@@ -40,8 +48,9 @@ def _build_config(
     intermediate_size: int,
     tie_word_embeddings: bool,
     max_position_embeddings: int,
+    rope_scaling: dict | None = None,
 ):
-    from transformers import LlamaConfig, Qwen2Config
+    import transformers
 
     if family not in FAMILIES:
         raise ValueError(f"unknown model family {family!r}: choose one of {FAMILIES}")
@@ -63,17 +72,15 @@ def _build_config(
         hidden_act="silu",
         max_position_embeddings=max_position_embeddings,
         rms_norm_eps=1e-5,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        rope_parameters={"rope_type": "default", **(rope_scaling or {}), "rope_theta": 10000.0},
         tie_word_embeddings=tie_word_embeddings,
         bos_token_id=SMOLLM2_BOS_ID,
         eos_token_id=SMOLLM2_EOS_ID,
         pad_token_id=SMOLLM2_EOS_ID,
         initializer_range=DEFAULT_INIT_STD,
     )
-    if family == "llama":
-        return LlamaConfig(attention_bias=False, mlp_bias=False, **common)
-    # Qwen2 always has q/k/v biases (and no others).
-    return Qwen2Config(use_sliding_window=False, **common)
+    spec = _SPECS[family]
+    return getattr(transformers, spec.hf_config_class)(**spec.tiny, **common)
 
 
 @torch.no_grad()
@@ -103,6 +110,7 @@ def make_tiny_hf_checkpoint(
     dtype: str = "float32",
     init_std: float = DEFAULT_INIT_STD,
     max_position_embeddings: int = 2048,
+    rope_scaling: dict | None = None,
 ) -> Path:
     """Write a random `family` checkpoint with the SmolLM2 tokenizer into `out_dir`; return it.
 
@@ -121,6 +129,7 @@ def make_tiny_hf_checkpoint(
         intermediate_size=intermediate_size,
         tie_word_embeddings=tie_word_embeddings,
         max_position_embeddings=max_position_embeddings,
+        rope_scaling=rope_scaling,
     )
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     _randomize(model, seed, init_std)

@@ -28,13 +28,11 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def load_dims(path: str | Path) -> ModelDims:
-    """ModelDims from an HF config.json (RoPE scaling dropped: costs depend on shapes only)."""
+    """ModelDims from an HF config.json (a family megarl trains; anything else is one ValueError line)."""
     p = Path(path)
     if not p.is_absolute() and not p.exists():
         p = REPO_ROOT / p
     cfg = dict(json.loads(p.read_text()))
-    cfg.pop("rope_scaling", None)
-    cfg.pop("rope_parameters", None)
     return ModelDims.from_hf_config(cfg)
 
 

@@ -89,12 +89,13 @@ def model_signature(model: torch.nn.Module) -> dict:
     c = m.config
     sig = {k: getattr(c, k) for k in (
         "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
-        "kv_channels", "normalization", "gated_linear_unit", "add_bias_linear", "add_qkv_bias")}
+        "kv_channels", "normalization", "gated_linear_unit", "add_bias_linear", "add_qkv_bias", "qk_layernorm")}
     sig["params_dtype"] = str(c.params_dtype).replace("torch.", "")
     sig["tied_embeddings"] = bool(getattr(m, "share_embeddings_and_output_weights", False))
     dims = getattr(m, "megarl_dims", None)
     if dims is not None:  # the HF-derived facts, including the unpadded vocab
-        sig.update({f"hf.{k}": v for k, v in dataclasses.asdict(dims).items()})
+        # as JSON holds them (rope_scaling's pairs become lists), so a saved signature compares equal
+        sig.update(json.loads(json.dumps({f"hf.{k}": v for k, v in dataclasses.asdict(dims).items()})))
     else:
         sig["vocab_size"] = int(m.vocab_size)
     return sig
@@ -472,9 +473,11 @@ def check_checkpoint(path: str | Path, *, model_signature_now: Optional[dict] = 
         raise CheckpointError(f"pp={pp} does not divide the checkpoint's num_layers="
                               f"{saved['num_layers']}")
     if model_signature_now is not None:
+        # a key a checkpoint from before it existed lacks matches its off value (qk_layernorm False, ...)
         diff = {k: (saved.get(k), model_signature_now.get(k))
                 for k in sorted(set(saved) | set(model_signature_now))
-                if saved.get(k) != model_signature_now.get(k)}
+                if saved.get(k) != model_signature_now.get(k)
+                and not (k not in saved and model_signature_now.get(k) in (False, (), [], None))}
         if diff:
             lines = ", ".join(f"{k}: checkpoint {a!r} vs model {b!r}" for k, (a, b) in diff.items())
             raise CheckpointError(f"checkpoint {step_dir} was saved from a different model "

@@ -28,6 +28,7 @@ import torch
 
 from megarl.trainer.checkpoint import (EXTRA_DIR, LATEST, CheckpointError, check_checkpoint, copy_hf_extra,
                                       load_checkpoint, resolve_checkpoint, use_in_process_write_queue)
+from megarl.models.dims import HF_KEYS
 from megarl.models.layouts import ModelDims, ParamLayout, hf_to_local, local_param_layouts, local_to_hf
 from megarl.trainer.model import DEFAULT_VOCAB_DIVISIBLE_BY, read_hf_config
 
@@ -36,10 +37,6 @@ log = logging.getLogger(__name__)
 META_FILE = "megarl_model.json"
 MODEL_KEY = "model"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# ModelDims field -> HF config key, to name the key in mismatch errors
-_HF_KEY = {"family": "model_type", "num_layers": "num_hidden_layers", "num_heads": "num_attention_heads",
-           "num_kv_heads": "num_key_value_heads", "ffn_hidden_size": "intermediate_size",
-           "tie_word_embeddings": "tie_word_embeddings", "qkv_bias": "attention_bias"}
 
 
 # ---------------------------------------------------------------- helpers on a built model
@@ -114,7 +111,7 @@ def load_hf_into_model(model, hf_dir: str | Path) -> None:
 def check_config_matches(model_dims: ModelDims, hf_config: dict, source: str) -> None:
     """Raise ValueError listing every architecture field where the source and the model differ."""
     src = ModelDims.from_hf_config(hf_config)
-    diffs = [f"{_HF_KEY.get(f.name, f.name)}: {source} has {getattr(src, f.name)!r}, "
+    diffs = [f"{HF_KEYS.get(f.name, f.name)}: {source} has {getattr(src, f.name)!r}, "
              f"the model has {getattr(model_dims, f.name)!r}"
              for f in dataclasses.fields(ModelDims) if getattr(src, f.name) != getattr(model_dims, f.name)]
     if diffs:

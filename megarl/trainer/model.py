@@ -1,4 +1,5 @@
-"""Build a megatron-core GPTModel from an HF Llama/Qwen2 config.
+"""Build a megatron-core GPTModel from the ModelDims of a supported HF config (any family in
+``megarl.models.families``: the flags it sets, qkv bias, qk-norm, rope scaling, are read here).
 
 The model is built for the current rank of an already initialized model-parallel group
 (``megarl.utils.dist.init_model_parallel``): TP/PP sizes and ranks come from ``parallel_state``.
@@ -42,9 +43,9 @@ def layer_spec(dims: ModelDims, kind: str = "auto"):
     if kind == "auto":
         kind = "te" if have_transformer_engine() else "local"
     if kind == "te":
-        return specs.get_gpt_layer_with_transformer_engine_spec(), "te"
+        return specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=dims.qk_norm), "te"
     if kind == "local":
-        return specs.get_gpt_layer_local_spec(normalization="RMSNorm"), "local"
+        return specs.get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=dims.qk_norm), "local"
     raise ValueError(f"layer spec kind={kind!r}; expected 'auto', 'te' or 'local'")
 
 
@@ -68,6 +69,7 @@ def transformer_config(dims: ModelDims, tp: int, pp: int, params_dtype: torch.dt
         activation_func=torch.nn.functional.silu,
         add_bias_linear=False,
         add_qkv_bias=dims.qkv_bias,
+        qk_layernorm=dims.qk_norm,  # Qwen3: RMSNorm over head_dim on q and k, before rope
         rotary_interleaved=False,
         hidden_dropout=0.0,
         attention_dropout=0.0,
@@ -127,10 +129,25 @@ def build_gpt_model(dims: ModelDims, *, params_dtype: torch.dtype = torch.float3
         rotary_base=dims.rope_theta,
         parallel_output=True,
     )
+    if dims.rope_scaling:
+        apply_llama3_rope_scaling(model, dims)
     model.megarl_dims = dims
     model.megarl_norm_style = norm_style
     model.megarl_vocab_divisible_by = vocab_divisible_by
     return model
+
+
+def apply_llama3_rope_scaling(model, dims: ModelDims) -> None:
+    """Llama 3.x rope scaling with the config's own four values.
+
+    megatron-core 0.16.1's ``RotaryEmbedding(rope_scaling=True, rope_scaling_factor=F)`` fixes
+    ``low_freq_factor=1``, ``high_freq_factor=4`` and ``original_max_position_embeddings=8192``; its
+    ``_apply_scaling`` takes all four (the formula of transformers' ``_compute_llama3_parameters``), so
+    it is applied here once, on the unscaled frequencies, before any forward (``forward`` caches)."""
+    rotary = getattr(model, "rotary_pos_emb", None)
+    if rotary is None:
+        raise RuntimeError("the model has no rotary_pos_emb to scale (position_embedding_type must be 'rope')")
+    rotary.inv_freq = rotary._apply_scaling(rotary.inv_freq, **dict(dims.rope_scaling))
 
 
 def unwrap(model):
