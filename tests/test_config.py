@@ -266,3 +266,59 @@ def test_unsupported_architecture_is_refused_before_start(tmp_path, model_dir, f
     (msg,) = problems_of(cfg)
     assert msg.startswith("model.path=") and words in msg, msg
     assert "supported: llama (LlamaForCausalLM), qwen2 (Qwen2ForCausalLM)" in msg and "\n" not in msg
+
+
+# A GPT-2 config.json as it ships: no num_attention_heads / num_hidden_layers / intermediate_size
+# (n_head, n_layer, n_inner instead), so any code that reads a key before the family check crashes.
+GPT2_CONFIG = {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_ctx": 1024, "n_embd": 768,
+               "n_head": 12, "n_layer": 12, "n_positions": 1024, "vocab_size": 50257,
+               "activation_function": "gelu_new"}
+
+
+@pytest.mark.parametrize("fields,words", [
+    (GPT2_CONFIG, "model_type='gpt2' is not supported"),
+    # GPT-2's keys under a supported model_type: the missing keys are named, not a KeyError
+    ({k: v for k, v in GPT2_CONFIG.items() if k != "architectures"} | {"model_type": "llama"},
+     "config.json lacks num_hidden_layers, hidden_size, num_attention_heads, intermediate_size"),
+    ({"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "num_experts": 128},
+     "model_type='qwen3_moe' is not supported"),
+    ({"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "num_experts": 8},
+     "num_experts=8: mixture-of-experts models are not supported yet"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0}},
+     "rope_type='llama3' lacks high_freq_factor, original_max_position_embeddings"),
+    ({"model_type": "mistral", "architectures": ["MistralForCausalLM"], "sliding_window": 4096},
+     "sliding_window=4096 is not supported"),
+    ({"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "attention_bias": True}, "attention_bias=true"),
+])
+def test_cli_refuses_unverified_models_in_one_line(tmp_path, model_dir, fields, words):
+    """`megarl train --dry-run` on a model outside the verified families: exit 2, one line on stderr
+    naming what is wrong and what is supported, no traceback, whatever keys the config lacks."""
+    config = json.loads((model_dir / "config.json").read_text())
+    base = {} if "n_head" in fields else config
+    (model_dir / "config.json").write_text(json.dumps({**base, **fields}))
+    cfg = write(tmp_path / "c.yaml", f"model: {{path: {model_dir}}}\n")
+    out = _megarl("train", str(cfg), "--dry-run")
+    assert out.returncode == 2, out.stdout + out.stderr
+    # the config error's header line, then the one problem line naming the key
+    header, *problems = [line for line in out.stderr.splitlines() if line.strip()]
+    assert "Traceback" not in out.stderr and "(1 problem(s))" in header and len(problems) == 1, out.stderr
+    assert problems[0].strip().startswith("- model.path=") and words in problems[0], problems[0]
+    assert "supported: llama (LlamaForCausalLM)" in problems[0], problems[0]
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in (REPO / "configs" / "models").glob("*.json")))
+def test_shipped_model_configs_are_supported(name):
+    """Every published config.json in configs/models/ (what the simulator and plan-sync size) reads
+    as a supported family, with the facts that set its layouts."""
+    from megarl.models.dims import ModelDims, parallel_problems
+
+    cfg = json.loads((REPO / "configs" / "models" / name).read_text())
+    dims = ModelDims.from_hf_config(cfg)
+    assert dims.family == cfg["model_type"]
+    assert dims.head_dim == cfg.get("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"])
+    assert dims.qk_norm == (cfg["model_type"] == "qwen3") and dims.qkv_bias == (cfg["model_type"] == "qwen2")
+    scaling = (cfg.get("rope_scaling") or {}).get("rope_type") == "llama3"
+    assert bool(dims.rope_scaling) == scaling
+    if scaling:  # 3.1: factor 8, 3.2: factor 32; both 8192 original positions
+        assert dict(dims.rope_scaling)["factor"] == cfg["rope_scaling"]["factor"]
+    assert parallel_problems(dims, 2, 2) == []  # every shipped model splits at TP2 x PP2

@@ -348,7 +348,7 @@ class DdmaReceiver(_Side):
             raise DdmaVerifyError(
                 f"ddma verification failed on generator replica {self.rank.replica} tp {self.rank.tp}: the engine "
                 f"has {len(self._unsent)} weight(s) that no DDMA layout sends, so they keep stale or uninitialised "
-                f"values: {sorted(self._unsent)[:4]} (a model variant outside megarl/models/families.py?)")
+                f"values: {sorted(self._unsent)[:4]} (a model variant outside megarl/models/families/?)")
         missing = [n for n in self.layouts if n not in self._landed]
         if missing:
             raise DdmaVerifyError(

@@ -8,6 +8,7 @@ trainer and the generator, so a layout refused at start is exactly one that coul
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Mapping
 
 from megarl.models.families import architecture_problem, family_spec, read_rope
@@ -70,6 +71,11 @@ class ModelDims:
             qk_norm=spec.qk_norm,
             rope_scaling=rope.scaling,
         )
+
+    def as_json(self) -> dict:
+        """The fields as JSON holds them (``rope_scaling``'s pairs become lists), so a signature saved in
+        a checkpoint's meta.json compares equal to one computed now."""
+        return json.loads(json.dumps(dataclasses.asdict(self)))
 
     @property
     def heads_per_group(self) -> int:

@@ -94,8 +94,7 @@ def model_signature(model: torch.nn.Module) -> dict:
     sig["tied_embeddings"] = bool(getattr(m, "share_embeddings_and_output_weights", False))
     dims = getattr(m, "megarl_dims", None)
     if dims is not None:  # the HF-derived facts, including the unpadded vocab
-        # as JSON holds them (rope_scaling's pairs become lists), so a saved signature compares equal
-        sig.update(json.loads(json.dumps({f"hf.{k}": v for k, v in dataclasses.asdict(dims).items()})))
+        sig.update({f"hf.{k}": v for k, v in dims.as_json().items()})
     else:
         sig["vocab_size"] = int(m.vocab_size)
     return sig

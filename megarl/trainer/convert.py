@@ -319,7 +319,7 @@ def _run_model_dir(step_dir: Path) -> Path | None:
 
 def _check_dims(hf_config: dict, saved: dict, source: str, what: str) -> None:
     """The HF config must describe the saved model (meta.json `model` signature, hf.* keys)."""
-    dims = dataclasses.asdict(ModelDims.from_hf_config(hf_config))
+    dims = ModelDims.from_hf_config(hf_config).as_json()
     diff = [f"{k}: {source} has {v!r}, the checkpoint has {saved[f'hf.{k}']!r}"
             for k, v in dims.items() if f"hf.{k}" in saved and saved[f"hf.{k}"] != v]
     if diff:
