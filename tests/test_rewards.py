@@ -37,6 +37,10 @@ def math_(reply, gold, strict=False):
     return get_reward("math")(reply, gold, strict=strict)
 
 
+def dapo(reply, gold, strict=False):
+    return get_reward("dapo")(reply, gold, strict=strict)
+
+
 def score(cfg: RewardConfig, replies, golds, reasons=None, lengths=None, max_new_tokens=100):
     n = len(replies)
     with RewardPool(cfg, max_new_tokens=max_new_tokens) as pool:
@@ -51,7 +55,7 @@ RESTATE = "To find 12 + 7, we need to perform the arithmetic"
 ECHO = "What is 12 + 7? Reply with only the final number."
 
 
-@pytest.mark.parametrize("fn", ["arithmetic", "gsm8k", "math"])
+@pytest.mark.parametrize("fn", ["arithmetic", "gsm8k", "math", "dapo"])
 @pytest.mark.parametrize("reply", [RESTATE, ECHO, "12 + 7", "17, 18, 19, 20", "19 or 20", "19, no wait, 20"])
 def test_restating_echoing_or_hedging_scores_wrong(fn, reply):
     for strict in (False, True):
@@ -194,6 +198,51 @@ def test_math_in_the_pool():
 
 
 # ---------------------------------------------------------------------------------------------
+# dapo: DAPO-Math-17k asks for "Answer: ..." on the last line; else the last \boxed{}
+
+# DAPO-Math-17k's instruction, which a policy can echo back.
+DAPO_ECHO = ("Solve the following math problem step by step. The last line of your response should be of the form "
+             "Answer: $Answer (without quotes) where $Answer is the answer to the problem.")
+
+
+@pytest.mark.parametrize("reply,gold,want", [
+    ("12 + 7 = 19.\nAnswer: 19", "19", True),
+    ("Work...\n**Answer:** $\\frac{1}{2}$", "0.5", True),        # markdown bold, TeX dollars
+    ("Work...\nanswer: \\boxed{34}.", "34", True),                # a box on the answer line, final period
+    ("Thus $\\boxed{34}$.", "34", True),                            # no answer line: the last box
+    (DAPO_ECHO, "19", False),                                       # the echoed instruction ('$Answer ...')
+    (DAPO_ECHO + "\nWhat is 12 + 7?", "19", False),                # echo + restated question
+    ("Answer: 19\nActually I am not sure.", "19", False),           # 'Answer:' not on the last line
+    ("Answer: 18\nso 19", "19", False),
+    ("Answer: 18\nAnswer: 19", "19", True),                        # only the last line counts
+    ("Answer: 19\nAnswer: 18", "19", False),
+    ("\\boxed{19}\nAnswer: 18", "19", False),                     # the answer line wins over a box
+    ("The answer is 19", "19", False),                              # free text
+    ("Answer:", "19", False),
+    ("Answer: 1", "19", False),                                     # a truncated number
+    ("Answer: \\boxed{19", "19", False),                           # an unclosed box
+])
+def test_dapo_answer_line_or_last_box(reply, gold, want):
+    assert dapo(reply, gold) is want
+
+
+def test_dapo_strict_reads_only_the_answer_line():
+    assert dapo("Thus $\\boxed{34}$.", "34", strict=True) is False
+    assert dapo("Thus 34.\nAnswer: 34", "34", strict=True) is True
+
+
+def test_dapo_in_the_pool_truncation_is_wrong():
+    """Scored in the scoring processes (math-verify); a reply cut at max_new_tokens is wrong
+    whatever its last line says."""
+    cfg = RewardConfig(fn="dapo", workers=1, timeout_s=5.0, correct=1.0, wrong=0.0)
+    got = score(cfg, ["So\nAnswer: 19", DAPO_ECHO, "So\nAnswer: 19"], ["19", "19", "19"],
+                reasons=["stop", "stop", "length"])
+    # the echo's last line is the instruction, not an answer line: unformatted
+    assert got == [ScoredSample(1.0, True, True, False), ScoredSample(0.0, False, False, False),
+                   ScoredSample(0.0, False, False, True)]
+
+
+# ---------------------------------------------------------------------------------------------
 # Truncation and overlong shaping
 
 
@@ -302,12 +351,12 @@ def test_reward_defined_in_this_module_by_import_path():
 
 
 def test_unknown_reward_name_lists_the_known_ones():
-    assert known_rewards()[:3] == ["arithmetic", "gsm8k", "math"]
-    with pytest.raises(ValueError, match=r"unknown reward; known: arithmetic, gsm8k, math.*did you mean 'arithmetic'"):
+    assert known_rewards()[:4] == ["arithmetic", "dapo", "gsm8k", "math"]
+    with pytest.raises(ValueError, match=r"unknown reward; known: arithmetic, dapo, gsm8k, math.*did you mean 'arithmetic'"):
         get_reward("arithmetc")
     with pytest.raises(ValueError) as exc:
         RewardConfig(fn="foo")
-    assert str(exc.value) == ("reward.fn='foo': unknown reward; known: arithmetic, gsm8k, math, "
+    assert str(exc.value) == ("reward.fn='foo': unknown reward; known: arithmetic, dapo, gsm8k, math, "
                               "or a 'module:function' path")
 
 
@@ -399,7 +448,7 @@ def test_config_loading_validates_the_reward_section():
     assert (cfg.reward.fn, cfg.reward.strict, cfg.reward.truncated, cfg.reward.overlong_buffer) == (
         "gsm8k", True, -1.0, 32)
     _, problems = _reward_problems(["reward.fn=foo"])
-    assert problems == ["reward: reward.fn='foo': unknown reward; known: arithmetic, gsm8k, math, "
+    assert problems == ["reward: reward.fn='foo': unknown reward; known: arithmetic, dapo, gsm8k, math, "
                         "or a 'module:function' path"]
     _, problems = _reward_problems(["reward.overlong_buffer=100000"])
     assert len(problems) == 1 and problems[0].startswith(

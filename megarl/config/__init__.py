@@ -25,6 +25,13 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     problems = check(cfg)
     if problems:
         raise ConfigError(problems, str(path or ""))
+    from megarl.config.data_choice import apply_data_choice
+    from megarl.data.tasks import DataError
+
+    try:  # reward.fn: auto -> the training data's schema reward; data.choice says what was recognised
+        apply_data_choice(cfg)
+    except DataError as e:
+        raise ConfigError([str(e)], str(path or "")) from None
     try:  # controller.max_policy_lag: auto -> a number, from the placement (megarl/config/lag.py)
         apply_policy_lag(cfg, on_gpu=cuda_expected(cfg.cluster.device))
     except ValueError as e:

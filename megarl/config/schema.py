@@ -33,13 +33,38 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     train_path: str = knob(BUILTIN_ARITHMETIC, help=(
-        "Training prompts: a GSM8K-format jsonl ({'question', 'answer': '... #### 72'}) or "
-        f"'{BUILTIN_ARITHMETIC}' for procedural small-number arithmetic a 135M model can learn."))
-    eval_path: str = knob("", help="Held-out prompts in the same format ('' = a disjoint slice of train_path).")
+        "Training prompts: a .jsonl, .json or .parquet file, a folder of them, or a glob of parquet shards "
+        "('data/train-*.parquet'), read as a stream; or "
+        f"'{BUILTIN_ARITHMETIC}' for procedural small-number arithmetic a 135M model can learn. The row "
+        "schema is recognised from the first row (megarl/data/schemas.py): GSM8K ('question', 'answer' with "
+        "'####'), MATH ('problem', 'solution': the gold answer is the last \\boxed{}), verl / DAPO ('prompt' "
+        "as chat messages, 'reward_model.ground_truth'), plain ('prompt', 'answer'); other columns are "
+        "ignored. Default builtin:arithmetic."))
+    eval_path: str = knob("", help=(
+        "Held-out prompts, any format train_path takes ('' = a disjoint slice of train_path). Default ''."))
     eval_size: int = knob(64, help="Number of held-out prompts for greedy evaluation (prompts).")
     max_prompt_tokens: int = knob(256, help="Prompts longer than this are dropped (tokens).")
-    chat_template: bool = knob(True, help="Wrap each question in the tokenizer's chat template.")
+    chat_template: bool = knob(True, help="Wrap each prompt in the tokenizer's chat template.")
     seed: int = knob(1234, help="Shuffling seed for the prompt stream.")
+    prompt_key: str = knob("", help=(
+        "Column holding the prompt (text, or a list of chat messages), a dotted path into nested columns "
+        "('extra_info.question'); '' = the recognised schema's own. With answer_key, reads a layout no "
+        "schema knows (the 'custom' schema). Default ''."))
+    answer_key: str = knob("", help=(
+        "Column holding the gold answer (or a reference solution: its last \\boxed{} or what follows its "
+        "last '####' is the gold), a dotted path ('reward_model.ground_truth'); '' = the schema's own. "
+        "Default ''."))
+    instruction: str = knob("auto", help=(
+        "Text appended to a prompt given as text (never to chat messages, used as they are): 'auto' = the "
+        "schema's own ('Reply with only the final number.' for GSM8K, plain and builtin arithmetic; 'Please "
+        "reason step by step, and put your final answer within \\boxed{}.' for MATH and verl); '' = none. "
+        "Default auto."))
+    system_prompt: str = knob("", help=(
+        "System turn put before a prompt given as text ('' = none; chat messages keep their own). "
+        "Default ''."))
+    choice: str = knob("", help=(
+        "Written by the loader, never read as input: the row schema recognised in each data file, from "
+        "which keys, and the reward.fn the run uses and why. Logged in the run's first lines. Default ''."))
 
 
 @dataclass

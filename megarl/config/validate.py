@@ -17,7 +17,7 @@ from megarl.config.placement import device_plan
 from megarl.data.tasks import data_problems
 from megarl.models.dims import ModelDims, divisors, parallel_problems, vllm_tp_problems
 from megarl.models.families import architecture_problem
-from megarl.config.schema import BUILTIN_ARITHMETIC, BUILTIN_SMOLLM2, MegaRLConfig
+from megarl.config.schema import BUILTIN_SMOLLM2, MegaRLConfig
 
 # Shape of the built-in model, so a config using it validates before the (slow) first conversion.
 # SmolLM2-135M-Instruct: Llama architecture, 30 layers, 9 heads / 3 KV heads, hidden 576, tied.
@@ -137,10 +137,9 @@ def check(cfg: MegaRLConfig) -> list[str]:
                             f"or use '{BUILTIN_SMOLLM2}'")
         elif not (mp / "config.json").is_file():
             problems.append(f"model.path={cfg.model.path!r}: has no config.json; is it an HF model folder?")
-    for key, value in (("data.train_path", cfg.data.train_path), ("data.eval_path", cfg.data.eval_path)):
-        if value and value != BUILTIN_ARITHMETIC and not Path(value).is_file():
-            problems.append(f"{key}={value!r}: no such file; give a GSM8K-format jsonl or '{BUILTIN_ARITHMETIC}'")
-    problems += data_problems({"data.train_path": cfg.data.train_path, "data.eval_path": cfg.data.eval_path})
+    # Data: every file named is read through (a stream) so a bad row stops the job here, naming file:line.
+    problems += data_problems({"data.train_path": cfg.data.train_path, "data.eval_path": cfg.data.eval_path},
+                              prompt_key=cfg.data.prompt_key, answer_key=cfg.data.answer_key)
 
     # The model's family (only what DDMA and the conversions verify may start), then the parallel
     # sizes against its shape: the same rules the trainer and the generator apply (megarl.models.dims).

@@ -35,12 +35,20 @@ class PromptSource:
     def __init__(self, cfg: MegaRLConfig, model_dir: Path):
         from transformers import AutoTokenizer
 
-        from megarl.data import format_prompt, load_tasks, split_train_eval
+        from megarl.config.data_choice import instruction_for
+        from megarl.data import format_prompt, split_train_eval
+        from megarl.data.tasks import read_tasks
 
+        d = cfg.data
+        if d.choice:
+            log.info("data: %s", d.choice)  # the row schemas recognised and the reward they chose (the loader's)
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-        tasks = load_tasks(cfg.data.train_path, seed=cfg.data.seed)
-        if cfg.data.eval_path:
-            held = load_tasks(cfg.data.eval_path, limit=cfg.data.eval_size)
+        keys = {"prompt_key": d.prompt_key, "answer_key": d.answer_key}
+        schema, tasks = read_tasks(d.train_path, seed=d.seed, **keys)
+        instruction = {"train": instruction_for(cfg, schema), "held-out": instruction_for(cfg, schema)}
+        if d.eval_path:
+            held_schema, held = read_tasks(d.eval_path, limit=d.eval_size, **keys)
+            instruction["held-out"] = instruction_for(cfg, held_schema)
             held_keys = {question_key(t.question) for t in held}
             train = [t for t in tasks if question_key(t.question) not in held_keys]
             if len(train) < len(tasks):
@@ -60,7 +68,8 @@ class PromptSource:
         self.skipped: dict[str, int] = {}
 
         def encode(items, what: str):
-            kept = [(t, self.tokenizer.encode(format_prompt(t, self.tokenizer, chat_template=cfg.data.chat_template),
+            kept = [(t, self.tokenizer.encode(format_prompt(t, self.tokenizer, chat_template=d.chat_template,
+                                                            instruction=instruction[what], system_prompt=d.system_prompt),
                                               add_special_tokens=False)) for t in items]
             long = [(t, ids) for t, ids in kept if len(ids) > self.max_prompt_tokens]
             self.skipped[what] = len(long)

@@ -1,4 +1,5 @@
-"""Prompt sources: GSM8K-format jsonl files and procedural arithmetic."""
+"""Prompt sources: jsonl / json / parquet data in the seeds' row schemas (GSM8K, MATH, verl / DAPO, plain), and
+procedural arithmetic."""
 
 from megarl.data.tasks import Task, format_prompt, load_tasks, split_train_eval
 

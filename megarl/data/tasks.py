@@ -1,100 +1,158 @@
-"""Tasks (a question and its gold final answer) from GSM8K-format jsonl or procedural arithmetic.
+"""Tasks (a prompt and its gold final answer) from data files, or procedural arithmetic.
+
+``data.train_path`` / ``data.eval_path`` name a ``.jsonl``, ``.json`` or ``.parquet`` file, a folder of
+them, or a glob of parquet shards (:mod:`megarl.data.sources`, read as streams); the row schema
+(GSM8K, MATH, verl / DAPO, plain, or ``data.prompt_key`` / ``data.answer_key``) is recognised from a
+file's first row (:mod:`megarl.data.schemas`) and names the prompt, the gold answer, the default
+reward and the default instruction.
 
 Bad data is refused before anything starts, each case in one line that begins with ``file:line``
-(:class:`DataError`; ``megarl/config/validate.py`` reports it with the config key): a row that is
-not valid JSON or not UTF-8, a row that is not a JSON object, a row without its ``question`` (the
-prompt) or ``answer`` key, an empty question, an empty answer. A prompt too long for the model
-(longer than ``min(data.max_prompt_tokens, generator.max_model_len - generator.max_new_tokens)``
-tokens once formatted) is not an error: ``controller/prompts.py`` skips it and counts it, in one
-WARNING naming the first such row's ``file:line``.
+(``file:row N`` for parquet and JSON arrays; :class:`DataError`; ``megarl/config/validate.py`` reports
+it with the config key): a row that is not valid JSON or not UTF-8, a row that is not a JSON object,
+a row without the schema's prompt or answer key, an empty prompt, a prompt given as messages that
+are not ``[{"role", "content"}, ...]`` with a user turn, an empty answer, an answer without its gold
+final answer (nothing after ``####``, no ``\\boxed{}``). A prompt too long for the model (longer than
+``min(data.max_prompt_tokens, generator.max_model_len - generator.max_new_tokens)`` tokens once
+formatted) is not an error: ``controller/prompts.py`` skips it and counts it, in one WARNING naming
+the first such row's ``file:line``.
 """
 
 from __future__ import annotations
 
-import json
 import random
 from dataclasses import dataclass, field
-from pathlib import Path
+from typing import Iterator
+
+from megarl.data.schemas import (ANSWER_NUMBER, ARITHMETIC, KNOWN, MISSING, RowSchema, after_hash, detect, gold_of,
+                                 lookup, root_columns)
+from megarl.data.sources import DataError, data_files, first_row, iter_rows
 
 BUILTIN_ARITHMETIC = "builtin:arithmetic"
-INSTRUCTION = "Reply with only the final number."
-KEYS = ("question", "answer")
+INSTRUCTION = ANSWER_NUMBER  # what a string prompt of GSM8K / plain / arithmetic data gets by default
+ROLES = ("system", "user", "assistant")
 
-
-class DataError(ValueError):
-    """A data row that cannot be used; the message is one line starting with ``file:line``."""
+__all__ = ["BUILTIN_ARITHMETIC", "DataError", "INSTRUCTION", "Task", "data_problems", "format_prompt", "load_tasks",
+           "read_tasks", "source_schema", "split_train_eval"]
 
 
 @dataclass(frozen=True)
 class Task:
-    question: str
+    question: str  # the prompt's text (for a chat prompt: its last user turn), what disjointness compares
     answer: str  # the gold final answer, e.g. "72"
     where: str = field(default="", compare=False)  # 'file:line' it came from ('' for generated tasks)
+    # A prompt given as chat messages ((role, content), ...), system turn included: used as it is.
+    messages: tuple[tuple[str, str], ...] = ()
 
 
-def load_tasks(source: str, *, limit: int | None = None, seed: int = 0) -> list[Task]:
-    """Read ``source``: a GSM8K-format jsonl ({"question", "answer": "... #### 72"}) or
-    'builtin:arithmetic' (a fixed, seeded set of small-number additions/subtractions/products).
-    Raises :class:`DataError` naming ``file:line`` for the first bad row."""
+def source_schema(source: str, *, prompt_key: str = "", answer_key: str = "") -> tuple[RowSchema, str]:
+    """The row schema of ``source`` and the row it was recognised from ('file:line'); DataError when
+    no schema fits the first row."""
     if source == BUILTIN_ARITHMETIC:
-        return arithmetic_tasks(limit or 4096, seed=seed)
+        return ARITHMETIC, BUILTIN_ARITHMETIC
+    where, row = first_row(source)
+    schema = detect(row, prompt_key, answer_key)
+    if schema is None:
+        keys = sorted(row)[:8]
+        hint = ("" if not (prompt_key or answer_key) else
+                f" with data.prompt_key={prompt_key!r} data.answer_key={answer_key!r}")
+        raise DataError(f"{where}: no known row schema{hint} (keys here: {keys}); known: {KNOWN}; or name the "
+                        f"columns with data.prompt_key and data.answer_key (dotted paths into nested columns)")
+    return schema, where
+
+
+def read_tasks(source: str, *, limit: int | None = None, seed: int = 0, prompt_key: str = "",
+               answer_key: str = "") -> tuple[RowSchema, list[Task]]:
+    """The schema of ``source`` and its tasks (the first ``limit`` of them when given)."""
+    if source == BUILTIN_ARITHMETIC:
+        return ARITHMETIC, arithmetic_tasks(limit or 4096, seed=seed)
+    schema, _ = source_schema(source, prompt_key=prompt_key, answer_key=answer_key)
     tasks = []
-    with Path(source).open("rb") as fh:
-        for lineno, raw in enumerate(fh, 1):
-            task = parse_row(raw, f"{source}:{lineno}")
-            if task is None:
-                continue
-            tasks.append(task)
-            if limit and len(tasks) >= limit:
-                break
-    return tasks
+    for task in iter_tasks(source, schema):
+        tasks.append(task)
+        if limit and len(tasks) >= limit:
+            break
+    return schema, tasks
 
 
-def parse_row(raw: bytes, where: str) -> Task | None:
-    """One jsonl line as a Task (None for a blank line); :class:`DataError` naming ``where`` if bad."""
-    try:
-        line = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise DataError(f"{where}: not UTF-8 (byte {e.start}); save the file as UTF-8") from None
-    if not line.strip():
-        return None
-    try:
-        row = json.loads(line)
-    except json.JSONDecodeError as e:
-        raise DataError(f"{where}: not valid JSON ({e.msg} at column {e.colno}); each line must be one JSON "
-                        f"object with 'question' and 'answer'") from None
-    if not isinstance(row, dict):
-        raise DataError(f"{where}: a JSON {type(row).__name__}, not an object with 'question' and 'answer'")
-    missing = [k for k in KEYS if k not in row]
+def load_tasks(source: str, *, limit: int | None = None, seed: int = 0, prompt_key: str = "",
+               answer_key: str = "") -> list[Task]:
+    """Read ``source`` (see the module doc) or 'builtin:arithmetic' (a fixed, seeded set of
+    small-number additions/subtractions/products). Raises :class:`DataError` naming the first bad row."""
+    return read_tasks(source, limit=limit, seed=seed, prompt_key=prompt_key, answer_key=answer_key)[1]
+
+
+def iter_tasks(source: str, schema: RowSchema) -> Iterator[Task]:
+    """The tasks of ``source`` read with ``schema``, one row at a time."""
+    for where, row in iter_rows(source, columns=root_columns(schema)):
+        yield parse_row(row, schema, where)
+
+
+def parse_row(row: dict, schema: RowSchema, where: str) -> Task:
+    """One row as a Task; :class:`DataError` naming ``where`` if it cannot be used."""
+    p, a = schema.prompt_key, schema.answer_key
+    prompt, answer = lookup(row, p), lookup(row, a)
+    missing = [k for k, v in ((p, prompt), (a, answer)) if v is MISSING]
     if missing:
-        raise DataError(f"{where}: no {' and no '.join(repr(k) for k in missing)} key; each line needs 'question' "
-                        f"(the prompt) and 'answer' (keys here: {sorted(row)[:6]})")
-    question, answer = row["question"], row["answer"]
-    if not isinstance(question, str) or not question.strip():
-        raise DataError(f"{where}: empty 'question' (the prompt is {question!r}); fill it in or drop the row")
+        raise DataError(f"{where}: no {' and no '.join(repr(k) for k in missing)} key (or a null); rows of this file are "
+                        f"{schema.label} rows: {p!r} (the prompt) and {a!r} (the answer) (keys here: {sorted(row)[:6]})")
+    if isinstance(prompt, str):
+        if not prompt.strip():
+            raise DataError(f"{where}: empty {p!r} (the prompt is {prompt!r}); fill it in or drop the row")
+        question, messages = prompt, ()
+    else:
+        messages = _messages(prompt, p, where)
+        question = [c for r, c in messages if r == "user"][-1]
     if isinstance(answer, bool) or not isinstance(answer, (str, int, float)) or not str(answer).strip():
-        raise DataError(f"{where}: empty or non-text 'answer' ({answer!r}); give the gold answer, e.g. '... #### 72'")
-    gold = gold_answer(str(answer))
-    if not gold:
-        raise DataError(f"{where}: 'answer' has nothing after its last '####'; put the final answer there")
-    return Task(question, gold, where=where)
+        raise DataError(f"{where}: empty or non-text {a!r} ({str(answer)[:60]!r}); give the gold answer, "
+                        f"e.g. '... #### 72'")
+    gold, why = gold_of(schema, str(answer))
+    if why:
+        raise DataError(f"{where}: {why}")
+    return Task(question, gold, where=where, messages=messages)
 
 
-def data_problems(paths: dict[str, str]) -> list[str]:
-    """For each config key -> jsonl path that exists: the first bad row, as '<key>: <file:line>: why'."""
+def _messages(prompt: object, key: str, where: str) -> tuple[tuple[str, str], ...]:
+    """A chat prompt as ((role, content), ...); DataError unless it is a list of {role, content}
+    objects with known roles, text contents and at least one non-empty user turn."""
+    ok = isinstance(prompt, (list, tuple)) and bool(prompt)
+    out = []
+    for m in prompt if ok else ():
+        if not (isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str)):
+            ok = False
+            break
+        out.append((m["role"], m["content"]))
+    if not ok or not any(r == "user" and c.strip() for r, c in out):
+        raise DataError(f"{where}: {key!r} is neither text nor a list of chat messages [{{'role': "
+                        f"'system'|'user'|'assistant', 'content': '...'}}, ...] with a non-empty user turn "
+                        f"(got {str(prompt)[:80]!r})")
+    return tuple(out)
+
+
+def data_problems(paths: dict[str, str], *, prompt_key: str = "", answer_key: str = "") -> list[str]:
+    """For each config key -> data source: why it cannot be read (no such file, the first bad row),
+    as '<key>: <file:line>: why'. Reads every row (a stream: no row is kept)."""
     out = []
     for key, path in paths.items():
-        if path and path != BUILTIN_ARITHMETIC and Path(path).is_file():
-            try:
-                load_tasks(path)
-            except DataError as e:
-                out.append(f"{key}: {e}")
+        if not path or path == BUILTIN_ARITHMETIC:
+            continue
+        try:
+            data_files(path)
+        except DataError as e:  # the source itself: no such file, an empty folder or glob
+            out.append(f"{key}={path!r}: {str(e).removeprefix(f'{path}: ')}; give a .jsonl, .json or .parquet file, "
+                       f"a folder or glob of them, or '{BUILTIN_ARITHMETIC}'")
+            continue
+        try:
+            schema, _ = source_schema(path, prompt_key=prompt_key, answer_key=answer_key)
+            for _ in iter_tasks(path, schema):
+                pass
+        except DataError as e:
+            out.append(f"{key}: {e}")
     return out
 
 
 def gold_answer(answer: str) -> str:
     """GSM8K puts the final answer after '####'; thousands separators are dropped."""
-    return answer.split("####")[-1].strip().replace(",", "")
+    return after_hash(answer)
 
 
 def arithmetic_tasks(n: int, *, seed: int = 0) -> list[Task]:
@@ -124,10 +182,20 @@ def split_train_eval(tasks: list[Task], eval_size: int, *, seed: int = 0) -> tup
     return [t for t in order[eval_size:] if t.question not in held_q], held
 
 
-def format_prompt(task: Task, tokenizer=None, *, chat_template: bool = True) -> str:
-    """The text the generator sees. With a chat template, one user turn + the generation prompt."""
-    text = f"{task.question} {INSTRUCTION}"
+def format_prompt(task: Task, tokenizer=None, *, chat_template: bool = True, instruction: str = INSTRUCTION,
+                  system_prompt: str = "") -> str:
+    """The text the generator sees. A chat prompt (``task.messages``) goes through the chat template
+    as it is; a text prompt gets ``instruction`` appended and, when given, ``system_prompt`` as a
+    system turn. Without a chat template: the turns as plain text, ending where the reply starts."""
+    if task.messages:
+        messages = [{"role": r, "content": c} for r, c in task.messages]
+    else:
+        text = f"{task.question} {instruction}".strip() if instruction else task.question
+        messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + \
+            [{"role": "user", "content": text}]
     if chat_template and tokenizer is not None and getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                             add_generation_prompt=True)
-    return f"Question: {text}\nAnswer:"
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    if len(messages) == 1:
+        return f"Question: {messages[0]['content']}\nAnswer:"
+    turns = "\n".join(f"{m['role'].capitalize()}: {m['content']}" for m in messages)
+    return f"{turns}\nAssistant:"

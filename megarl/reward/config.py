@@ -14,12 +14,18 @@ from typing import List, Optional
 
 from megarl.utils.knobs import knob
 
+AUTO = "auto"              # reward.fn: follow the data (megarl/config/data_choice.py resolves it)
+AUTO_FALLBACK = "arithmetic"  # what 'auto' means for a RewardConfig no loader resolved (the default data's)
+
 @dataclasses.dataclass
 class RewardConfig:
-    fn: str = knob("arithmetic", help="reward function: a built-in name (arithmetic: the reply's last "
-                   "number; gsm8k: the '####' answer, else the last number; math: math-verify on the last "
-                   "\\boxed{}) or a 'package.module:function' path to fn(completion, gold, *, strict) -> bool; "
-                   "default arithmetic")
+    fn: str = knob(AUTO, help="reward function: 'auto' (the training data's schema names it: arithmetic for "
+                   "builtin arithmetic and plain rows, gsm8k for GSM8K, math for MATH, dapo for verl / DAPO rows; "
+                   "the loader writes the choice into data.choice; a RewardConfig built without a config is "
+                   "arithmetic), a built-in name (arithmetic: the reply's last number; gsm8k: the '####' answer, "
+                   "else the last number; math: math-verify on the last \\boxed{}; dapo: math-verify on the last "
+                   "line's 'Answer: ...' or else the last \\boxed{}) or a 'package.module:function' path to "
+                   "fn(completion, gold, *, strict) -> bool; an explicit value always wins; default auto")
     strict: bool = knob(False, help="strict answer format: arithmetic: the reply is only the number; gsm8k: "
                         "only the number after '####'; math: the last \\boxed{} ends the reply; default False")
     correct: float = knob(1.0, help="reward of a finished reply whose final answer is right (reward units); "
@@ -48,11 +54,15 @@ class RewardConfig:
         if problems:
             raise ValueError("; ".join(problems))
 
+    def fn_name(self) -> str:
+        """The reward function to use: ``fn``, with an unresolved 'auto' as the default data's reward."""
+        return AUTO_FALLBACK if self.fn == AUTO else self.fn
+
     def problems(self, max_new_tokens: Optional[int] = None) -> List[str]:
         """Every invalid value, each naming the key (empty when valid). ``max_new_tokens`` (the
         generator's) also checks that the overlong buffer fits in it."""
         found: List[str] = []
-        fn_problem = _fn_problem(self.fn)
+        fn_problem = _fn_problem(self.fn_name())
         if fn_problem:
             found.append(f"reward.fn={self.fn!r}: {fn_problem}")
         helps = {f.name: f.metadata.get("help", "") for f in dataclasses.fields(self)}

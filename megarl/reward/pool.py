@@ -92,7 +92,7 @@ class RewardPool(ExecutorBase):
         if problems:
             raise ValueError("; ".join(problems))
         self.cfg, self.max_new_tokens = cfg, max_new_tokens
-        self.fn = get_reward(cfg.fn)  # resolved now: a bad import path fails before any generation
+        self.fn = get_reward(cfg.fn_name())  # resolved now: a bad import path fails before any generation
         meta = reward_meta(self.fn)
         self._extract: Optional[Callable] = meta["extract"]
         self.in_process: bool = bool(meta["in_process"])
@@ -276,7 +276,7 @@ class RewardPool(ExecutorBase):
     def _replace(self, w: "_Worker") -> "_Worker":
         """Kill ``w`` and start another in its place (in ``self._workers``, the list being iterated)."""
         w.kill()
-        fresh = _Worker(self.cfg.fn, self.cfg.timeout_s)
+        fresh = _Worker(self.cfg.fn_name(), self.cfg.timeout_s)
         self._workers[self._workers.index(w)] = fresh
         return fresh
 
@@ -284,7 +284,7 @@ class RewardPool(ExecutorBase):
         if not self._workers:
             # Started from this thread; each watches this process and dies with it
             # (megarl.utils.procs.watch_parent), so no scorer outlives the job.
-            self._workers = [_Worker(self.cfg.fn, self.cfg.timeout_s) for _ in range(self.cfg.workers)]
+            self._workers = [_Worker(self.cfg.fn_name(), self.cfg.timeout_s) for _ in range(self.cfg.workers)]
         return self._workers
 
     def close(self) -> None:

@@ -1,4 +1,4 @@
-"""The built-in rewards: ``arithmetic``, ``gsm8k`` and ``math``.
+"""The built-in rewards: ``arithmetic``, ``gsm8k``, ``math`` and ``dapo``.
 
 Each extracts ONE final answer from the reply (:mod:`megarl.reward.answers`) and compares only it
 with the gold answer; nothing else the reply says can make it right.
@@ -14,10 +14,15 @@ with the gold answer; nothing else the reply says can make it right.
   ``strict``: the last ``\\boxed{}`` must also end the reply (only whitespace, '.', '$', '\\]' may
   follow). The boxed content is compared symbolically, so an unsimplified but equal boxed
   expression (``\\boxed{12+7}`` for 19) counts, as in MATH grading.
+- ``dapo``: as ``math``, on the answer DAPO-Math-17k's prompt asks for: the reply's last non-empty
+  line when it reads ``Answer: ...`` (its content, ``$`` and a final period dropped, a ``\\boxed{}``
+  in it unwrapped), else the last ``\\boxed{...}``. An ``Answer:`` anywhere but the last line (a
+  restated instruction, an abandoned attempt) is not read. ``strict``: only that last line.
 """
 
 from __future__ import annotations
 
+import re
 import threading
 from fractions import Fraction
 from typing import Optional
@@ -60,6 +65,22 @@ def extract_math(completion: str, *, strict: bool) -> Optional[str]:
     return content or None  # '\boxed{}' is no answer
 
 
+# DAPO-Math-17k's prompt: 'The last line of your response should be of the form Answer: $Answer'.
+_ANSWER_LINE = re.compile(r"\**\s*answer\s*\**\s*:\s*\**\s*(?P<answer>.+?)\s*$", re.IGNORECASE)
+
+
+def extract_dapo(completion: str, *, strict: bool) -> Optional[str]:
+    lines = [line for line in completion.splitlines() if line.strip()]
+    m = _ANSWER_LINE.fullmatch(lines[-1].strip()) if lines else None
+    if m:
+        content = m.group("answer").rstrip(".").strip()
+        if "\\boxed" in content or "\\fbox" in content:
+            content = answers.last_boxed(content) or ""
+        content = content.strip("$").strip()
+        return content or None
+    return None if strict else extract_math(completion, strict=False)
+
+
 @register_reward("arithmetic", extract=extract_arithmetic, in_process=True)
 def arithmetic(completion: str, gold: str, *, strict: bool = False) -> bool:
     """The reply's final number (strict: the reply is only that number) equals gold, exactly."""
@@ -75,9 +96,19 @@ def gsm8k(completion: str, gold: str, *, strict: bool = False) -> bool:
 @register_reward("math", extract=extract_math)
 def math(completion: str, gold: str, *, strict: bool = False) -> bool:
     """math-verify: the last ``\\boxed{}`` of the reply is mathematically equal to gold."""
+    return _verify(extract_math(completion, strict=strict), gold)
+
+
+@register_reward("dapo", extract=extract_dapo)
+def dapo(completion: str, gold: str, *, strict: bool = False) -> bool:
+    """math-verify: the last line's ``Answer: ...`` (else the last ``\\boxed{}``) equals gold."""
+    return _verify(extract_dapo(completion, strict=strict), gold)
+
+
+def _verify(content: Optional[str], gold: str) -> bool:
+    """math-verify of one extracted final answer against gold (bare, ``$...$`` or boxed)."""
     from math_verify import parse, verify
 
-    content = extract_math(completion, strict=strict)
     if content is None:
         return False
     gold_content = answers.last_boxed(gold) if "\\boxed" in gold or "\\fbox" in gold else gold.strip()
