@@ -22,17 +22,28 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
+    # How each failure ends the command (one line, the exit code of its class, the log named; a
+    # traceback only for a bug): megarl.utils.errors, whose table docs/errors.md prints.
     try:
         return int(args.func(args) or 0)
     except ConfigError as exc:
         print(f"megarl: {exc}", file=sys.stderr)
         return 2
     except JobInterrupted as exc:  # a job's signal handlers (megarl.utils.procs.signals_raise)
-        print(f"megarl: {exc}; every process of the job was stopped", file=sys.stderr)
+        print(f"megarl: {exc}; every process of the job was stopped{_log_note(exc)}", file=sys.stderr)
         return exc.exit_code
-    except KeyboardInterrupt:
-        print("megarl: interrupted", file=sys.stderr)
+    except KeyboardInterrupt as exc:
+        print(f"megarl: interrupted{_log_note(exc)}", file=sys.stderr)
         return 130
+    except Exception as exc:  # noqa: BLE001 - one line for megarl's own errors, a traceback for a bug
+        from megarl.utils.errors import report
+
+        return report(exc, "megarl")
+
+
+def _log_note(exc: BaseException) -> str:
+    path = getattr(exc, "megarl_log", None)
+    return f"; full log: {path}" if path else ""
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -32,7 +32,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from tools.slurm_cluster import SlurmCluster  # noqa: E402
+from tools.slurm_cluster import SlurmCluster, ensure_installed  # noqa: E402
 
 PROMPTS, SAMPLES = 4, 2  # configs/tiny_test.yaml
 
@@ -155,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=6, help="steps of each job (default 6)")
     ap.add_argument("--out", default=str(REPO / "docs"), help="where bench_slurm.json / .png go")
     a = ap.parse_args(argv)
+    ensure_installed()  # first: without Slurm (not root, no apt-get) it ends in one line at once
     from megarl.models.tiny import make_tiny_hf_checkpoint
 
     work = Path(tempfile.mkdtemp(prefix="megarl-bench-slurm-"))
@@ -182,4 +183,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from megarl.utils.errors import run_main
+
+    sys.exit(run_main(main, "megarl bench slurm"))  # SlurmUnavailable & co: one line, the table's exit code

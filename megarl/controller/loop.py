@@ -48,8 +48,21 @@ log = logging.getLogger("megarl")
 
 
 def run_job(cfg: MegaRLConfig) -> int:
-    """Run the job described by ``cfg``; returns a process exit code."""
+    """Run the job described by ``cfg``; returns a process exit code. Its log is also written to
+    ``<run folder>/logs/controller.log``, with the full traceback of whatever ends it
+    (megarl.utils.errors: the console gets one line naming that file)."""
+    from megarl.utils.errors import command_log
+
     _setup_logging()
+    with command_log(controller_log_path(cfg)):
+        return _run_job(cfg)
+
+
+def controller_log_path(cfg: MegaRLConfig) -> Path:
+    return Path(cfg.logging.out_dir) / cfg.name / "logs" / "controller.log"
+
+
+def _run_job(cfg: MegaRLConfig) -> int:
     _select_device(cfg.cluster.device)
     _announce_native(cfg.sync.native)
     from megarl.controller.weight_sync import WeightSync

@@ -41,7 +41,14 @@ if TYPE_CHECKING:  # annotations only: at run time this module imports nothing o
 
 
 class ExecutorError(RuntimeError):
-    """An executor cannot continue; the message names the process and why."""
+    """An executor cannot continue; the message names the process and why. Where it is raised, the
+    executor also sets what the command's last line names (megarl.utils.errors): ``component`` (the
+    process, with pid and node), ``log_path`` (its own log) and ``remote_error`` (the class it
+    raised, from its traceback, when it raised one)."""
+
+    component: str | None = None
+    log_path: str | None = None
+    remote_error: str | None = None
 
 
 class ProcessDied(ExecutorError):

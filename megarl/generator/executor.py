@@ -34,6 +34,7 @@ import multiprocessing as mp
 import os
 import queue
 import shutil
+import socket
 import tempfile
 import threading
 import time
@@ -53,6 +54,7 @@ from megarl.generator.replicas import ReplicaHandle, Track, remove_shm_files
 from megarl.generator.errors import GeneratorEngineDied, GeneratorError, GeneratorTimeout
 from megarl.generator.weight_updates import WeightUpdates
 from megarl.rollout import Sample
+from megarl.utils.errors import remote_error
 from megarl.utils.procs import spawned_from_main_thread
 
 log = logging.getLogger(__name__)
@@ -482,7 +484,7 @@ class GeneratorExecutor(WeightUpdates, ExecutorBase):
                 self._replies[msg[1]] = msg[2]
         elif kind == "error":
             last = msg[1].strip().splitlines()[-1] if msg[1].strip() else "unknown error"
-            self._fail(h, f"raised {last}\n{msg[1]}")
+            self._fail(h, f"raised {last}\n{msg[1]}", tb=msg[1])
         elif kind == "eof":
             if not self._closing:
                 self._fail(h, self._exit_cause(h))
@@ -512,12 +514,9 @@ class GeneratorExecutor(WeightUpdates, ExecutorBase):
                     f"{h.process.host} failed; its srun step reports the exit code)")
         return exit_cause(h.process.exitcode)
 
-    def _fail(self, h: ReplicaHandle, cause: str) -> None:
+    def _fail(self, h: ReplicaHandle, cause: str, tb: str = "") -> None:
         if self._failure is None:
-            where = f"pid {h.process.pid} on {h.process.host}" if h.remote else f"pid {h.process.pid}"
-            self._failure = GeneratorEngineDied(
-                f"generator replica {h.index} ({where}) {cause}\n"
-                f"--- last lines of {h.log_path} ---\n{h.log_tail()}")
+            self._failure = engine_died(h, cause, tb)
 
     def _check_failed(self) -> None:
         if self._failure is None:
@@ -545,13 +544,30 @@ class GeneratorExecutor(WeightUpdates, ExecutorBase):
                 return
             now = time.monotonic()
             if now >= deadline:
-                raise GeneratorTimeout(f"generator: timed out after {timeout:.0f}s waiting for {what}; "
+                exc = GeneratorTimeout(f"generator: timed out after {timeout:.0f}s waiting for {what}; "
                                        f"replica logs in {self._log_dir}")
+                exc.component = "generator replica(s) " + ", ".join(
+                    f"{h.index} (pid {h.process.pid})" for h in self._replicas)
+                exc.log_path = str(self._log_dir)
+                raise exc
             if now - last_log > 30:
                 log.info("generator: still waiting for %s (%.0fs left)", what, deadline - now)
                 last_log = now
             if self._pump(min(_POLL_S, deadline - now)) and progress_resets:
                 deadline = time.monotonic() + timeout
+
+
+def engine_died(h: ReplicaHandle, cause: str, tb: str = "") -> GeneratorEngineDied:
+    """The error that ends the job for replica ``h``: ``cause`` (how it ended; ``tb``: its
+    traceback when it raised), the tail of its log, and what the command's last line names."""
+    where = f"pid {h.process.pid} on {h.process.host}" if h.remote else f"pid {h.process.pid}"
+    exc = GeneratorEngineDied(f"generator replica {h.index} ({where}) {cause}\n"
+                              f"--- last lines of {h.log_path} ---\n{h.log_tail()}")
+    node = h.process.host if h.remote else socket.gethostname()
+    exc.component = f"generator replica {h.index} (pid {h.process.pid} on {node})"
+    exc.log_path = str(h.log_path)
+    exc.remote_error = remote_error(tb) if tb else None
+    return exc
 
 
 def request_seed(seed: int, t: Track) -> int:

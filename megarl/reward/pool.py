@@ -22,6 +22,7 @@ import dataclasses
 import logging
 import multiprocessing as mp
 import os
+import socket
 import time
 import traceback
 from multiprocessing.connection import wait as wait_any
@@ -194,9 +195,19 @@ class RewardPool(ExecutorBase):
                     "scored %s and counted", timeouts, len(verdicts), self.cfg.timeout_s, len(errors), self.cfg.fn,
                     first or "-", self.cfg.wrong)
         if len(errors) > self.cfg.max_error_frac * len(verdicts):
-            raise RewardError(f"reward: {len(errors)} of {len(verdicts)} sample(s) of the batch raised in reward.fn="
+            raise self._error(f"reward: {len(errors)} of {len(verdicts)} sample(s) of the batch raised in reward.fn="
                               f"{self.cfg.fn!r}, more than reward.max_error_frac={self.cfg.max_error_frac}; fix the "
                               f"reward function. The first traceback:\n{errors[0].detail.rstrip()}")
+
+    def _error(self, message: str, pids: Optional[List[int]] = None) -> RewardError:
+        """A :class:`RewardError` naming where the reward ran: the scoring processes (``pids``: the
+        one at fault, else every one) or, for an in-process reward, the controller."""
+        exc = RewardError(message)
+        pids = pids if pids is not None else self.pids
+        if not self.in_process and pids:
+            exc.component = (f"reward scoring process{'es' if len(pids) > 1 else ''} (pid "
+                             f"{', '.join(map(str, pids))} on {socket.gethostname()}) of reward.fn={self.cfg.fn!r}")
+        return exc
 
     def _judge(self, completions: List[str], golds: List[str]) -> List[_Verdict]:
         if not completions:
@@ -233,9 +244,11 @@ class RewardPool(ExecutorBase):
                         early_deaths += 1
                         if early_deaths > MAX_START_DEATHS:
                             cause = exit_cause(_reap(w.proc))
+                            exc = self._error(f"reward: scoring processes for reward.fn={self.cfg.fn!r} die while "
+                                              f"starting ({early_deaths} times; the last {cause}); see its import",
+                                              pids=[w.proc.pid])
                             self.close()
-                            raise RewardError(f"reward: scoring processes for reward.fn={self.cfg.fn!r} die while "
-                                              f"starting ({early_deaths} times; the last {cause}); see its import")
+                            raise exc
                     if w.task is not None:
                         if w.task in retried:
                             out[w.task] = _Verdict(False, "error", f"the scoring process pid {w.proc.pid} "
@@ -252,9 +265,10 @@ class RewardPool(ExecutorBase):
                 if msg[0] == "ready":
                     w.ready = True
                 elif msg[0] == "init_error":
+                    exc = self._error(f"reward: reward.fn={self.cfg.fn!r} could not be loaded in a scoring "
+                                      f"process:\n{msg[1].rstrip()}", pids=[w.proc.pid])
                     self.close()
-                    raise RewardError(f"reward: reward.fn={self.cfg.fn!r} could not be loaded in a scoring "
-                                      f"process:\n{msg[1].rstrip()}")
+                    raise exc
                 else:
                     i, status, value = msg
                     out[i] = _Verdict(bool(value), "ok") if status == "ok" else _Verdict(False, "error", value)

@@ -38,6 +38,7 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
+import socket
 import threading
 import time
 import weakref
@@ -54,6 +55,7 @@ from megarl.batch import RolloutBatch
 from megarl.trainer.config import TrainerConfig
 from megarl.trainer.worker import rank_main
 from megarl.utils.dist import free_tcp_port
+from megarl.utils.errors import remote_error
 
 log = logging.getLogger(__name__)
 
@@ -119,12 +121,29 @@ class _Rank:
         where = f"pid {self.process.pid} on {self.process.host}" if self.remote else f"pid {self.process.pid}"
         return f"trainer rank {self.index} (tp {c['tp']}, pp {c['pp']}, dp {c['dp']}; {where})"
 
+    @property
+    def component(self) -> str:
+        """:attr:`name` with the node also for a rank spawned here (the command's last line)."""
+        return self.name if self.remote else f"{self.name[:-1]} on {socket.gethostname()})"
+
     def cause(self) -> str:
         """How it ended, for an error message."""
         if self.remote and self.process.exitcode not in (None, 0):
             return (f"lost its connection to the controller (the process exited or was killed, or node "
                     f"{self.process.host} failed; its srun step reports the exit code)")
         return exit_cause(self.process.exitcode)
+
+    def failure(self, cause: str, what: str, note: str = "", detail: str = "") -> TrainerRankFailed:
+        """The error that ends the job for this rank: ``cause`` (how it ended), ``what`` the
+        executor was waiting for, ``detail`` (its traceback, when it raised; else its log's tail)."""
+        body = detail or f"--- last lines of {self.log_path} ---\n{self.log_tail()}"
+        exc = TrainerRankFailed(
+            f"trainer: {self.name} {cause} while waiting for {what}; every trainer rank was killed{note}\n"
+            f"{body}", rank=self.index, coords=self.coords, pid=self.process.pid,
+            exitcode=None if self.remote else self.process.exitcode, cause=cause)
+        exc.component, exc.log_path = self.component, str(self.log_path)
+        exc.remote_error = remote_error(detail) if detail else None
+        return exc
 
     def log_tail(self, lines: int = 20) -> str:
         try:
@@ -448,8 +467,11 @@ class TrainerExecutor(ExecutorBase):
                        f"did not answer within {timeout:.0f}s")
                 lines = "\n".join(f"  {r.name}: last heartbeat {now - r.last_beat:.1f}s ago; last lines of "
                                   f"{r.log_path}:\n{r.log_tail(8)}" for r in silent)
-                self._raise(TrainerTimeout(f"trainer: {', '.join(r.name for r in silent)} {why} while waiting "
-                                           f"for {what}\n{lines}", [r.index for r in silent]))
+                exc = TrainerTimeout(f"trainer: {', '.join(r.name for r in silent)} {why} while waiting "
+                                     f"for {what}\n{lines}", [r.index for r in silent])
+                exc.component = ", ".join(r.component for r in silent)
+                exc.log_path = str(silent[0].log_path) if silent else None
+                self._raise(exc)
             if now - last_log > _LOG_EVERY_S:
                 log.info("trainer: still waiting for %s (%.0fs left)", what, deadline - now)
                 last_log = now
@@ -512,12 +534,7 @@ class TrainerExecutor(ExecutorBase):
                           what, detail=tb)
 
     def _rank_failed(self, r: _Rank, cause: str, what: str, note: str = "", detail: str = "") -> None:
-        code = r.process.exitcode
-        body = detail or f"--- last lines of {r.log_path} ---\n{r.log_tail()}"
-        self._raise(TrainerRankFailed(
-            f"trainer: {r.name} {cause} while waiting for {what}; every trainer rank was killed{note}\n"
-            f"{body}", rank=r.index, coords=r.coords, pid=r.process.pid, exitcode=None if r.remote else code,
-            cause=cause))
+        self._raise(r.failure(cause, what, note, detail))
 
     def _raise(self, exc: TrainerError) -> None:
         """Record the failure, kill every rank (no orphans), raise."""

