@@ -41,12 +41,15 @@ def _hf(dims: ModelDims, version: int, dtype: torch.dtype) -> dict[str, torch.Te
 
 class HostIpcDouble:
     """GPU-boundary double for the cuda_ipc transport (megarl/ddma/transport/cuda_ipc.py CudaIpcOps):
-    its four CUDA calls done on host memory. ``export`` puts the storage in shared memory and hands
-    out (pid, fd, size); ``open`` maps that file; synchronize is a no-op (host copies are done when
-    they return); collect counts calls. Everything else in the transport runs as on a GPU."""
+    its four CUDA calls done on host memory, with CudaIpcOps' signatures (tests/test_ddma_transport.py
+    checks them). ``export`` puts the storage in shared memory and hands out (pid, fd, size); ``open``
+    maps that file (on the host: ``device`` must be the worker's, here the CPU); synchronize records
+    the device it was asked to wait for (host copies are done when they return); collect counts calls.
+    Everything else in the transport runs as on a GPU."""
 
     device_type = "cpu"
     collects = 0
+    synchronized: list = []
 
     def export(self, storage_bytes):
         from megarl.ddma.zero_copy import share
@@ -54,33 +57,90 @@ class HostIpcDouble:
         entry = share(storage_bytes)
         return (os.getpid(), entry["fd"], entry["size"])
 
-    def open(self, handle):
+    def open(self, handle, device):
         from megarl.ddma.zero_copy import map_shared
 
+        assert torch.device(device).type == "cpu", device
         pid, fd, size = handle
         mapped = map_shared(pid, fd, size)
         if mapped is None:
             raise RuntimeError(f"cannot map /proc/{pid}/fd/{fd}")
         return mapped
 
-    def synchronize(self):
-        pass
+    def synchronize(self, device):
+        HostIpcDouble.synchronized.append(str(device))
 
     def collect(self):
         HostIpcDouble.collects += 1
 
 
-def _use_host_ipc(enabled: bool) -> None:
-    if enabled:
+class CoalescingGlooDouble:
+    """Stand-in for NCCL's c10d ``Backend`` (``ProcessGroupNCCL``) on host memory, over a real gloo
+    Backend: the same method signatures (tests/test_ddma_transport.py checks them against the
+    installed torch's binding) and NCCL's coalescing contract -- ``supports_coalescing``; between
+    ``_start_coalescing()`` and ``_end_coalescing()`` ``send``/``recv`` only queue and return no Work
+    (ProcessGroupNCCL::pointToPoint makes none while coalescing); ``_end_coalescing()`` posts the
+    batch and returns its one Work. Unlike NCCL it returns that Work completed (gloo's Works have no
+    future to chain), which the transport cannot tell apart."""
+
+    supports_coalescing = True
+
+    def __init__(self, store, rank, size, timeout_s, prefix="ddma/nccl-on-gloo"):
+        from megarl.ddma.transport.base import gloo_group
+
+        self._pg = gloo_group(store, rank, size, timeout_s, prefix=prefix)
+        self._queued = None
+        self.batches = 0
+
+    def eager_connect_single_device(self, arg0):
+        self._pg.eager_connect_single_device(arg0)
+
+    def _start_coalescing(self):
+        if self._queued is not None:
+            raise RuntimeError("_start_coalescing() while coalescing")
+        self._queued = []
+
+    def _end_coalescing(self):
+        import torch._C._distributed_c10d as c10d
+
+        ops, self._queued = self._queued, None
+        if ops is None:
+            raise RuntimeError("_end_coalescing() without _start_coalescing()")
+        for w in [getattr(self._pg, op)(tensors, peer, tag) for op, tensors, peer, tag in ops]:
+            w.wait()
+        self.batches += 1
+        done = torch.futures.Future()
+        done.set_result(None)
+        return c10d._create_work_from_future(done)
+
+    def _op(self, op, tensors, peer, tag):
+        if self._queued is None:
+            return getattr(self._pg, op)(tensors, peer, tag)
+        self._queued.append((op, list(tensors), peer, tag))
+        return None
+
+    def send(self, tensors, dstRank, tag):  # noqa: N803 - the binding's names
+        return self._op("send", tensors, dstRank, tag)
+
+    def recv(self, tensors, srcRank, tag):  # noqa: N803 - the binding's names
+        return self._op("recv", tensors, srcRank, tag)
+
+
+def _use_doubles(doubles: tuple[str, ...]) -> None:
+    if "host_ipc" in doubles:
         from megarl.ddma.transport import cuda_ipc
 
         cuda_ipc.IPC_OPS = HostIpcDouble()
+    if "coalescing" in doubles:
+        from megarl.ddma.transport import nccl
+
+        nccl.HOST_GROUP = CoalescingGlooDouble
 
 
 def _sender_main(spec: SyncSpec, rank: SrcRank, versions: list[int], dtype: torch.dtype, errq,
-                 host_ipc: bool = False) -> None:
+                 doubles: tuple[str, ...] = ()) -> None:
     try:
-        _use_host_ipc(host_ipc)
+        _use_doubles(doubles)
         from megarl.ddma.layouts import source_rank_layouts
 
         layouts = source_rank_layouts(spec.dims, spec.src, rank.tp, rank.pp)
@@ -94,16 +154,20 @@ def _sender_main(spec: SyncSpec, rank: SrcRank, versions: list[int], dtype: torc
                 for n, t in params.items():
                     sender.params[n].copy_(t)
             stats = sender.sync(v)
-            if host_ipc:
+            if "host_ipc" in doubles:
                 stats["collects"] = HostIpcDouble.collects
+                stats["synchronized"] = list(HostIpcDouble.synchronized)
+            if "coalescing" in doubles:
+                stats["batches"] = sender.transport.pg(torch.device("cpu")).batches
             errq.put(("sent", rank, v, stats))
     except BaseException:  # noqa: BLE001
         errq.put(("error", rank, traceback.format_exc(), None))
 
 
-def _receiver_main(spec: SyncSpec, rank, versions: list[int], corrupt: bool, outq, host_ipc: bool = False) -> None:
+def _receiver_main(spec: SyncSpec, rank, versions: list[int], corrupt: bool, outq,
+                   doubles: tuple[str, ...] = ()) -> None:
     try:
-        _use_host_ipc(host_ipc)
+        _use_doubles(doubles)
         recv = DdmaReceiver(spec, rank)
         if corrupt:  # a wrong landing: swap two copies' destinations in this worker's plan
             name = next(p for p in recv.layouts if "qkv_proj.weight" in p)
@@ -114,7 +178,9 @@ def _receiver_main(spec: SyncSpec, rank, versions: list[int], corrupt: bool, out
             got = {n: t.clone() for n, t in recv.receive(v)}
             buf = io.BytesIO()
             torch.save(got, buf)  # bytes, not shared-memory handles: this process exits next
-            stats = dict(recv.last_stats, collects=HostIpcDouble.collects)
+            stats = dict(recv.last_stats, collects=HostIpcDouble.collects, synchronized=list(HostIpcDouble.synchronized))
+            if "coalescing" in doubles:
+                stats["batches"] = recv.transport.pg(torch.device("cpu")).batches
             outq.put(("got", rank, v, (buf.getvalue(), stats)))
     except DdmaVerifyError as e:
         outq.put(("verify", rank, str(e), None))
@@ -124,9 +190,10 @@ def _receiver_main(spec: SyncSpec, rank, versions: list[int], corrupt: bool, out
 
 def _run(dims, src: TrainerTopology, dst: GeneratorTopology, *, transport="zero_copy", wire="engine",
          engine_dtype="bfloat16", trainer_dtype=torch.float32, versions=(1, 2), corrupt=False, via="map",
-         **spec_kw):
+         coalescing=False, **spec_kw):
+    """``coalescing``: nccl's code over CoalescingGlooDouble (NCCL's coalescing branch) instead of gloo."""
     store = host_store()
-    host_ipc = transport == "cuda_ipc"  # on CPU: the GPU-boundary double (HostIpcDouble)
+    doubles = ("host_ipc",) * (transport == "cuda_ipc") + ("coalescing",) * coalescing  # the GPU-boundary doubles
     spec = SyncSpec(dims, src, dst, "127.0.0.1", store.port, transport=transport, wire=wire,
                     engine_dtype=engine_dtype, timeout_s=TIMEOUT_S, zero_copy_via=via, **spec_kw)
     # forkserver, not fork: a process that already ran OpenMP-parallel torch ops (any earlier test)
@@ -134,9 +201,9 @@ def _run(dims, src: TrainerTopology, dst: GeneratorTopology, *, transport="zero_
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "megarl.ddma.sync", "tests.test_ddma_sync"])
     q = ctx.Queue()
-    procs = [ctx.Process(target=_sender_main, args=(spec, r, list(versions), trainer_dtype, q, host_ipc))
+    procs = [ctx.Process(target=_sender_main, args=(spec, r, list(versions), trainer_dtype, q, doubles))
              for r in src.ranks()]
-    procs += [ctx.Process(target=_receiver_main, args=(spec, r, list(versions), corrupt, q, host_ipc))
+    procs += [ctx.Process(target=_receiver_main, args=(spec, r, list(versions), corrupt, q, doubles))
               for r in dst.ranks()]
     for p in procs:
         p.start()

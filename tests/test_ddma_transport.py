@@ -17,6 +17,8 @@ import os
 import subprocess
 import sys
 import textwrap
+import types
+from datetime import timedelta
 
 import pytest
 import torch
@@ -25,7 +27,7 @@ from megarl.ddma.layouts import GeneratorTopology, SrcRank, TrainerTopology
 from megarl.ddma.sync import DdmaSender, DdmaTransportError, SyncSpec, host_store
 from megarl.ddma.transport import choose_transport, transport_problem
 from megarl.ddma.transport.base import plan_buckets
-from megarl.ddma.transport.cuda_ipc import ExportCache, explain_open_failure, ptrace_permitted
+from megarl.ddma.transport.cuda_ipc import ExportCache, explain_open_failure, ptrace_permitted, storage_key
 from megarl.ddma.transport.nccl import chunk_segments, param_groups, pair_streams
 from megarl.models.layouts import hf_to_local
 from tests.test_ddma_sync import _dims, _expected, _hf, _run
@@ -139,14 +141,21 @@ def test_nccl_streams_chunk_exactly_over_the_stream():
 
 # --- nccl's code path over gloo ----------------------------------------------------------------
 
-@pytest.mark.parametrize("wire,bucket", [("engine", 4096), ("engine", 1 << 30), ("fp8", 777)])
-def test_nccl_code_path_over_gloo_lands_exact_bytes(wire, bucket):
+@pytest.mark.parametrize("wire,bucket,coalescing", [("engine", 4096, False), ("engine", 1 << 30, False),
+                                                     ("fp8", 777, False), ("engine", 4096, True), ("fp8", 777, True)])
+def test_nccl_code_path_over_gloo_lands_exact_bytes(wire, bucket, coalescing):
     """A tiny budget splits parameters over many rounds (chunk edges fall inside copies, FP8 codes
-    and scales); the landed bytes must not change."""
+    and scales); the landed bytes must not change. ``coalescing``: over CoalescingGlooDouble, the
+    stand-in with NCCL's Backend signatures and coalescing contract (NCCL's branch of ``_round``)."""
     dims = _dims("qwen2_kv2")
     src, dst = TrainerTopology(2, 1, 2), GeneratorTopology(2, 1)
     _, res = _run(dims, src, dst, transport="nccl", wire=wire, versions=(1, 2) if wire == "engine" else (1,),
-                  bucket_bytes=bucket)
+                  bucket_bytes=bucket, coalescing=coalescing)
+    if coalescing:  # every round went through _start_coalescing() / _end_coalescing(), one batch each
+        for _, _, stats in res["sent"]:
+            assert stats["batches"] >= stats["rounds"] > 0
+        for _, _, (_, stats) in res["got"]:
+            assert stats["batches"] >= stats["rounds"] > 0
     rounds = []
     for rank, v, (got, stats) in res["got"]:
         want = _expected(dims, dst, v, torch.float32, torch.bfloat16)[rank.tp]
@@ -172,6 +181,76 @@ def test_nccl_code_path_over_gloo_lands_exact_bytes(wire, bucket):
         assert stats["peak_extra_bytes"] <= shard + 2 * min(bucket, shard)
 
 
+def test_nccl_round_takes_the_backend_bindings_sequence():
+    """``NcclTransport._round`` on the real c10d Backends: gloo does not coalesce (its own Works), and the
+    coalescing calls as ``_round`` makes them are what the Backend binding takes -- no argument (the old
+    ``_start_coalescing(device)`` is ProcessGroup's form: a TypeError on a Backend, before any op)."""
+    from torch.distributed.distributed_c10d import ProcessGroupGloo
+
+    from megarl.ddma.transport.nccl import NcclTransport
+
+    store = host_store()
+    pg = ProcessGroupGloo(torch.distributed.PrefixStore("t", store), 0, 1, timedelta(seconds=10))
+    assert pg.supports_coalescing is False
+    NcclTransport._round(pg, [])  # the gloo branch, no op
+    with pytest.raises(TypeError, match="incompatible function arguments"):
+        pg._start_coalescing(torch.device("cpu"))
+    with pytest.raises(RuntimeError, match="does not implement startCoalescing"):
+        pg._start_coalescing()  # the binding takes the call; gloo has no implementation behind it
+
+
+class _RecordingGroup:
+    """A group double that records how the transport uses it (no bytes move)."""
+
+    supports_coalescing = False
+
+    def __init__(self, store, rank, size, timeout_s, prefix="x"):
+        from megarl.ddma.transport.base import group_prefix
+
+        self.rank, self.prefix, self.connected = rank, group_prefix(store, prefix, rank), []
+
+    def eager_connect_single_device(self, arg0):
+        self.connected.append(arg0)
+
+
+def test_nccl_rank_with_no_pairs_still_joins_and_each_group_has_its_own_prefix(monkeypatch):
+    """A worker no sender feeds posts no round, yet joins the communicator (NCCL creates it with every
+    rank of the group, lazily at the first batched round otherwise: a hang until the timeout); and a
+    second group built on the same store gets a prefix of its own (a fixed one let it read the first
+    group's stale NCCL id)."""
+    from megarl.ddma.layouts import DstRank
+    from megarl.ddma.transport import nccl
+    from megarl.ddma.transport.base import group_prefix
+
+    monkeypatch.setattr(nccl, "HOST_GROUP", _RecordingGroup)
+    store = host_store()
+    dims = _dims("llama_kv4_untied")
+    spec = SyncSpec(dims, TrainerTopology(1, 1, 1), GeneratorTopology(1, 1), "127.0.0.1", store.port, transport="nccl",
+                    timeout_s=5)
+    class Side:  # a worker whose plan has no copies for it
+        src_ranks, dst_ranks = [SrcRank(0, 0, 0)], [DstRank(0, 0)]
+        rank, device, layouts, incoming = DstRank(0, 0), torch.device("cpu"), {}, {}
+        plan = types.SimpleNamespace(pairs={})
+
+        def __init__(self):
+            self.spec, self.store = spec, store
+
+        def group_rank(self, r):
+            return 0 if isinstance(r, SrcRank) else 1
+
+    t = nccl.NcclTransport(Side())
+    monkeypatch.setattr(t, "groups", lambda d: [])
+    assert list(t.receive_params(1)) == [] and t.rounds == 0
+    assert t._pg.connected == [torch.device("cpu")]  # joined, though it received nothing
+    first = t._pg.prefix
+    t2 = nccl.NcclTransport(Side())
+    monkeypatch.setattr(t2, "groups", lambda d: [])
+    list(t2.receive_params(1))
+    assert t2._pg.prefix != first
+    # the ranks that build their n-th group together agree on its prefix, with no message
+    assert [group_prefix(store, "p", r) for r in (0, 1, 0, 1)] == ["p/1", "p/1", "p/2", "p/2"]
+
+
 # --- cuda_ipc's logic (GPU-boundary double) -----------------------------------------------------
 
 @pytest.mark.parametrize("trainer_dtype,wire", [(torch.float32, "engine"), (torch.bfloat16, "engine"),
@@ -193,6 +272,13 @@ def test_cuda_ipc_protocol_lands_exact_and_exports_once(trainer_dtype, wire):
     by_version = {}
     for rank, v, stats in res["sent"]:
         by_version.setdefault(rank, {})[v] = stats
+        assert set(stats["synchronized"]) == {"cpu"}  # the wire's device (then the workers', in their process)
+    # one export, one consumer: every export is opened by exactly one worker (each TP1 replica reads
+    # every sender storage, so each storage is exported twice), never one handle for both
+    opens = {rank: stats["ipc_opens"] for rank, v, (_, stats) in res["got"] if v == 3}
+    assert sum(st[3]["ipc_exports"] for st in by_version.values()) == sum(opens.values()) > 0
+    for _, _, (_, stats) in res["got"]:
+        assert set(stats["synchronized"]) == {"cpu"}
     for rank, st in by_version.items():
         # exported once (one handle per storage: bf16 params are views of the live tensors; fp32 and
         # fp8 conversions sit in 64 KiB buckets), never again while storages stay put
@@ -239,6 +325,36 @@ def test_export_cache_reexports_only_when_a_storage_changes():
     assert len(t4["buckets"]) == 1 and len(cache.handles) == 1
 
 
+def test_export_cache_one_export_per_reading_worker():
+    """Each export has one reference count, which the one process that opens it releases
+    (torch/csrc/CudaIPCTypes.cpp): a storage two workers read is exported twice, once for each, and a
+    worker gets only its own handle."""
+    ops = _CountingOps()
+    cache = ExportCache(ops)
+    bucket = torch.zeros(1024, dtype=torch.uint8)
+    a, b = bucket[:256], bucket[512:]
+    t = cache.table({"a": a, "b": b}, {"a": [3, 4], "b": [4]})
+    (k, handles), = t["buckets"].items()
+    assert sorted(handles) == [3, 4] and len(ops.exported) == 2
+    cache.table({"a": a, "b": b}, {"a": [3, 4], "b": [4, 5]})  # a third worker reads b: one more export
+    assert len(ops.exported) == 3
+    cache.table({"a": a, "b": b}, {"a": [3, 4], "b": [4, 5]})
+    assert len(ops.exported) == 3  # nothing new
+
+
+def test_export_cache_reexports_a_new_storage_at_the_same_address():
+    """A storage freed and another allocated at the same address and size has the same storage key;
+    its old handle names the old allocation, so it is exported again, under a new key (workers reopen)."""
+    ops = _CountingOps()
+    cache = ExportCache(ops)
+    mem = bytearray(512)
+    first = torch.frombuffer(mem, dtype=torch.uint8)
+    k1, where = next(iter(cache.table({"w": first})["buckets"])), storage_key(first)
+    del first  # its storage is gone
+    second = torch.frombuffer(mem, dtype=torch.uint8)  # a new storage, same address and size
+    assert storage_key(second) == where
+    k2 = next(iter(cache.table({"w": second})["buckets"]))
+    assert len(ops.exported) == 2 and k1 != k2
 def test_sender_waits_for_every_ack_before_returning():
     """A sender never returns (so never lets the trainer step or rewrite a buffer) before every
     worker acknowledged: with no worker, it times out naming them."""
@@ -253,6 +369,64 @@ def test_sender_waits_for_every_ack_before_returning():
     store.set("ddma/v1/done1", b"1")  # one of the two workers acked
     with pytest.raises(TimeoutError, match=r"2 generator worker\(s\).*missing: \['ddma/v1/done2'\]"):
         sender.sync(1)
+
+
+def test_ptrace_message_names_yama_scope_one(monkeypatch):
+    """Under Yama ptrace_scope=1 a denied pidfd_getfd is Yama's descendants rule (a worker is no
+    ancestor of the trainer), not a missing container capability."""
+    from megarl.ddma.transport import cuda_ipc
+
+    monkeypatch.setattr(cuda_ipc, "ptrace_permitted", lambda pid: False)
+    monkeypatch.setattr(cuda_ipc, "yama_ptrace_scope", lambda: 1)
+    msg = explain_open_failure(4242, RuntimeError("pidfd_getfd: Operation not permitted"))
+    assert "ptrace_scope=1" in msg and "PR_SET_PTRACER" in msg and "ancestor" in msg
+    assert "no CAP_SYS_PTRACE in this container" not in msg and "sync.transport=nccl" in msg
+    monkeypatch.setattr(cuda_ipc, "yama_ptrace_scope", lambda: 0)
+    msg0 = explain_open_failure(4242, RuntimeError("x"))
+    assert "ptrace_scope" not in msg0 and "no CAP_SYS_PTRACE in this container" in msg0
+    monkeypatch.setattr(cuda_ipc, "yama_ptrace_scope", lambda: 3)
+    assert "expandable_segments" in explain_open_failure(4242, RuntimeError("x"))
+
+
+def test_cuda_ipc_open_maps_on_the_workers_device(monkeypatch):
+    """The real ``reduce_tensor`` through its CUDA branch (only the GPU-only calls are doubles:
+    ``_share_cuda_`` on the sender, ``_new_shared_cuda`` and ``torch.cuda._lazy_init`` on the worker):
+    argument 6 of the handle is the sender's device index, and ``CudaIpcOps.open`` maps the memory on
+    the worker's own device (cuda:1 here), not on the sender's (cuda:0: another worker's GPU)."""
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    from megarl.ddma.transport.cuda_ipc import STORAGE_DEVICE_ARG, CudaIpcOps
+
+    memory = torch.arange(64, dtype=torch.uint8)
+    opened_on = []
+
+    class CudaStorageDouble:
+        """Stands for a CUDA TypedStorage on device 0; its memory is ``memory``'s host storage."""
+
+        _untyped_storage = types.SimpleNamespace(device=torch.device("cuda", 0))
+
+        def _share_cuda_(self):  # GPU-only: (device, handle, size, offset, refcounter, its offset, event, sync)
+            return (0, b"ipc-handle", memory.untyped_storage().nbytes(), 0, b"refcounter", 0, b"event", False)
+
+        def _weak_ref(self):
+            return memory.untyped_storage()._weak_ref()
+
+        @classmethod
+        def _new_shared_cuda(cls, device, handle, size, offset, *refcount_and_event):  # GPU-only
+            opened_on.append(device)
+            assert handle == b"ipc-handle" and size == memory.untyped_storage().nbytes()
+            return memory.untyped_storage()
+
+    with monkeypatch.context() as m:
+        m.setattr(torch.Tensor, "_typed_storage", lambda self: CudaStorageDouble())
+        handle = CudaIpcOps().export(memory)
+    fn, args = handle
+    assert fn is rebuild_cuda_tensor and len(args) == 15
+    assert args[STORAGE_DEVICE_ARG] == 0  # the sender's device index
+    monkeypatch.setattr(torch.cuda, "_lazy_init", lambda: None)  # GPU-only
+    got = CudaIpcOps().open(handle, torch.device("cuda", 1))
+    assert opened_on == [1]
+    assert torch.equal(got, memory)
 
 
 def test_ptrace_probe_and_failure_message_name_the_fallback():

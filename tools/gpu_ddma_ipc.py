@@ -48,12 +48,12 @@ class HostIpcStandIn:
         e = share(storage_bytes)
         return (os.getpid(), e["fd"], e["size"])
 
-    def open(self, handle):
+    def open(self, handle, device):
         from megarl.ddma.zero_copy import map_shared
 
         return map_shared(*handle)
 
-    def synchronize(self):
+    def synchronize(self, device):
         pass
 
     def collect(self):

@@ -70,11 +70,23 @@ def wait_keys(store, keys: list[str], what: str, timeout_s: float) -> None:
                            f"missing: {missing[:8]}") from e
 
 
+def group_prefix(store, base: str, rank: int) -> str:
+    """The store prefix of the group that group rank ``rank`` builds now under ``base``: ``base/<n>`` for
+    its n-th build on this store. Each rank counts its own builds (``store.add`` on a key of its own), so
+    the ranks that build a group together agree on ``n`` without a message, and a second group on the
+    same store never reads the first one's keys (NCCL's unique id is stored under a per-group counter
+    that starts at 0 again; gloo's rendezvous addresses likewise), which under one fixed prefix made a
+    second group connect to a stale id."""
+    return f"{base}/{store.add(f'{base}/builds/rank{rank}', 1)}"
+
+
 def gloo_group(store, rank: int, size: int, timeout_s: float, prefix: str = "ddma/gloo"):
-    """A gloo process group of its own, built directly on ``store`` (no global world touched)."""
+    """A gloo process group of its own, built directly on ``store`` (no global world touched), under a
+    prefix of its own (:func:`group_prefix`). Gloo connects every pair of ranks here, in the constructor."""
     from torch.distributed.distributed_c10d import ProcessGroupGloo
 
-    return ProcessGroupGloo(torch.distributed.PrefixStore(prefix, store), rank, size, timedelta(seconds=timeout_s))
+    return ProcessGroupGloo(torch.distributed.PrefixStore(group_prefix(store, prefix, rank), store), rank, size,
+                            timedelta(seconds=timeout_s))
 
 
 def land_fp8(flat: torch.Tensor, copies: list[Copy], cols: int, codes: torch.Tensor, scale_seg: torch.Tensor) -> int:
@@ -191,4 +203,4 @@ def outgoing_by_param(side) -> dict:
 
 
 __all__ = ["Transport", "DdmaTransportError", "FP8", "key", "engine_dtype", "is_fp8", "dequant", "rows_of",
-           "wait_keys", "gloo_group", "land_fp8", "plan_buckets"]
+           "wait_keys", "group_prefix", "gloo_group", "land_fp8", "plan_buckets"]

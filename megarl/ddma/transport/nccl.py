@@ -4,7 +4,9 @@ memory budget, over a DDMA process group of its own.
 The group: trainer ranks first (sorted ``SrcRank``), then generator workers (sorted ``DstRank``),
 built once per sync spec directly on the rendezvous store (``ProcessGroupNCCL`` on CUDA; never the
 trainer's WORLD nor vLLM's). On CPU the very same code runs over a gloo group, which is how the test
-suite checks its logic (tests/test_ddma_transport.py).
+suite checks its logic (tests/test_ddma_transport.py): over gloo as it is (no coalescing: one Work per
+op), and over ``CoalescingGlooDouble`` (tests/test_ddma_sync.py), a stand-in with the signatures and
+the coalescing contract of NCCL's c10d ``Backend``, so the branch NCCL takes runs on CPU as well.
 
 Schedule, computed alike on every rank from the plan (nothing travels but the bytes):
 
@@ -27,7 +29,6 @@ per sender. The worker yields a group's parameters after its last round.
 from __future__ import annotations
 
 import collections
-import contextlib
 import dataclasses
 import math
 from datetime import timedelta
@@ -35,7 +36,11 @@ from datetime import timedelta
 import torch
 
 from megarl.ddma.layouts import vllm_param_layouts
-from megarl.ddma.transport.base import Transport, engine_dtype, gloo_group, is_fp8, land_fp8, rows_of
+from megarl.ddma.transport.base import Transport, engine_dtype, gloo_group, group_prefix, is_fp8, land_fp8, rows_of
+
+# Builds the group for host tensors: (store, rank, size, timeout_s, prefix=...) -> a c10d Backend. gloo;
+# the tests swap in a coalescing stand-in for NCCL's Backend (tests/test_ddma_sync.py CoalescingGlooDouble).
+HOST_GROUP = gloo_group
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,31 +134,63 @@ class NcclTransport(Transport):
         return {"rounds": self.rounds}
 
     def pg(self, device: torch.device):
-        """DDMA's own group, created once: NCCL for CUDA tensors, gloo for host tensors."""
+        """DDMA's own group, created once: NCCL for CUDA tensors, gloo for host tensors (``HOST_GROUP``).
+
+        Every rank of the group calls this at the start of each sync, also a rank with no pairs (a
+        trainer rank that sends nothing, a worker that receives nothing), and joins the communicator
+        here: a batched round creates NCCL's communicator lazily, as a collective of *all* the group's
+        ranks (torch's ``batch_isend_irecv`` note), so a rank that never posts a round would leave the
+        others in ``ncclCommInitRank`` until the timeout. ``eager_connect_single_device`` (a c10d
+        ``Backend`` method) creates it now, under the key the batched rounds use (the device); gloo
+        connects every pair in its constructor and takes the call as a no-op. Each group has a store
+        prefix of its own (:func:`~megarl.ddma.transport.base.group_prefix`)."""
         if self._pg is None:
             side = self.side
             rank, size = side.group_rank(side.rank), len(side.src_ranks) + len(side.dst_ranks)
             if device.type == "cuda":
                 from torch.distributed.distributed_c10d import ProcessGroupNCCL
 
+                if device.index is None:
+                    device = torch.device("cuda", torch.cuda.current_device())
+                torch.cuda.set_device(device)  # batch_isend_irecv's note: NCCL p2p needs the current device set
                 opts = ProcessGroupNCCL.Options()
                 opts._timeout = timedelta(seconds=self.spec.timeout_s)
-                self._pg = ProcessGroupNCCL(torch.distributed.PrefixStore("ddma/nccl", side.store), rank, size, opts)
+                prefix = group_prefix(side.store, "ddma/nccl", rank)
+                pg = ProcessGroupNCCL(torch.distributed.PrefixStore(prefix, side.store), rank, size, opts)
             else:
-                self._pg = gloo_group(side.store, rank, size, self.spec.timeout_s, prefix="ddma/nccl-on-gloo")
+                pg = HOST_GROUP(side.store, rank, size, self.spec.timeout_s, prefix="ddma/nccl-on-gloo")
+            pg.eager_connect_single_device(device)
+            self._pg = pg
         return self._pg
 
-    @contextlib.contextmanager
-    def _batch(self, pg, device: torch.device):
-        """One round's ops as one NCCL group (coalesced) on CUDA; plain async ops on gloo."""
-        if device.type == "cuda" and hasattr(pg, "_start_coalescing"):
-            pg._start_coalescing(device)
+    @staticmethod
+    def _round(pg, ops: list[tuple[str, torch.Tensor, int]]) -> None:
+        """Post one round's ops (``("send" | "recv", tensor, group peer)``) and return once they are
+        complete in stream order. A backend that coalesces (NCCL: ``supports_coalescing``) takes the
+        c10d ``Backend`` binding's sequence: ``_start_coalescing()`` (no argument: the device form is
+        ``ProcessGroup``'s), the ops (which then return no Work), and the one Work of the batch from
+        ``_end_coalescing()``. A backend that does not (gloo) takes plain async ops, one Work each --
+        the two branches of torch's own ``batch_isend_irecv``."""
+        if pg.supports_coalescing:
+            pg._start_coalescing()
             try:
-                yield
+                for op, t, peer in ops:
+                    getattr(pg, op)([t], peer, 0)
             finally:
-                pg._end_coalescing(device)
+                work = pg._end_coalescing()
+            works = [work]
         else:
-            yield
+            works = [getattr(pg, op)([t], peer, 0) for op, t, peer in ops]
+        for w in works:
+            w.wait()
+
+    @staticmethod
+    def _complete(device: torch.device) -> None:
+        """Block until the rounds so far are done. ``Work.wait()`` on NCCL only makes the current stream
+        wait for NCCL's (it returns before the bytes moved), so without this a sender's ``transfer_s``
+        would time the enqueueing; host ops are complete when ``wait()`` returns."""
+        if device.type == "cuda":
+            torch.cuda.current_stream(device).synchronize()
 
     def groups(self, d) -> list[list[str]]:
         if d not in self._groups:
@@ -194,12 +231,10 @@ class NcclTransport(Transport):
                         msgs.append((d, torch.cat(parts)))
                 if not msgs:
                     continue
-                with self._batch(pg, device):
-                    works = [pg.send([m], side.group_rank(d), 0) for d, m in msgs]
-                for w in works:
-                    w.wait()
+                self._round(pg, [("send", m, side.group_rank(d)) for d, m in msgs])
                 self.rounds += 1
                 peak = max(peak, sum(m.numel() for _, m in msgs))
+        self._complete(device)  # the sync's transfer_s ends when the bytes have moved
         return peak
 
     # -- receiver -------------------------------------------------------------------------------
@@ -238,10 +273,7 @@ class NcclTransport(Transport):
                         bufs.append((s, torch.empty(min(budget, total - j * budget), dtype=torch.uint8, device=device)))
                 if not bufs:
                     continue
-                with self._batch(pg, device):
-                    works = [pg.recv([b], side.group_rank(s), 0) for s, b in bufs]
-                for w in works:
-                    w.wait()
+                self._round(pg, [("recv", b, side.group_rank(s)) for s, b in bufs])
                 self.rounds += 1
                 peak_chunks = max(peak_chunks, sum(b.numel() for _, b in bufs))
                 for s, buf in bufs:
@@ -257,6 +289,7 @@ class NcclTransport(Transport):
                                 held += self._land_fp8(staging[seg.dparam], s, seg.dparam, msg_buf.pop(k))
                         pos += n
             held += peak_chunks
+            self._complete(device)  # the group's bytes have landed (the receiver times the transfer)
             for p in group:
                 yield p, staging.pop(p), held, elements[p]
 
@@ -267,4 +300,4 @@ class NcclTransport(Transport):
         return land_fp8(staging.view(-1), copies, cols, msg[:n], msg[-(-n // 4) * 4:].view(torch.float32))
 
 
-__all__ = ["NcclTransport", "Seg", "param_groups", "pair_streams", "chunk_segments"]
+__all__ = ["NcclTransport", "HOST_GROUP", "Seg", "param_groups", "pair_streams", "chunk_segments"]
