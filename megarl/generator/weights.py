@@ -15,6 +15,8 @@ here registers them in every worker.
 from __future__ import annotations
 
 import contextlib
+import logging
+import time
 
 import torch
 
@@ -36,6 +38,7 @@ class MegarlWorkerExtension:
         :meth:`megarl_landed_weights`: the landing tests compare them bit for bit."""
         weights = open_weight_source(source, self)
         model = self.model_runner.model
+        quiet_weightless_layer_warnings(model)
         count = 0
 
         def counted():
@@ -89,6 +92,55 @@ class MegarlWorkerExtension:
         if w.shape[0] != scale.numel():
             raise ValueError(f"{param_name}: scale has {scale.numel()} entries for weight {tuple(w.shape)}")
         return (w * scale[:, None]).contiguous()
+
+
+RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+_FAILED_TO_LOAD = "%s: Failed to load weights"
+
+
+class _WeightlessLayerFilter(logging.Filter):
+    """Drops vLLM's "<Layer>: Failed to load weights" for the layer classes in ``names`` only."""
+
+    def __init__(self, names: frozenset[str]):
+        super().__init__()
+        self.names = names
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.msg == _FAILED_TO_LOAD and record.args and record.args[0] in self.names)
+
+
+def weightless_rotary_classes(model: torch.nn.Module) -> frozenset[str]:
+    """Class names of the model's rotary embeddings that hold buffers but no parameter in any
+    instance: nothing in a checkpoint can fill them (their one tensor, ``cos_sin_cache``, is
+    computed from the config). Other layers keep vLLM's warning (an attention layer's FP8 scales,
+    say, do come from a checkpoint)."""
+    with_params, weightless = set(), set()
+    for m in model.modules():
+        name = type(m).__name__
+        if not name.endswith("RotaryEmbedding"):
+            continue
+        if any(p is not None for p in m._parameters.values()):
+            with_params.add(name)
+        elif any(b is not None for b in m._buffers.values()):
+            weightless.add(name)
+    return frozenset(weightless - with_params)
+
+
+def quiet_weightless_layer_warnings(model: torch.nn.Module) -> None:
+    """vLLM's layerwise reload counts a layer's buffers as weights to load, so at every update it
+    warns "RotaryEmbedding: Failed to load weights" and puts the layer's own tensors back unchanged
+    (checked: cos_sin_cache bit-identical, greedy tokens and logprobs identical after a reload). A
+    user reads that as a broken sync; for rotary embeddings with no parameter this worker drops
+    that one warning, says so once in its log, and keeps it for every other layer. Once per worker."""
+    logger = logging.getLogger(RELOAD_LOGGER)
+    if any(isinstance(f, _WeightlessLayerFilter) for f in logger.filters):
+        return
+    names = weightless_rotary_classes(model)
+    logger.addFilter(_WeightlessLayerFilter(names))
+    if names:
+        print(f"{time.strftime('%H:%M:%S')} INFO megarl.generator.weights: vLLM's weight reload warns "
+              f"'<layer>: Failed to load weights' at every update for {', '.join(sorted(names))}, which holds no "
+              f"weights (only a cos/sin cache computed from the config, which vLLM keeps): not shown", flush=True)
 
 
 def _refresh_tied_lm_head(model: torch.nn.Module) -> None:
