@@ -119,21 +119,48 @@ def _run_indices_on(starts: torch.Tensor, lengths: torch.Tensor, device: torch.d
     return base + torch.arange(base.numel(), dtype=torch.int64, device=device)
 
 
+CHUNK_ELEMENTS = 1 << 22  # elements per chunk of the torch path: at most ~48 bytes each (two int64
+                          # index tensors, the gathered values, their int64 bits, the weights, the
+                          # products), so ~200 MB on a device, whatever the tensor's size
+
+
 def checksum_segments(flat: torch.Tensor, segments: Segments) -> int:
     """:func:`weighted_checksum` of ``flat``'s elements over ``segments``, where the data is: C++ for
-    host tensors when built, torch ops on the device for CUDA tensors (only the 8-byte result leaves
-    the device; the index tensors are built there from the per-segment starts and lengths)."""
+    host tensors when built, torch ops on the device for CUDA tensors (:func:`checksum_segments_torch`:
+    only the 8-byte result leaves the device)."""
     offs, lens, hfs = segments
     if flat.device.type == "cpu" and _C is not None and hasattr(_C, "weighted_checksum_segments"):
         return int(_C.weighted_checksum_segments(flat.contiguous(), offs, lens, hfs))
-    if flat.device.type == "cpu":
-        idx = run_indices(offs.tolist(), lens.tolist())
-        hf = run_indices(hfs.tolist(), lens.tolist())
-    else:
-        idx, hf = _run_indices_on(offs, lens, flat.device), _run_indices_on(hfs, lens, flat.device)
-    # int64 products and sums wrap modulo 2**64 on every device: the same value as the C++ kernel
-    return weighted_checksum(value_bits(flat.reshape(-1)[idx]), hf)
+    return checksum_segments_torch(flat, segments)
+
+
+def checksum_segments_torch(flat: torch.Tensor, segments: Segments, chunk: int = CHUNK_ELEMENTS) -> int:
+    """The torch path of :func:`checksum_segments`, on ``flat``'s device, ``chunk`` elements at a time:
+    the segments' elements, taken in order, are cut into chunks (a chunk edge may fall inside a
+    segment), each chunk's index tensors are built on the device from its (small) per-segment starts
+    and lengths, and the partial sums add up on the device. int64 products and sums wrap modulo 2**64
+    on every device, so the result is the unchunked one and the C++ kernel's."""
+    offs, lens, hfs = segments
+    flat = flat.reshape(-1)
+    acc = torch.zeros((), dtype=torch.int64, device=flat.device)
+    if lens.numel() == 0:
+        return 0
+    ends = torch.cumsum(lens, 0)
+    starts = ends - lens
+    total = int(ends[-1])
+    for lo in range(0, total, chunk):
+        hi = min(lo + chunk, total)
+        i0 = int(torch.searchsorted(ends, torch.tensor(lo), right=True))  # first segment ending after lo
+        i1 = int(torch.searchsorted(starts, torch.tensor(hi)))  # segments starting before hi
+        s, n = starts[i0:i1], lens[i0:i1]
+        cut_lo, cut_hi = (lo - s).clamp(min=0), (s + n - hi).clamp(min=0)
+        n = n - cut_lo - cut_hi
+        idx = _run_indices_on(offs[i0:i1] + cut_lo, n, flat.device)
+        hf = _run_indices_on(hfs[i0:i1] + cut_lo, n, flat.device)
+        acc += (value_bits(flat[idx]) * ((hf * _W_MUL + _W_ADD) & _MASK32)).sum()
+        del idx, hf
+    return int(acc) & 0xFFFFFFFFFFFFFFFF
 
 
 __all__ = ["DdmaVerifyError", "value_bits", "weighted_checksum", "hf_flat_index", "run_indices",
-           "hf_segments", "checksum_segments"]
+           "hf_segments", "checksum_segments", "checksum_segments_torch", "CHUNK_ELEMENTS"]

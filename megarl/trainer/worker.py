@@ -97,15 +97,17 @@ def _coords() -> dict:
 
 
 def _shards(trainer) -> list[tuple[dict, torch.Tensor]]:
-    """This rank's HF pieces (copies) for the executor to reassemble; DP replicas other than
-    dp 0 hold the same values and send none."""
+    """This rank's HF pieces for the executor to reassemble; DP replicas other than dp 0 hold the
+    same values and send none. Host copies: the result is pickled to the controller, and a CUDA
+    tensor there would start CUDA in the controller and put a copy of the model on its cuda:0."""
     from megatron.core import parallel_state as ps
 
     from megarl.trainer.shards import local_shard_specs
 
     if ps.get_data_parallel_rank() != 0:
         return []
-    return [(s.describe(), s.local_view.clone()) for s in local_shard_specs(trainer.model) if not s.is_tied_copy]
+    return [(s.describe(), s.local_view.detach().to("cpu", copy=True))
+            for s in local_shard_specs(trainer.model) if not s.is_tied_copy]
 
 
 class _Server:
