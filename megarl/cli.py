@@ -58,7 +58,9 @@ def _parser() -> argparse.ArgumentParser:
                                    "`megarl train configs/quickstart.yaml trainer.tp=2 controller.steps=10`.")
     t.add_argument("config", help="YAML config file (see configs/)")
     t.add_argument("overrides", nargs="*", help="dotted overrides, section.key=value")
-    t.add_argument("--dry-run", action="store_true", help="validate and print the resolved config, start nothing")
+    t.add_argument("--dry-run", action="store_true",
+                   help="validate and print the resolved config and the plan (ranks, nodes, per-GPU memory, weight "
+                        "sync), start nothing; works without the weights (configs/models/) or the data")
     t.set_defaults(func=_cmd_train)
 
     c = sub.add_parser("config", help="explain knobs or show a resolved config")
@@ -180,9 +182,16 @@ def _cmd_launch(args: argparse.Namespace) -> int:
 def _cmd_train(args: argparse.Namespace) -> int:
     from megarl.config import load_config
 
-    cfg = load_config(args.config, args.overrides)
-    if args.dry_run:
-        return _print_config(cfg)
+    cfg = load_config(args.config, args.overrides, dry_run=args.dry_run)
+    if args.dry_run:  # validated on a machine that may lack the weights and the data; then the plan
+        from megarl.config.memory import dry_run_report
+
+        lines, problems = dry_run_report(cfg)
+        if problems:
+            raise ConfigError(problems, args.config)
+        _print_config(cfg)
+        print("\n".join(f"# {line}" for line in lines))
+        return 0
     from megarl.controller import run_job
 
     return run_job(cfg)

@@ -10,9 +10,10 @@ from megarl.config.loader import ConfigError, apply_overrides, build, describe, 
 __all__ = ["ConfigError", "knob", "load_config", "describe", "to_dict"]
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None):
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None, *, dry_run: bool = False):
     """Load, override, type-check and cross-check a job config. Raises ConfigError listing every
-    problem (each naming its key) before anything is started."""
+    problem (each naming its key) before anything is started. ``dry_run``: a plan on a machine without
+    the weights or the data (megarl/config/validate.py ``check``)."""
     from megarl.config.schema import MegaRLConfig
     from megarl.config.lag import apply_policy_lag
     from megarl.config.validate import check, cuda_expected
@@ -22,14 +23,14 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     cfg, problems = build(MegaRLConfig, tree)
     if problems:
         raise ConfigError(problems, str(path or ""))
-    problems = check(cfg)
+    problems = check(cfg, dry_run=dry_run)
     if problems:
         raise ConfigError(problems, str(path or ""))
     from megarl.config.data_choice import apply_data_choice
     from megarl.data.tasks import DataError
 
     try:  # reward.fn: auto -> the training data's schema reward; data.choice says what was recognised
-        apply_data_choice(cfg)
+        apply_data_choice(cfg, missing_ok=dry_run)
     except DataError as e:
         raise ConfigError([str(e)], str(path or "")) from None
     try:  # controller.max_policy_lag: auto -> a number, from the placement (megarl/config/lag.py)

@@ -13,13 +13,19 @@ from megarl.data.tasks import source_schema
 from megarl.reward.config import AUTO
 
 
-def apply_data_choice(cfg) -> None:
-    """Resolve ``reward.fn: auto`` from the training data and write ``data.choice``."""
+def apply_data_choice(cfg, *, missing_ok: bool = False) -> None:
+    """Resolve ``reward.fn: auto`` from the training data and write ``data.choice``. ``missing_ok``
+    (a dry run): data not on this machine leaves ``reward.fn: auto`` to be decided at start."""
     d = cfg.data
     keys = {"prompt_key": d.prompt_key, "answer_key": d.answer_key}
+    if missing_ok and not _here(d.train_path):
+        d.choice = (f"data.train_path={d.train_path!r} is not on this machine: its row schema"
+                    f"{' and reward.fn (auto)' if cfg.reward.fn == AUTO else ''} are decided when the job starts"
+                    f"{'' if cfg.reward.fn == AUTO else f'; reward.fn={cfg.reward.fn} (set in the config)'}")
+        return
     train, where = source_schema(d.train_path, **keys)
     parts = [f"data.train_path: {train.describe()}, recognised from {where}"]
-    if d.eval_path:
+    if d.eval_path and (not missing_ok or _here(d.eval_path)):
         held, held_where = source_schema(d.eval_path, **keys)
         parts.append(f"data.eval_path: {held.describe()}, recognised from {held_where}")
     if cfg.reward.fn == AUTO:
@@ -30,6 +36,18 @@ def apply_data_choice(cfg) -> None:
     if d.instruction == "auto":
         parts.append(f"text prompts get {train.instruction!r} (data.instruction auto)")
     d.choice = "; ".join(parts)
+
+
+def _here(source: str) -> bool:
+    from megarl.data.sources import DataError, data_files
+
+    if source == "builtin:arithmetic":
+        return True
+    try:
+        data_files(source)
+    except DataError:
+        return False
+    return True
 
 
 def instruction_for(cfg, schema) -> str:

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from megarl.algorithms.config import OWN_BEHAVIOUR_CORRECTION
+from megarl.config.model_source import REPO_ROOT, hub_cache, is_hub_id, local_model_dir, shipped_config
 from megarl.config.placement import device_plan
 from megarl.data.tasks import data_problems
 from megarl.models.dims import ModelDims, divisors, parallel_problems, vllm_tp_problems
@@ -29,11 +30,16 @@ BUILTIN_MODEL_SHAPES = {
 }
 
 
-def model_shape(path: str) -> dict[str, Any] | None:
-    """The HF config fields that constrain parallelism, or None if the folder has no config.json."""
+def model_shape(path: str, *, shipped_ok: bool = False) -> dict[str, Any] | None:
+    """The HF config fields that constrain parallelism, or None if the folder has no config.json.
+    ``path``: a folder or an HF id in the local HF cache; ``shipped_ok``: else the config shipped in
+    configs/models/ (a plan without the weights)."""
     if path in BUILTIN_MODEL_SHAPES:
         return BUILTIN_MODEL_SHAPES[path]
-    cfg_file = Path(path) / "config.json"
+    local = local_model_dir(path)
+    cfg_file = local / "config.json" if local is not None else Path(path) / "config.json"
+    if not cfg_file.is_file() and shipped_ok and shipped_config(path) is not None:
+        cfg_file = shipped_config(path)
     if not cfg_file.is_file():
         return None
     try:
@@ -50,8 +56,10 @@ def rank_counts(cfg: MegaRLConfig) -> dict[str, int]:
     return {"trainer": trainer, "generator": generator, "total": trainer + generator}
 
 
-def check(cfg: MegaRLConfig) -> list[str]:
-    """Every cross-section problem, each naming the key and what to change."""
+def check(cfg: MegaRLConfig, *, dry_run: bool = False) -> list[str]:
+    """Every cross-section problem, each naming the key and what to change. ``dry_run``: a plan on a
+    machine without the weights or the data: a model folder or data file that is not here is not a
+    problem (the model's shape then comes from configs/models/; :func:`absent_paths` lists them)."""
     problems: list[str] = []
     t, g = cfg.trainer, cfg.generator
 
@@ -98,6 +106,8 @@ def check(cfg: MegaRLConfig) -> list[str]:
                        ("cluster.generator_nodes", c.generator_nodes)):
         if value < 0:
             problems.append(f"{key}={value}: must be >= 0 (0 = derive it from the allocation)")
+    if not c.gpu_memory_gb > 0:
+        problems.append(f"cluster.gpu_memory_gb={c.gpu_memory_gb}: must be > 0 (GB of one GPU)")
     if c.controller_cpus < 1:
         problems.append(f"cluster.controller_cpus={c.controller_cpus}: must be >= 1 (CPUs)")
     if not c.preempt_grace_s > 0:
@@ -131,19 +141,21 @@ def check(cfg: MegaRLConfig) -> list[str]:
 
     # Paths.
     if cfg.model.path != BUILTIN_SMOLLM2:
-        mp = Path(cfg.model.path)
-        if not mp.exists():
-            problems.append(f"model.path={cfg.model.path!r}: no such folder; point it at an HF model folder "
-                            f"or use '{BUILTIN_SMOLLM2}'")
+        mp = local_model_dir(cfg.model.path)
+        if mp is None:
+            if not (dry_run and shipped_config(cfg.model.path)):
+                cache = f" and not an HF id in the local HF cache ({hub_cache()})" if is_hub_id(cfg.model.path) else ""
+                problems.append(f"model.path={cfg.model.path!r}: no such folder{cache}; point it at an HF model "
+                                f"folder, an HF id downloaded to the cache, or use '{BUILTIN_SMOLLM2}'")
         elif not (mp / "config.json").is_file():
             problems.append(f"model.path={cfg.model.path!r}: has no config.json; is it an HF model folder?")
     # Data: every file named is read through (a stream) so a bad row stops the job here, naming file:line.
     problems += data_problems({"data.train_path": cfg.data.train_path, "data.eval_path": cfg.data.eval_path},
-                              prompt_key=cfg.data.prompt_key, answer_key=cfg.data.answer_key)
+                              prompt_key=cfg.data.prompt_key, answer_key=cfg.data.answer_key, missing_ok=dry_run)
 
     # The model's family (only what DDMA and the conversions verify may start), then the parallel
     # sizes against its shape: the same rules the trainer and the generator apply (megarl.models.dims).
-    shape = model_shape(cfg.model.path)
+    shape = model_shape(cfg.model.path, shipped_ok=dry_run)
     if shape:
         problem = shape.get("_error") or architecture_problem(shape)
         if problem:
@@ -162,6 +174,26 @@ def check(cfg: MegaRLConfig) -> list[str]:
             f"generator tp*replicas={counts['generator']} = {counts['total']} ranks; change trainer.dp / "
             f"generator.replicas or the job's size")
     return problems
+
+
+def absent_paths(cfg: MegaRLConfig) -> list[str]:
+    """What a dry run could not see on this machine (the model's weights, data files), one line each."""
+    from megarl.data.sources import DataError, data_files
+
+    out = []
+    if cfg.model.path != BUILTIN_SMOLLM2 and local_model_dir(cfg.model.path) is None:
+        shipped = shipped_config(cfg.model.path)
+        out.append(f"model.path={cfg.model.path!r} is not on this machine (nor in {hub_cache()}); its shape is read "
+                   f"from {shipped.relative_to(REPO_ROOT) if shipped else '(nothing)'}")
+    for key in ("train_path", "eval_path"):
+        value = getattr(cfg.data, key)
+        if value and value != "builtin:arithmetic":
+            try:
+                data_files(value)
+            except DataError as e:
+                out.append(f"data.{key}={value!r}: not here ({str(e).removeprefix(f'{value}: ')}); its rows are "
+                           f"checked when the job starts")
+    return out
 
 
 def cuda_expected(device: str) -> bool:

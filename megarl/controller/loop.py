@@ -313,13 +313,16 @@ def _announce_native(mode: str) -> None:
 
 
 def resolve_model(path: str) -> Path:
-    """An HF folder for ``model.path`` (the built-in SmolLM2 is converted once and cached)."""
+    """An HF folder for ``model.path``: a folder, an HF id's snapshot in the local HF cache, or the
+    built-in SmolLM2 (converted once and cached)."""
     if path == BUILTIN_SMOLLM2:
         from megarl.models.smollm2 import ensure_smollm2_hf
 
         log.info("preparing the built-in SmolLM2-135M-Instruct (first time: converts the GGUF, ~1 min)")
         return ensure_smollm2_hf()
-    return Path(path)
+    from megarl.config.model_source import local_model_dir
+
+    return local_model_dir(path) or Path(path)  # an HF id: its snapshot in the local HF cache
 
 
 def place_devices(cfg: MegaRLConfig) -> DevicePlan:

@@ -128,9 +128,11 @@ def _messages(prompt: object, key: str, where: str) -> tuple[tuple[str, str], ..
     return tuple(out)
 
 
-def data_problems(paths: dict[str, str], *, prompt_key: str = "", answer_key: str = "") -> list[str]:
+def data_problems(paths: dict[str, str], *, prompt_key: str = "", answer_key: str = "",
+                  missing_ok: bool = False) -> list[str]:
     """For each config key -> data source: why it cannot be read (no such file, the first bad row),
-    as '<key>: <file:line>: why'. Reads every row (a stream: no row is kept)."""
+    as '<key>: <file:line>: why'. Reads every row (a stream: no row is kept). ``missing_ok``: a
+    source that is not on this machine is no problem (a dry run)."""
     out = []
     for key, path in paths.items():
         if not path or path == BUILTIN_ARITHMETIC:
@@ -138,6 +140,8 @@ def data_problems(paths: dict[str, str], *, prompt_key: str = "", answer_key: st
         try:
             data_files(path)
         except DataError as e:  # the source itself: no such file, an empty folder or glob
+            if missing_ok:
+                continue
             out.append(f"{key}={path!r}: {str(e).removeprefix(f'{path}: ')}; give a .jsonl, .json or .parquet file, "
                        f"a folder or glob of them, or '{BUILTIN_ARITHMETIC}'")
             continue
