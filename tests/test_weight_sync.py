@@ -106,3 +106,49 @@ def test_default_probe_bound_follows_the_coarser_of_engine_and_trainer():
     assert gap("trainer.params_dtype=float32", "generator.dtype=float32") == 1e-3
     assert gap("trainer.params_dtype=bfloat16", "generator.dtype=float32") == 0.25
     assert gap("trainer.params_dtype=bfloat16", "sync.probe_max_gap=0.5") == 0.5
+
+
+def test_fp8_wire_into_an_fp32_engine_runs_past_the_first_probe(tiny_llama_tied_dir, tmp_path):
+    """sync.wire=fp8 lands e4m3-rounded weights in an fp32 engine: the probe gap is FP8's, not fp32's.
+    The bound followed the engine alone (1e-3) and a config that validates stopped at v0 with
+    ProbeMismatch; it follows the coarsest of trainer, wire and engine (1.0, FP8's)."""
+    from megarl.controller.loop import model_dims, resolved_sync
+    from megarl.controller.weight_sync import WeightSync
+
+    cfg = load_config(REPO / "configs" / "tiny_test.yaml", [
+        f"model.path={tiny_llama_tied_dir}", "generator.dtype=float32", "generator.max_new_tokens=12",
+        "sync.wire=fp8", "sync.probe_every=1", "cluster.device=cpu"])
+    sync_cfg = resolved_sync(cfg)
+    assert sync_cfg.probe_max_gap == 1.0  # FP8's bound (megarl/controller/weight_sync.py)
+    trainer = LocalTrainer(cfg.trainer, cfg.algorithm, tiny_llama_tied_dir, total_steps=1, run_dir=tmp_path)
+    try:
+        with GeneratorExecutor(cfg.generator, tiny_llama_tied_dir) as gen:
+            sync = WeightSync(sync_cfg, trainer, gen, dims=model_dims(tiny_llama_tied_dir), generator_cfg=cfg.generator,
+                              probe_prompt=[1, 504, 3180, 314])
+            g = torch.Generator().manual_seed(0)
+            gaps = []
+            for version in (0, 1):  # v0 is where it stopped; v1 after the weights moved as a step moves them
+                m = sync.push(version)
+                assert m["sync/verified"] == 1.0
+                gaps.append(m["sync/probe_gap"])
+                with torch.no_grad():
+                    for p in trainer.model.parameters():
+                        p.add_(torch.randn(p.shape, generator=g) * 0.05)
+            # e4m3 rounding moves the engine's logprobs past the fp32 bound (the old one) and stays under FP8's
+            print("fp8 wire probe gaps", gaps)
+            assert max(gaps) > 1e-3 and max(gaps) < 1.0, gaps
+    finally:
+        trainer.close()
+
+
+def test_probe_bound_follows_the_wire():
+    from megarl.controller.loop import resolved_sync
+    from megarl.controller.weight_sync import default_probe_gap
+
+    assert default_probe_gap("float32", "none", "float32", "fp8") == 1.0
+    assert default_probe_gap("float32", "none", "float32", "engine") == 1e-3
+    tiny = str(REPO / "configs" / "tiny_test.yaml")
+    gap = lambda *o: resolved_sync(load_config(tiny, ["cluster.device=cpu", "generator.dtype=float32", *o])).probe_max_gap  # noqa: E731
+    assert gap("sync.wire=fp8") == 1.0
+    assert gap("sync.wire=engine") == 1e-3
+    assert gap("sync.wire=fp8", "sync.probe_max_gap=0.4") == 0.4

@@ -272,7 +272,8 @@ def model_dims(model_dir: Path) -> ModelDims:
 
 def resolved_sync(cfg: MegaRLConfig):
     """``cfg.sync`` with ``transport`` resolved (auto / p2p -> the transport this job uses, megarl.ddma.transport)
-    and ``probe_max_gap`` 0 replaced by the bound for the engine's and the trainer's precision."""
+    and ``probe_max_gap`` 0 replaced by the bound for the coarsest of the trainer's weights, the DDMA wire and
+    the engine."""
     import dataclasses
 
     from megarl.config.validate import cuda_expected
@@ -281,7 +282,8 @@ def resolved_sync(cfg: MegaRLConfig):
 
     device = "cuda" if cuda_expected(cfg.cluster.device) else "cpu"
     gap = cfg.sync.probe_max_gap or default_probe_gap(cfg.generator.dtype, cfg.generator.quantization,
-                                                      cfg.trainer.params_dtype)
+                                                      cfg.trainer.params_dtype,
+                                                      cfg.sync.wire if cfg.sync.method == "ddma" else "engine")
     return dataclasses.replace(cfg.sync, probe_max_gap=gap, transport=choose_transport(
         cfg.sync.transport, device=device, same_host=cfg.cluster.launcher == "local"))
 

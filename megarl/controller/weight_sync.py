@@ -10,15 +10,18 @@ Proof: DDMA checksums every destination slice every ``sync.verify_every`` syncs,
 taken on the engine's parameters as they landed (a mismatch raises on the worker and stops the
 job). At the first sync, always, and then every ``sync.probe_every`` syncs, a logprob probe
 generates greedily from a fixed prompt and compares the engine's logprobs with the trainer's on the
-same tokens. The default bound (``sync.probe_max_gap=0``) follows the engine's precision:
+same tokens. The default bound (``sync.probe_max_gap=0``) follows the coarsest of the trainer's
+weights, the DDMA wire (``sync.wire``) and the engine:
 
 - float32: 1e-3 nats. Measured engine-vs-trainer mismatch is < 1e-4 (tests/test_controller.py); 10x margin.
 - bfloat16 / float16 (engine or trainer weights): 0.25 nats. The largest bf16 engine-vs-reference gap
   measured is 0.062, on an AMX CPU (DESIGN.md "Numerics"); 4x margin. A bf16 trainer (bf16 matmuls, fp32
   master weights) against an fp32 engine holding the same bf16-valued weights: 0.124 measured on
   SmolLM2-135M, AMX CPU (the quickstart's first probe); 2x margin.
-- FP8 weights: 1.0 nats. e4m3 keeps 3 mantissa bits, so each weight errs by up to 2^-4 relative, and this
-  bound only catches gross errors.
+- FP8 weights (the engine's quantization, or ``sync.wire=fp8``: the engine then holds e4m3-rounded values,
+  even an fp32 one): 1.0 nats. e4m3 keeps 3 mantissa bits, so each weight errs by up to 2^-4 relative, and
+  this bound only catches gross errors. Measured with wire fp8 into an fp32 engine at v0: 0.42 nats on the
+  tiny test model (tests/test_weight_sync.py), 0.30 in the run that the fp32 bound stopped; 2.4x margin.
 
 A wrong layout scrambles the weights, and a real model's logprobs then move by many nats. (A random
 tiny test model's logits are nearly uniform, so use perturbed weights to test the probe.)
@@ -48,10 +51,11 @@ class ProbeMismatch(RuntimeError):
     """The generator's logprobs on the probe prompt are not the trainer's: its weights are wrong."""
 
 
-def default_probe_gap(dtype: str, quantization: str, trainer_dtype: str = "float32") -> float:
+def default_probe_gap(dtype: str, quantization: str, trainer_dtype: str = "float32", wire: str = "engine") -> float:
     """The probe bound for an engine of ``dtype`` fed by a trainer whose weights are ``trainer_dtype``
-    (see module docstring for where each number comes from): the coarser side sets it."""
-    if quantization != "none":
+    over a DDMA ``wire`` (see module docstring for where each number comes from): the coarsest of the
+    three sets it. ``wire="fp8"`` lands e4m3-rounded weights, so an fp32 engine then holds FP8 values."""
+    if quantization != "none" or wire == "fp8":
         return 1.0
     return 1e-3 if dtype == trainer_dtype == "float32" else 0.25
 
@@ -124,7 +128,8 @@ class WeightSync:
         self.cfg, self.trainer, self.generator = cfg, trainer, generator
         self.quiesce = quiesce  # controller.deterministic: weights change only when no round is in flight
         self.probe_prompt, self.pad_id = list(probe_prompt), pad_id
-        self.max_gap = cfg.probe_max_gap or default_probe_gap(generator_cfg.dtype, generator_cfg.quantization)
+        self.max_gap = cfg.probe_max_gap or default_probe_gap(generator_cfg.dtype, generator_cfg.quantization,
+                                                              wire=cfg.wire if cfg.method == "ddma" else "engine")
         self.strategy = STRATEGIES[cfg.method](cfg, trainer, generator, dims=dims, generator_cfg=generator_cfg)
         self.syncs = 0
 

@@ -57,8 +57,9 @@ class SyncConfig:
         "prompt against the trainer's own on the same tokens; a gap over probe_max_gap stops the job, naming the "
         "version and the gap (syncs; 0 = only the first sync). Default 10."))
     probe_max_gap: float = knob(0.0, help=(
-        "Largest allowed |generator - trainer| logprob on the probe (nats; 0 = by the engine's precision: "
-        "1e-3 float32, 0.25 bfloat16/float16, 1.0 with FP8 weights; see megarl/controller/weight_sync.py)."))
+        "Largest allowed |generator - trainer| logprob on the probe (nats; 0 = by the coarsest of the trainer's "
+        "weights, the wire and the engine: 1e-3 float32, 0.25 bfloat16/float16, 1.0 with FP8 weights or "
+        "sync.wire=fp8; see megarl/controller/weight_sync.py)."))
     timeout_s: float = knob(300.0, help="Longest wait of any sync step (seconds). Default 300.")
 
     def problems(self, trainer_ranks: int, on_cuda: bool | None = None, same_host: bool = True) -> list[str]:
