@@ -70,6 +70,7 @@ def test_math_jsonl_loads_every_row_with_the_last_boxed_answer(tmp_path):
     path = _jsonl(tmp_path / "math.jsonl", MATH_ROWS)
     schema, tasks = read_tasks(str(path))
     assert (schema.name, schema.reward, schema.prompt_key, schema.answer_key) == ("math", "math", "problem", "solution")
+    assert schema.eval_answer == "boxed"  # held-out MATH replies are judged on their last \boxed{}
     assert [t.answer for t in tasks] == MATH_GOLD
     assert [t.question for t in tasks] == [r["problem"] for r in MATH_ROWS]
     assert [t.where for t in tasks] == [f"{path}:{i}" for i in (1, 2, 3)]

@@ -30,6 +30,27 @@ def test_strict_scorer(reply, gold, finish, want):
     assert strict_correct(reply, gold, finish) == want
 
 
+@pytest.mark.parametrize("reply, gold, finish, want", [
+    ("So $\\boxed{\\frac{5}{6}}$.", "\\frac{5}{6}", "stop", (True, True)),
+    ("\\boxed{0.5}", "\\dfrac{1}{2}", "stop", (True, True)),        # the same number
+    ("\\boxed{6}", "\\frac{5}{6}", "stop", (False, True)),          # the last-number scorer would say 6 == 6
+    ("\\boxed{2\\sqrt{2}}", "2\\sqrt{2}", "stop", (True, True)),
+    ("\\boxed{2}", "2\\sqrt{2}", "stop", (False, True)),
+    ("\\boxed{\\left( 3, \\frac{\\pi}{2} \\right)}", "\\left( 3, \\frac{\\pi}{2} \\right)", "stop", (True, True)),
+    ("Try $\\boxed{-3}$: no. So $x = \\boxed{3}$", "3", "stop", (True, True)),  # the last box counts
+    ("\\boxed{3} no wait \\boxed{4}", "3", "stop", (False, True)),
+    ("The answer is 3", "3", "stop", (False, False)),                # no box: unformatted, wrong
+    ("Solve $x^2 = 9$ for $x > 0$.", "3", "stop", (False, False)),   # restating the question
+    ("\\boxed{12+7}", "19", "stop", (False, True)),                 # no algebra in the strict scorer
+    ("\\boxed{3}", "3", "length", (False, False)),                  # truncated
+    ("\\boxed{3", "3", "stop", (False, False)),                     # unclosed
+    ("\\boxed{}", "3", "stop", (False, False)),
+])
+def test_strict_scorer_on_boxed_data(reply, gold, finish, want):
+    """MATH-style held-out data: the last \\boxed{} of a finished reply against the gold."""
+    assert strict_correct(reply, gold, finish, style="boxed") == want
+
+
 def test_last_number_is_exact():
     assert last_number("a 0.1 b 0.2") == Fraction(1, 5)
     assert last_number("x = -3") == -3

@@ -5,6 +5,12 @@ Its scorer is written here on its own, shares no code with ``megarl.reward``, an
 expression: the answer is the last number of a reply that *finished* (a truncated reply is wrong,
 whatever it contains), compared with the gold number exactly (as a fraction). A reply that restates
 the question ("To find 12 + 7, ...") ends in 7 and is wrong.
+
+Data whose answers are boxed (MATH: the row schema's ``eval_answer`` is ``boxed``) is judged on the
+reply's last ``\\boxed{...}`` instead: equal to the gold as an exact number when both are numbers
+(``\\frac{1}{2}`` and ``0.5``), else as normalised text (spaces, ``\\left``/``\\right``, ``\\dfrac``
+and ``$`` do not count). No boxed answer, or an unfinished reply, is wrong. Stricter than the
+``math`` reward (no symbolic algebra: ``\\boxed{12+7}`` is not 19), and independent of it.
 """
 
 from __future__ import annotations
@@ -30,9 +36,65 @@ def last_number(text: str) -> Fraction | None:
     return Fraction(found[-1].replace(",", "").replace("\u2212", "-"))
 
 
-def strict_correct(reply: str, gold: str, finish_reason: str | None) -> tuple[bool, bool]:
+_BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
+_FRAC = re.compile(r"^(-?)\\[dt]?frac\{(\d+)\}\{(\d+)\}$")
+_TEX_NOISE = re.compile(r"\\left|\\right|\\!|\\,|\\;|\\ |\$|\s+")
+ANSWER_STYLES = ("number", "boxed")
+
+
+def boxed_answer(text: str) -> str | None:
+    """Content of the last closed ``\\boxed{...}`` of ``text`` (braces balanced), else None."""
+    starts = [m.end() for m in _BOXED.finditer(text)]
+    if not starts:
+        return None
+    depth, i = 1, starts[-1]
+    while i < len(text) and depth:
+        if text[i] == "\\" and i + 1 < len(text) and text[i + 1] in "{}":
+            i += 2
+            continue
+        depth += {"{": 1, "}": -1}.get(text[i], 0)
+        i += 1
+    return None if depth else text[starts[-1]:i - 1]
+
+
+def _tex_key(text: str) -> str:
+    key = _TEX_NOISE.sub("", text).replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
+    return key.removesuffix(".").removeprefix("\\text{").removesuffix("}") if key.startswith("\\text{") else \
+        key.removesuffix(".")
+
+
+def _tex_number(text: str) -> Fraction | None:
+    """A plain number or a numeric ``\\frac{a}{b}``, exactly; None for anything else."""
+    key = _tex_key(text)
+    m = _FRAC.match(key)
+    if m:
+        value = Fraction(int(m.group(2)), int(m.group(3))) if int(m.group(3)) else None
+        return -value if value is not None and m.group(1) else value
+    if re.fullmatch(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?|-?\d+(?:\.\d+)?|-?\.\d+", key):
+        return Fraction(key.replace(",", ""))
+    return None
+
+
+def strict_boxed_correct(reply: str, gold: str, finish_reason: str | None) -> tuple[bool, bool]:
+    """(correct, formatted) for boxed data: formatted = the reply finished with a ``\\boxed{}``
+    answer; correct = that answer equals ``gold`` (an exact number, else normalised text)."""
+    if finish_reason == "length":
+        return False, False
+    answer = boxed_answer(reply)
+    if answer is None or not answer.strip():
+        return False, False
+    gold = boxed_answer(gold) or gold
+    a, g = _tex_number(answer), _tex_number(gold)
+    if a is not None and g is not None:
+        return a == g, True
+    return _tex_key(answer) == _tex_key(gold) and bool(_tex_key(gold)), True
+
+
+def strict_correct(reply: str, gold: str, finish_reason: str | None, style: str = "number") -> tuple[bool, bool]:
     """(correct, formatted): formatted = the reply finished and contains a number; correct = that
-    number, the reply's last, equals ``gold``."""
+    number, the reply's last, equals ``gold``. ``style='boxed'``: :func:`strict_boxed_correct`."""
+    if style == "boxed":
+        return strict_boxed_correct(reply, gold, finish_reason)
     if finish_reason == "length":
         return False, False
     answer = last_number(reply)
@@ -73,14 +135,21 @@ class EvalResult:
 class StrictScorer:
     """The strict held-out scorer behind the ``RewardScorer`` call the training reward takes, so
     evaluation reads the same records: ``correct`` / ``formatted`` by :func:`strict_correct`, and
-    ``reward`` 1 for a correct reply, else 0 (never the training reward's shaping)."""
+    ``reward`` 1 for a correct reply, else 0 (never the training reward's shaping). ``style``: how a
+    reply's final answer is read, the held-out data's (``number`` or ``boxed``)."""
+
+    def __init__(self, style: str = "number"):
+        if style not in ANSWER_STYLES:
+            raise ValueError(f"answer style {style!r}: expected one of {ANSWER_STYLES}")
+        self.style = style
 
     def score(self, samples: Sequence[Sample], answers: Sequence[str],
               decode: Callable[[Sequence[int]], str]) -> None:
         """Set every sample's ``correct``, ``formatted`` and ``reward``; ``answers[i]``: the gold
         answer of prompt ``i``."""
         for s in samples:
-            s.correct, s.formatted = strict_correct(decode(s.completion_ids), answers[s.prompt_index], s.finish_reason)
+            s.correct, s.formatted = strict_correct(decode(s.completion_ids), answers[s.prompt_index], s.finish_reason,
+                                                    self.style)
             s.reward = float(s.correct)
 
 

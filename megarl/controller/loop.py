@@ -211,7 +211,7 @@ def evaluate(generator: Generator, prompts: PromptSource, run: RunFolder, *, ste
     t0 = time.monotonic()
     tasks, prompt_ids = prompts.eval_set()
     samples = generator.generate(prompt_ids, n_samples=1, sampling={"temperature": 0.0})
-    StrictScorer().score(samples, [t.answer for t in tasks], prompts.decode)
+    StrictScorer(getattr(prompts, "eval_answer", "number")).score(samples, [t.answer for t in tasks], prompts.decode)
     run.write_eval_samples(step, [{"question": tasks[s.prompt_index].question, "gold": tasks[s.prompt_index].answer,
                                    "reply": prompts.decode(s.completion_ids), "finish_reason": s.finish_reason,
                                    "correct": s.correct} for s in samples])

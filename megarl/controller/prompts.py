@@ -46,9 +46,11 @@ class PromptSource:
         keys = {"prompt_key": d.prompt_key, "answer_key": d.answer_key}
         schema, tasks = read_tasks(d.train_path, seed=d.seed, **keys)
         instruction = {"train": instruction_for(cfg, schema), "held-out": instruction_for(cfg, schema)}
+        self.eval_answer = schema.eval_answer  # how evaluation reads a reply's final answer: number or boxed
         if d.eval_path:
             held_schema, held = read_tasks(d.eval_path, limit=d.eval_size, **keys)
             instruction["held-out"] = instruction_for(cfg, held_schema)
+            self.eval_answer = held_schema.eval_answer
             held_keys = {question_key(t.question) for t in held}
             train = [t for t in tasks if question_key(t.question) not in held_keys]
             if len(train) < len(tasks):
@@ -85,7 +87,8 @@ class PromptSource:
             raise ConfigError([f"data.train_path={cfg.data.train_path!r}: no prompt fits in {self.max_prompt_tokens} "
                                f"tokens ({why})"])
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        log.info("prompts: %d train, %d held-out (disjoint by content)", len(self.train), len(self.held))
+        log.info("prompts: %d train, %d held-out (disjoint by content); held-out replies are judged on their %s",
+                 len(self.train), len(self.held), "last \\boxed{}" if self.eval_answer == "boxed" else "last number")
 
     def batch(self, index: int, size: int):
         """The ``index``-th batch of ``size`` (task, prompt ids) rows."""

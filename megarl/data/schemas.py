@@ -45,6 +45,9 @@ class RowSchema:
     gold: str         # how the gold final answer is read from the answer column (see the module doc)
     reward: str       # the reward.fn this data gets when reward.fn is auto
     instruction: str  # what data.instruction auto appends to a string prompt
+    # How held-out evaluation reads a reply's final answer (megarl/controller/evaluation.py): 'number'
+    # (the last number) or 'boxed' (the last \boxed{}, for answers that are not all numbers).
+    eval_answer: str = "number"
 
     def keys(self, prompt_key: str = "", answer_key: str = "") -> "RowSchema":
         """This schema with ``data.prompt_key`` / ``data.answer_key`` in place of its own keys."""
@@ -65,9 +68,9 @@ SCHEMAS: tuple[RowSchema, ...] = (
     # dapo reward reads that line or the last \boxed{}.
     RowSchema("verl", "verl", "prompt", "reward_model.ground_truth", "as_is", "dapo", ANSWER_BOXED),
     # MATH (Hendrycks): problem, solution (the gold answer is its last \boxed{}), level, type.
-    RowSchema("math", "MATH", "problem", "solution", "boxed", "math", ANSWER_BOXED),
+    RowSchema("math", "MATH", "problem", "solution", "boxed", "math", ANSWER_BOXED, "boxed"),
     # MATH-500 and similar: problem + a bare answer.
-    RowSchema("math-answer", "MATH (answer column)", "problem", "answer", "auto", "math", ANSWER_BOXED),
+    RowSchema("math-answer", "MATH (answer column)", "problem", "answer", "auto", "math", ANSWER_BOXED, "boxed"),
     # GSM8K: question, answer ('... #### 72').
     RowSchema("gsm8k", "GSM8K", "question", "answer", "hash", "gsm8k", ANSWER_NUMBER),
     # Plain: prompt (text or messages) + answer.
