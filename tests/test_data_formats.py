@@ -256,7 +256,7 @@ def test_one_train_step_on_verl_parquet_shards(tmp_path, tiny_llama_dir):
     out = subprocess.run(
         [sys.executable, "-m", "megarl", "train", str(REPO / "configs" / "tiny_test.yaml"), f"model.path={tiny_llama_dir}",
          f"logging.out_dir={tmp_path / 'runs'}", f"data.train_path={shards / 'train-*.parquet'}", "data.eval_size=4",
-         "controller.steps=1", "controller.eval_every=0", "algorithm.entropy_coef=0.01", "reward.workers=1"],
+         "controller.steps=1", "controller.eval_every=1", "algorithm.entropy_coef=0.01", "reward.workers=1"],
         capture_output=True, text=True, timeout=600, cwd=REPO, env=dict(os.environ, PYTHONUNBUFFERED="1"))
     log = out.stdout + out.stderr
     assert out.returncode == 0, log[-4000:]
@@ -265,7 +265,8 @@ def test_one_train_step_on_verl_parquet_shards(tmp_path, tiny_llama_dir):
             and f"recognised from {shards / 'train-00000-of-00002.parquet'}:row 0" in choice
             and "reward.fn=dapo (auto: the verl schema's reward)" in choice), choice
     assert "prompts: 8 train, 4 held-out" in log, log[-4000:]  # all 12 rows of both shards
-    (row,) = [json.loads(ln) for ln in (tmp_path / "runs" / "tiny-test" / "metrics.jsonl").read_text().splitlines()]
+    base, row = [json.loads(ln) for ln in (tmp_path / "runs" / "tiny-test" / "metrics.jsonl").read_text().splitlines()]
     assert row["step"] == 1 and row["gen/samples"] == 8 and row["train/tokens"] > 0 and row["train/grad_norm"] > 0
+    assert base["step"] == 0 and base["eval/n"] == 4 == row["eval/n"]  # the 4 held-out chat prompts, scored
     config = (tmp_path / "runs" / "tiny-test" / "config.yaml").read_text()
     assert "fn: dapo" in config
