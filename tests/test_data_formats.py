@@ -237,6 +237,32 @@ def test_the_config_refuses_bad_data_naming_key_file_and_row(tmp_path):
         _cfg(tmp_path, "builtin:arithmetic", f"data.eval_path={tmp_path / 'nope'}")
 
 
+def test_prompt_knobs_reach_the_prompts(tmp_path, tiny_llama_dir, caplog):
+    """data.instruction auto = the schema's; data.system_prompt adds a system turn to text prompts;
+    the run's first lines name the schema, its keys and the reward."""
+    import logging
+
+    from megarl.controller.prompts import PromptSource
+
+    rows = MATH_ROWS * 3 + [{"problem": f"What is {i} + {i}?", "solution": f"\\boxed{{{2 * i}}}"} for i in range(8)]
+    path = _jsonl(tmp_path / "math.jsonl", rows[:3] + rows[9:])
+    with caplog.at_level(logging.INFO, logger="megarl"):
+        src = PromptSource(_cfg(tmp_path, path, "data.eval_size=2"), tiny_llama_dir)
+    assert len(src.train) + len(src.held) == 11 and src.eval_answer == "boxed"
+    text = src.decode(src.train[0][1])
+    assert "put your final answer within \\boxed{}" in text and "Reply with only" not in text
+    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("data: ")]
+    assert "MATH rows (prompt 'problem', gold answer its last \\boxed{} of 'solution')" in line and \
+        "reward.fn=math (auto" in line
+    src = PromptSource(_cfg(tmp_path, path, "data.eval_size=2", "data.instruction=", "data.system_prompt=Be brief."),
+                       tiny_llama_dir)
+    texts = [src.decode(ids) for _, ids in src.train]
+    assert all("Be brief." in t and "boxed{}" not in t for t in texts)
+    assert src.tokenizer.apply_chat_template(
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": src.train[0][0].question}],
+        tokenize=False, add_generation_prompt=True) == src.tokenizer.decode(src.train[0][1])
+
+
 # ---------------------------------------------------------------------------------------------
 # End to end: one step on DAPO-style chat prompts from two parquet shards (the one slow test here)
 
