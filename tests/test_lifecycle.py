@@ -358,9 +358,32 @@ def test_a_killed_executor_process_stops_the_async_job_naming_it(tiny_llama_dir,
         alive = _wait_gone(descendants, GONE_WITHIN_S)
         assert not alive, f"{victim} killed: still alive {GONE_WITHIN_S:.0f}s after the job: {_describe(alive)}"
         text = log_path.read_text()
-        assert code not in (0, None) and named in text, (code, text[-3000:])
+        assert code == 3 and named in text, (code, text[-3000:])  # 3: ExecutorError (megarl/utils/errors.py)
         assert stopped < STOPS_WITHIN_S
+        _check_console(text, named, tmp_path / "out" / "tiny-test" / "logs" / "controller.log", victim)
     finally:
         _kill_quietly(descendants)
         job.kill()
         job.wait(30)
+
+
+def _check_console(text: str, named: str, controller_log: Path, victim: str) -> None:
+    """What the user sees after a dead process (docs/errors.md): the console ends in one line naming
+    it with its pid and the logs, no traceback, and the resource tracker's "leaked semaphore" (a
+    killed child's) went to the controller's log, not after that line. For a replica, its log also
+    shows the weights landing without vLLM's "RotaryEmbedding: Failed to load weights"."""
+    import re
+
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    last = lines[-1]
+    assert last.startswith("megarl: ") and named in last and "(exit 3, " in last, text[-3000:]
+    assert f"Full log: {controller_log}" in last and "What to do: " in last, last
+    assert "Traceback" not in text and "leaked semaphore" not in text, text[-3000:]
+    assert sum(named in ln for ln in lines) <= 2, text[-3000:]  # the executor's ERROR line and the last one
+    full = controller_log.read_text()
+    assert "Traceback (most recent call last)" in full and named in full
+    if victim == "generator":
+        own = Path(re.search(r"its own log: (\S+generator_replica0\.log)", last).group(1)).read_text()
+        assert own.count("landed in") >= 2, own[-3000:]
+        assert "RotaryEmbedding: Failed to load weights" not in own, own[-3000:]
+        assert "INFO megarl.generator.weights: vLLM's weight reload warns" in own, own[-3000:]
