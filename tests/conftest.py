@@ -58,3 +58,29 @@ def smollm2_dir():
     from megarl.models.smollm2 import ensure_smollm2_hf
 
     return ensure_smollm2_hf()
+
+
+@pytest.fixture(scope="session")
+def tiny_llama32_dir(tmp_path_factory):
+    """Random 2-layer Llama 3.2-style model: tied, ``llama3`` rope scaling (factor 32; see
+    megarl.models.tiny.LLAMA32_TINY_ROPE for why original_max_position_embeddings is 64), fp32."""
+    from megarl.models.tiny import LLAMA32_TINY_ROPE, make_tiny_hf_checkpoint
+
+    return make_tiny_hf_checkpoint(tmp_path_factory.mktemp("tiny_llama32"), "llama", tie_word_embeddings=True,
+                                   rope_scaling=LLAMA32_TINY_ROPE, seed=3)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_dir(tmp_path_factory):
+    """Random 2-layer Qwen3: q_norm / k_norm random around 1, head_dim 64 != hidden 128 / 4 heads, untied."""
+    from megarl.models.tiny import make_tiny_hf_checkpoint
+
+    return make_tiny_hf_checkpoint(tmp_path_factory.mktemp("tiny_qwen3"), "qwen3", head_dim=64, seed=4)
+
+
+@pytest.fixture(scope="session")
+def tiny_mistral_dir(tmp_path_factory):
+    """Random 2-layer Mistral without a sliding window, untied, fp32."""
+    from megarl.models.tiny import make_tiny_hf_checkpoint
+
+    return make_tiny_hf_checkpoint(tmp_path_factory.mktemp("tiny_mistral"), "mistral", seed=5)

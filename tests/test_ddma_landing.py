@@ -8,7 +8,8 @@ before vLLM packs it for its CPU kernels). Then vLLM's own loaders read B from i
 shm source: checkpoint format, narrowed by vLLM's weight loaders) and the engine captures again:
 that is the reference. fp32 on both sides and pure copies on both paths, so equality is exact.
 
-The cases cover each axis at least twice: family (Llama, Qwen2 with q/k/v biases), tied and
+The cases cover each axis at least twice: family (Llama, Qwen2 with q/k/v biases, Qwen3 with q/k
+norms and a decoupled head_dim; Mistral and Llama 3.2-style rope scaling once each), tied and
 untied embeddings, KV heads below / equal to / above the generator's TP (below: vLLM replicates KV
 heads), trainer TP, PP and DP of 1 and 2, generator TP 1 and 2.
 """
@@ -27,7 +28,7 @@ from megarl.ddma.layouts import GeneratorTopology, TrainerTopology
 from megarl.ddma.sync import SyncSpec, host_store
 from megarl.generator.executor import GeneratorExecutor
 from megarl.generator.shm_source import pack_to_shm
-from megarl.models.tiny import make_tiny_hf_checkpoint
+from megarl.models.tiny import LLAMA32_TINY_ROPE, make_tiny_hf_checkpoint
 from megarl.trainer.config import TrainerConfig
 from megarl.trainer.convert import HFReader
 from megarl.trainer.executor import TrainerExecutor
@@ -37,7 +38,9 @@ from megarl.trainer.model import read_hf_config
 REPO = Path(__file__).resolve().parents[1]
 
 # (family, tied, kv heads, trainer tp, pp, dp, generator tp); 4 query heads everywhere.
-# kv vs generator tp: 2>1 above, 1<2 below (replicated), 2=2 equal, 4>2 above, 1<2 below, 1=1 equal.
+# kv vs generator tp: 2>1 above, 1<2 below (replicated), 2=2 equal, 4>2 above, 1<2 below, 1=1 equal,
+# 2=2 equal, 1<2 below, 4>2 above, 2>1 above. Every family at least once; trainer TP2, PP2, DP2 and
+# generator TP2 each at least twice among the new families too.
 CASES = [
     ("qwen2", False, 2, 1, 1, 1, 1),
     ("qwen2", True, 1, 1, 2, 1, 2),
@@ -45,7 +48,16 @@ CASES = [
     ("llama", True, 4, 2, 2, 1, 2),
     ("llama", False, 1, 1, 1, 2, 2),
     ("llama", True, 1, 1, 2, 2, 1),
+    ("qwen3", False, 2, 2, 1, 1, 2),
+    ("qwen3", True, 1, 1, 2, 2, 2),
+    ("mistral", False, 4, 2, 2, 1, 2),
+    ("llama32", True, 2, 1, 1, 2, 1),
 ]
+# case family -> (model family, extra make_tiny_hf_checkpoint arguments)
+TINY = {"qwen2": ("qwen2", {}), "llama": ("llama", {}), "mistral": ("mistral", {}),
+        # head_dim 64 != hidden 128 / 4 heads: kv_channels decoupled, as in Qwen3-8B (128 vs 4096 / 32)
+        "qwen3": ("qwen3", {"head_dim": 64}),
+        "llama32": ("llama", {"rope_scaling": LLAMA32_TINY_ROPE})}
 
 
 def _case_id(c) -> str:
@@ -54,9 +66,10 @@ def _case_id(c) -> str:
 
 
 def _checkpoints(root: Path, family: str, tied: bool, kvh: int) -> tuple[Path, Path]:
-    kw = dict(num_kv_heads=kvh, tie_word_embeddings=tied)
-    return (make_tiny_hf_checkpoint(root / "a", family, seed=21, **kw),
-            make_tiny_hf_checkpoint(root / "b", family, seed=22, **kw))
+    model_family, extra = TINY[family]
+    kw = dict(num_kv_heads=kvh, tie_word_embeddings=tied, **extra)
+    return (make_tiny_hf_checkpoint(root / "a", model_family, seed=21, **kw),
+            make_tiny_hf_checkpoint(root / "b", model_family, seed=22, **kw))
 
 
 @pytest.mark.parametrize("case", CASES, ids=_case_id)

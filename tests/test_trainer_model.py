@@ -57,7 +57,8 @@ def _model_worker(rank, world, tp, pp, source, kind, batch, temperature, want_lo
 
 
 @pytest.mark.parametrize("fixture,temperature", [("tiny_llama_dir", 1.0), ("tiny_qwen2_dir", 0.7),
-                                                 ("tiny_llama_tied_dir", 1.0)])
+                                                 ("tiny_llama_tied_dir", 1.0), ("tiny_llama32_dir", 1.0),
+                                                 ("tiny_qwen3_dir", 0.7), ("tiny_mistral_dir", 1.0)])
 def test_logits_match_transformers(fixture, temperature, request):
     from megarl.trainer.logprobs import valid_token_mask
 
@@ -85,16 +86,18 @@ def test_logits_match_transformers(fixture, temperature, request):
 # ---------------------------------------------------------------- conversion + parallel layouts
 
 @pytest.fixture(scope="module")
-def mcore_ckpts(tmp_path_factory, tiny_llama_dir, tiny_llama_tied_dir, tiny_qwen2_dir):
-    """The three tiny models converted at TP=2 x PP=2 (4 ranks), keyed by family name."""
+def mcore_ckpts(tmp_path_factory, tiny_llama_dir, tiny_llama_tied_dir, tiny_qwen2_dir, tiny_llama32_dir,
+                tiny_qwen3_dir, tiny_mistral_dir):
+    """The tiny models of every family converted at TP=2 x PP=2 (4 ranks), keyed by name."""
     from megarl.trainer.convert import hf_to_mcore
 
     root = tmp_path_factory.mktemp("mcore")
-    sources = {"llama": tiny_llama_dir, "llama_tied": tiny_llama_tied_dir, "qwen2": tiny_qwen2_dir}
+    sources = {"llama": tiny_llama_dir, "llama_tied": tiny_llama_tied_dir, "qwen2": tiny_qwen2_dir,
+               "llama32": tiny_llama32_dir, "qwen3": tiny_qwen3_dir, "mistral": tiny_mistral_dir}
     return {name: (hf, hf_to_mcore(hf, root / name, tp=2, pp=2)) for name, hf in sources.items()}
 
 
-@pytest.mark.parametrize("name", ["llama", "llama_tied", "qwen2"])
+@pytest.mark.parametrize("name", ["llama", "llama_tied", "qwen2", "llama32", "qwen3", "mistral"])
 def test_round_trip_tp2_pp2_exact(name, mcore_ckpts, tmp_path):
     from megarl.trainer.convert import HFReader, mcore_to_hf
 
