@@ -135,6 +135,20 @@ def test_parquet_is_read_in_batches_of_only_the_needed_columns(tmp_path, monkeyp
     assert len(load_tasks(str(path))) == 10 and seen[-1] == (3, ["prompt", "reward_model"])
 
 
+def test_repeated_prompts_are_kept_once_while_streaming(tmp_path):
+    """A file that repeats every prompt (as some published parquets do) keeps its distinct prompts;
+    the count and the first repeat are reported. Case and whitespace do not make a prompt new."""
+    rows = verl_rows(5) * 3
+    rows[12] = {**rows[12], "prompt": [{"role": "system", "content": SYSTEM.upper()},
+                                       {"role": "user", "content": "  " + rows[12]["prompt"][1]["content"]}]}
+    path = _parquet(tmp_path / "dapo.parquet", rows)
+    counts: dict = {}
+    _, tasks = read_tasks(str(path), dedupe=True, counts=counts)
+    assert [t.answer for t in tasks] == [str(i * i + i) for i in range(5)]
+    assert counts == {"duplicates": 10, "first_duplicate": f"{path}:row 5"}
+    assert len(load_tasks(str(path))) == 15  # without dedupe every row
+
+
 def test_json_array_and_plain_schema(tmp_path):
     path = tmp_path / "plain.json"
     path.write_text(json.dumps([{"prompt": "What is 2 + 2?", "answer": 4, "id": 1},

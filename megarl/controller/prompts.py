@@ -44,11 +44,15 @@ class PromptSource:
             log.info("data: %s", d.choice)  # the row schemas recognised and the reward they chose (the loader's)
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         keys = {"prompt_key": d.prompt_key, "answer_key": d.answer_key}
-        schema, tasks = read_tasks(d.train_path, seed=d.seed, **keys)
+        counts: dict = {}
+        schema, tasks = read_tasks(d.train_path, seed=d.seed, dedupe=d.dedupe, counts=counts, **keys)
+        if counts.get("duplicates"):
+            log.info("prompts: %d training row(s) repeat an earlier prompt and are not kept (data.dedupe); the first "
+                     "is %s", counts["duplicates"], counts["first_duplicate"])
         instruction = {"train": instruction_for(cfg, schema), "held-out": instruction_for(cfg, schema)}
         self.eval_answer = schema.eval_answer  # how evaluation reads a reply's final answer: number or boxed
         if d.eval_path:
-            held_schema, held = read_tasks(d.eval_path, limit=d.eval_size, **keys)
+            held_schema, held = read_tasks(d.eval_path, limit=d.eval_size, dedupe=d.dedupe, **keys)
             instruction["held-out"] = instruction_for(cfg, held_schema)
             self.eval_answer = held_schema.eval_answer
             held_keys = {question_key(t.question) for t in held}

@@ -61,17 +61,38 @@ def source_schema(source: str, *, prompt_key: str = "", answer_key: str = "") ->
 
 
 def read_tasks(source: str, *, limit: int | None = None, seed: int = 0, prompt_key: str = "",
-               answer_key: str = "") -> tuple[RowSchema, list[Task]]:
-    """The schema of ``source`` and its tasks (the first ``limit`` of them when given)."""
+               answer_key: str = "", dedupe: bool = False,
+               counts: dict | None = None) -> tuple[RowSchema, list[Task]]:
+    """The schema of ``source`` and its tasks (the first ``limit`` of them when given). ``dedupe``: a
+    row whose prompt (case and whitespace aside, chat turns included) repeats an earlier one is not
+    kept, while streaming, so a file that repeats each prompt many times costs only its distinct
+    prompts; ``counts['duplicates']`` and ``counts['first_duplicate']`` ('file:line') say what was
+    dropped."""
     if source == BUILTIN_ARITHMETIC:
         return ARITHMETIC, arithmetic_tasks(limit or 4096, seed=seed)
     schema, _ = source_schema(source, prompt_key=prompt_key, answer_key=answer_key)
-    tasks = []
+    tasks: list[Task] = []
+    seen: set[int] = set()
+    dropped, first = 0, ""
     for task in iter_tasks(source, schema):
+        if dedupe:
+            key = hash(prompt_key_of(task))
+            if key in seen:
+                dropped, first = dropped + 1, first or task.where
+                continue
+            seen.add(key)
         tasks.append(task)
         if limit and len(tasks) >= limit:
             break
+    if counts is not None:
+        counts.update(duplicates=dropped, first_duplicate=first)
     return schema, tasks
+
+
+def prompt_key_of(task: Task) -> str:
+    """What makes two prompts the same: the turns' text, case and whitespace aside."""
+    text = "\n".join(f"{r}: {c}" for r, c in task.messages) if task.messages else task.question
+    return " ".join(text.split()).lower()
 
 
 def load_tasks(source: str, *, limit: int | None = None, seed: int = 0, prompt_key: str = "",
