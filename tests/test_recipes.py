@@ -44,7 +44,7 @@ def test_every_recipe_passes_dry_run_with_a_memory_plan(recipe, capsys):
 def test_an_oversized_layout_is_one_line_naming_the_knob(capsys):
     llamarl = str(REPO / "configs" / "recipes" / "llamarl_llama31_8b_math.yaml")
     cases = [(["trainer.micro_batch_size=8"], r"^trainer\.tp=1 trainer\.pp=1: [\d.]+ GB per GPU .* does not fit "
-                                              r"cluster\.gpu_memory_gb=80; set trainer\.tp=\d+"),
+                                              r"80 GB \(cluster\.gpu_memory_gb\); set trainer\.tp=\d+"),
              (["cluster.gpu_memory_gb=16"], r"^generator\.tp=1: weights 16\.1 GB per GPU leave no room .*; set "
                                             r"generator\.tp=\d+"),
              (["generator.gpu_memory_utilization=0", "generator.kv_cache_gib=70"],

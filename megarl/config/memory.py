@@ -132,6 +132,7 @@ class MemoryPlan:
     sync_s: float              # projected (lower bound) sync time
     model_bytes: float         # bf16 bytes of the whole model
     problems: list[str]
+    gpu_source: str = ""       # where the GPU's memory figure comes from
 
     @property
     def trainer_total(self) -> float:
@@ -154,11 +155,34 @@ class MemoryPlan:
                 f"-> >= {self.sync_s:.2f} s at {SYNC_LINK_GBPS:.0f} Gb/s per GPU (megarl plan-sync for the exact plan)"]
 
 
+DEFAULT_GPU_GB = 80.0  # H100 80GB, when neither the config nor this machine says
+
+
+def gpu_memory(cfg) -> tuple[float, str]:
+    """(GB of one GPU, where the number comes from): ``cluster.gpu_memory_gb``, else this machine's
+    first GPU as nvidia-smi reports it, else :data:`DEFAULT_GPU_GB`."""
+    if cfg.cluster.gpu_memory_gb > 0:
+        return cfg.cluster.gpu_memory_gb, "cluster.gpu_memory_gb"
+    import shutil
+    import subprocess
+
+    if shutil.which("nvidia-smi"):
+        try:
+            out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+                                 capture_output=True, text=True, timeout=10).stdout.split()
+            if out and out[0].isdigit():
+                return int(out[0]) * 2**20 / GB, "this machine's GPU (nvidia-smi)"
+        except (OSError, subprocess.SubprocessError):
+            pass
+    return DEFAULT_GPU_GB, "cluster.gpu_memory_gb=0 and no GPU here: H100 80GB assumed"
+
+
 def plan_memory(cfg, dims: ModelDims) -> MemoryPlan:
     """The memory plan of ``cfg`` (a MegaRLConfig) for the model ``dims``; ``problems``: one line per
     executor that does not fit, naming the knob to change."""
     t, g = cfg.trainer, cfg.generator
-    gpu = cfg.cluster.gpu_memory_gb * GB
+    gpu_gb, gpu_source = gpu_memory(cfg)
+    gpu = gpu_gb * GB
     seq = cfg.data.max_prompt_tokens + g.max_new_tokens
 
     def trainer_at(tp: int, pp: int, mb: int) -> dict[str, float]:
@@ -182,17 +206,17 @@ def plan_memory(cfg, dims: ModelDims) -> MemoryPlan:
         problems.append(f"trainer.tp={t.tp} trainer.pp={t.pp}: {total / GB:.1f} GB per GPU (weights "
                         f"{tr['weights'] / GB:.1f}, gradients {tr['gradients'] / GB:.1f}, optimizer "
                         f"{tr['optimizer'] / GB:.1f}, activations {tr['activations'] / GB:.1f}) does not fit "
-                        f"cluster.gpu_memory_gb={cfg.cluster.gpu_memory_gb:g}; {fix}")
+                        f"{gpu_gb:g} GB ({gpu_source}); {fix}")
     gtotal = sum(ge.values())
     need_kv = g.max_model_len * per_token
     if gw + OVERHEAD_GB * GB > gpu or (g.gpu_memory_utilization > 0 and kv < need_kv):
         problems.append(f"generator.tp={g.tp}: weights {gw / GB:.1f} GB per GPU leave no room for the KV cache of "
-                        f"one {g.max_model_len}-token sequence ({need_kv / GB:.2f} GB) in cluster.gpu_memory_gb="
-                        f"{cfg.cluster.gpu_memory_gb:g}; {_generator_tp_fix(dims, cfg, gpu, need_kv)}")
+                        f"one {g.max_model_len}-token sequence ({need_kv / GB:.2f} GB) in {gpu_gb:g} GB ({gpu_source}); "
+                        f"{_generator_tp_fix(dims, cfg, gpu, need_kv)}")
     elif gtotal > gpu:
         room = int((gpu - gw - OVERHEAD_GB * GB) / 2**30)
         problems.append(f"generator.kv_cache_gib={g.kv_cache_gib}: weights {gw / GB:.1f} GB + KV cache {kv / GB:.1f} GB "
-                        f"per GPU do not fit cluster.gpu_memory_gb={cfg.cluster.gpu_memory_gb:g}; set "
+                        f"per GPU do not fit {gpu_gb:g} GB ({gpu_source}); set "
                         f"generator.kv_cache_gib={room} or less")
     elif kv < need_kv:
         problems.append(f"generator.kv_cache_gib={g.kv_cache_gib}: holds {kv_tokens:,.0f} tokens, less than one "
@@ -203,7 +227,7 @@ def plan_memory(cfg, dims: ModelDims) -> MemoryPlan:
     trainer_ranks = t.tp * t.pp * t.dp
     busiest = max(model_bytes / g.tp, model_bytes * g.replicas / trainer_ranks)
     return MemoryPlan(tr, ge, gpu, kv_tokens, g.max_model_len, g.max_num_seqs, busiest,
-                      busiest * 8 / (SYNC_LINK_GBPS * 1e9), model_bytes, problems)
+                      busiest * 8 / (SYNC_LINK_GBPS * 1e9), model_bytes, problems, gpu_source)
 
 
 def _trainer_fix(dims: ModelDims, cfg, gpu: float, trainer_at) -> str:
@@ -268,5 +292,6 @@ def dry_run_report(cfg) -> tuple[list[str], list[str]]:
     plan = plan_for(cfg)
     if plan is None:
         return lines + ["memory plan: none (the model's config.json is not here nor in configs/models/)"], []
-    lines.append("memory plan (estimates; megarl/config/memory.py says how each is counted):")
+    lines.append(f"memory plan against {plan.gpu_bytes / GB:g} GB per GPU ({plan.gpu_source}); estimates, "
+                 f"megarl/config/memory.py says how each is counted:")
     return lines + [f"  {ln}" for ln in plan.lines()], plan.problems

@@ -119,10 +119,11 @@ class ClusterConfig:
     share_devices: bool = knob(False, help=(
         "Let trainer and generator share GPUs (e.g. both on the one GPU of a smoke test; devices are used "
         "round-robin). False = disjoint devices, and too few is a config error. Default false."))
-    gpu_memory_gb: float = knob(80.0, help=(
+    gpu_memory_gb: float = knob(0.0, help=(
         "Memory of one GPU (GB, 1e9 bytes) that `megarl train CONFIG --dry-run` checks every trainer rank's "
         "and generator worker's planned memory against (megarl/config/memory.py): H100 80GB = 80, H200 = "
-        "141. Not read by a running job. Default 80."))
+        "141; 0 = this machine's GPU (nvidia-smi) when it has one, else 80. Not read by a running job. "
+        "Default 0."))
     world_size: int = knob(0, help=(
         "Ranks in the job (processes / GPUs). 0 = derive as trainer tp*pp*dp + generator tp*replicas; "
         "when set (e.g. from Slurm) it must equal that sum."))

@@ -106,8 +106,8 @@ def check(cfg: MegaRLConfig, *, dry_run: bool = False) -> list[str]:
                        ("cluster.generator_nodes", c.generator_nodes)):
         if value < 0:
             problems.append(f"{key}={value}: must be >= 0 (0 = derive it from the allocation)")
-    if not c.gpu_memory_gb > 0:
-        problems.append(f"cluster.gpu_memory_gb={c.gpu_memory_gb}: must be > 0 (GB of one GPU)")
+    if c.gpu_memory_gb < 0:
+        problems.append(f"cluster.gpu_memory_gb={c.gpu_memory_gb}: must be >= 0 (GB of one GPU; 0 = this machine's)")
     if c.controller_cpus < 1:
         problems.append(f"cluster.controller_cpus={c.controller_cpus}: must be >= 1 (CPUs)")
     if not c.preempt_grace_s > 0:
