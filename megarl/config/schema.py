@@ -47,9 +47,10 @@ class DataConfig:
     chat_template: bool = knob(True, help="Wrap each prompt in the tokenizer's chat template.")
     seed: int = knob(1234, help="Shuffling seed for the prompt stream.")
     dedupe: bool = knob(True, help=(
-        "Keep one row per distinct training prompt (case, whitespace aside; chat turns included) while "
-        "reading, counted in one log line: some published files repeat each prompt many times, which would "
-        "cost memory and skew the stream; false = every row, repeats included. Default true."))
+        "Keep one row per distinct prompt of train_path and of eval_path (case, whitespace aside; chat turns "
+        "included) while reading, the training repeats counted in one log line: some published files repeat "
+        "each prompt many times, which would cost memory and skew the stream; false = every row, repeats "
+        "included. Default true."))
     prompt_key: str = knob("", help=(
         "Column holding the prompt (text, or a list of chat messages), a dotted path into nested columns "
         "('extra_info.question'); '' = the recognised schema's own. With answer_key, reads a layout no "

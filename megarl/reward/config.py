@@ -27,7 +27,8 @@ class RewardConfig:
                    "line's 'Answer: ...' or else the last \\boxed{}) or a 'package.module:function' path to "
                    "fn(completion, gold, *, strict) -> bool; an explicit value always wins; default auto")
     strict: bool = knob(False, help="strict answer format: arithmetic: the reply is only the number; gsm8k: "
-                        "only the number after '####'; math: the last \\boxed{} ends the reply; default False")
+                        "only the number after '####'; math: the last \\boxed{} ends the reply; dapo: only the last line's "
+                        "'Answer: ...'; default False")
     correct: float = knob(1.0, help="reward of a finished reply whose final answer is right (reward units); "
                           "default 1")
     wrong: float = knob(0.0, help="reward of a wrong, missing or timed-out answer (reward units); default 0")
