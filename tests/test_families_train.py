@@ -1,0 +1,55 @@
+"""Each family added after Llama and Qwen2 trains for real under `megarl train`: a Megatron trainer
+at TP2 or PP2, DDMA into a vLLM engine at TP2, fp32 on both sides and lag 0, so the engine samples
+from exactly the weights the trainer holds. The logprob probe runs at every sync, v0 included
+(a wrong layout stops the job there), and the trained checkpoint exports to an HF folder that
+transformers loads with the family's own class.
+
+The landing of every tensor bit for bit is tests/test_ddma_landing.py; the conversion against HF
+logits at TP2 x PP2 is tests/test_trainer_model.py. This file is the one that runs the loop.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.test_controller import FP32_MISMATCH_BOUND, _export, _rows, _train
+
+# family fixture, trainer layout; every run into a TP2 engine ("0|1": one core per worker).
+CASES = [
+    ("tiny_llama32_dir", ("trainer.tp=2",)),   # Llama 3.2-style: tied, llama3 rope scaling, factor 32
+    ("tiny_qwen3_dir", ("trainer.pp=2",)),     # q/k norms, head_dim 64 != hidden / heads
+    ("tiny_mistral_dir", ("trainer.tp=2",)),   # Mistral, no sliding window
+]
+
+
+@pytest.mark.parametrize("fixture,layout", CASES, ids=[c[0].removeprefix("tiny_").removesuffix("_dir") for c in CASES])
+def test_family_trains_over_ddma_into_tp2(fixture, layout, request, tmp_path):
+    from safetensors.torch import load_file
+    import torch
+
+    model_dir = request.getfixturevalue(fixture)
+    out = _train(model_dir, tmp_path, *layout, "generator.tp=2", "generator.threads_bind=0|1",
+                 "controller.steps=2", "controller.eval_every=0", "trainer.checkpoint_interval=2",
+                 "sync.probe_every=1")
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    rows = _rows(tmp_path / "tiny-test")
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        # Every sync through DDMA, checksums verified and the probe run (it raises past its bound).
+        assert r["sync/verified"] == 1.0 and r["sync/bytes_sent"] > 0
+        # fp32 engine and trainer on the same weights (FP32_MISMATCH_BOUND's derivation in
+        # tests/test_controller.py); the issue's bar of 1e-3 is ten times looser.
+        assert r["train/loss/mismatch"] < FP32_MISMATCH_BOUND, r["train/loss/mismatch"]
+        assert r["train/grad_norm"] > 0
+
+    # Export: the family's own HF tensor names, every one trained or carried, none missing.
+    trained = _export(tmp_path / "tiny-test" / "checkpoints", tmp_path / "hf")
+    initial = load_file(model_dir / "model.safetensors")
+    assert set(trained) == set(initial)
+    changed = [k for k in initial if not torch.equal(trained[k].float(), initial[k].float())]
+    assert len(changed) > len(initial) // 2, changed
+    exported = json.loads((tmp_path / "hf" / "config.json").read_text())
+    source = json.loads((model_dir / "config.json").read_text())
+    assert exported["model_type"] == source["model_type"] and exported["architectures"] == source["architectures"]
