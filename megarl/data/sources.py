@@ -49,8 +49,9 @@ def data_files(source: str) -> list[Path]:
             raise DataError(f"{source}: the folder holds no {', '.join(SUFFIXES)} file")
         splits = sorted({m.group(1).lower() for p in files if (m := _SPLIT.match(p.name))})
         if len(splits) > 1:
+            one = "train" if "train" in splits else splits[0]
             raise DataError(f"{source}: the folder holds shards of several splits ({', '.join(splits)}); name one "
-                            f"with a glob, e.g. {path / (splits[-1] + '-*')}{files[0].suffix}")
+                            f"with a glob, e.g. {path / one}*{files[0].suffix}")
         return files
     if not path.is_file():
         raise DataError(f"{source}: no such file or folder")
