@@ -304,3 +304,24 @@ def test_an_unexpected_error_is_a_bug_with_its_traceback(raised):
     assert lines[-1].startswith("megarl: this is a bug: KeyError: 'a key nobody wrote'"), lines[-1]
     assert f"Please report it with the full log: {log} (exit 1)" in lines[-1], lines[-1]
     assert "KeyError: 'a key nobody wrote'" in log.read_text()
+
+
+def _rank_fails(rank, world):
+    raise FileNotFoundError("/nowhere/config.json not found: --hf must be an HF model folder with config.json")
+
+
+def test_a_rank_of_run_multiprocess_that_raised_is_named_with_its_error(tmp_path):
+    """`megarl bench trainer` and the conversions run ranks through run_multiprocess: the line names
+    the rank, its pid and what it raised (a line below the message's first), with that class's code."""
+    from megarl.utils.dist import MultiprocessError, run_multiprocess
+
+    with pytest.raises(MultiprocessError) as info:
+        run_multiprocess(_rank_fails, 1, timeout_s=120)
+    exc = info.value
+    exc.megarl_log = str(tmp_path / "x.log")
+    row = classify(exc)
+    line = errors.one_line(exc, row, exc.megarl_log, "megarl bench trainer")
+    assert row.code == 13 and exc.remote_error == "FileNotFoundError", line
+    assert line.startswith("megarl bench trainer: rank 0 of 1 running _rank_fails raised: FileNotFoundError: "
+                           "/nowhere/config.json not found"), line
+    assert re.search(r"\[in rank 0 of 1 \(pid \d+ on ", line) and "(exit 13, MultiprocessError <- FileNotFoundError)" in line

@@ -274,13 +274,15 @@ def main() -> None:
 if __name__ == "__main__":
     import sys
 
+    from megarl.utils.errors import run_main
     from megarl.utils.procs import JobInterrupted, signals_raise
 
     # A timeout's SIGTERM (or Ctrl-C, SIGHUP) unwinds main(): its finally shuts the engine down;
     # the replica also watches this process, so even a SIGKILL leaves no engine behind.
     try:
         with signals_raise():
-            main()
+            code = run_main(main, "megarl bench generator")  # a failure: one line, the exit code of its class
     except JobInterrupted as exc:
         print(f"bench_generator: {exc}; engine stopped", file=sys.stderr)
         sys.exit(exc.exit_code)
+    sys.exit(code)

@@ -220,4 +220,6 @@ def _cpu_text(cpus: list[int]) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from megarl.utils.errors import run_main
+
+    sys.exit(run_main(main, "megarl bench step"))  # a failure: one line, the exit code of its class

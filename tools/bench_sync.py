@@ -501,4 +501,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from megarl.utils.errors import run_main
+
+    sys.exit(run_main(main, "megarl bench sync"))  # a failure: one line, the exit code of its class

@@ -205,4 +205,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+
+    from megarl.utils.errors import run_main
+
+    sys.exit(run_main(main, "megarl bench trainer"))  # a failure: one line, the exit code of its class

@@ -21,6 +21,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from megarl.utils.errors import remote_error
+
 log = logging.getLogger(__name__)
 
 
@@ -182,8 +184,10 @@ def _launch(fn: Callable, world_size: int, args: tuple, kwargs: dict, deadline: 
             if status == "port_taken":
                 raise _PortTaken(f"rank {rank}: port {port}: {payload}")
             if status != "ok":
-                raise MultiprocessError(f"rank {rank} of {world_size} running {fn_name} raised:\n"
-                                        f"{payload}")
+                exc = MultiprocessError(f"rank {rank} of {world_size} running {fn_name} raised:\n{payload}")
+                exc.component = f"rank {rank} of {world_size} (pid {procs[rank].pid} on {socket.gethostname()})"
+                exc.remote_error = remote_error(payload)  # the class the rank raised (megarl/utils/errors.py)
+                raise exc
             outputs[rank] = payload
         for p in procs:
             p.join(timeout=max(1.0, deadline - time.monotonic()))

@@ -54,8 +54,9 @@ FAILURES: tuple[Failure, ...] = (
     Failure(2, ("ConfigError", "DataError", "AllocationError"),
             "the config, its data or the Slurm allocation cannot run",
             "fix what the message names; `megarl train CONFIG --dry-run` checks a config without starting anything"),
-    Failure(3, ("ProcessDied", "ExecutorError"),
-            "a process of the job (trainer rank, generator replica) died or raised; every other one was stopped",
+    Failure(3, ("ProcessDied", "ExecutorError", "MultiprocessError"),
+            "a process of the job (trainer rank, generator replica; a rank of a benchmark or conversion) died or "
+            "raised; every other one was stopped",
             "read the named process's log for why it ended (SIGKILL with no one to send it: often the kernel's "
             "out-of-memory killer, see `dmesg`), then run the same command again with trainer.resume_from=auto "
             "to continue from the last checkpoint"),
@@ -146,15 +147,20 @@ def _raised_by_megarl(exc: BaseException) -> bool:
 
 
 def remote_error(tb_text: str) -> str | None:
-    """The exception class named by a child's formatted traceback ("megarl.x.y.SomeError: ..."):
-    the first line at column 0 after the last frame, so a multi-line message does not confuse it."""
+    """The exception class named by a child's formatted traceback ("megarl.x.y.SomeError: ...")."""
+    line = exception_line(tb_text)
+    if line is None:
+        return None
+    name = line.split(":", 1)[0].strip()
+    return name if name.replace(".", "").replace("_", "").isalnum() else None
+
+
+def exception_line(tb_text: str) -> str | None:
+    """The "Class: message" line of a formatted traceback: the first line at column 0 after the
+    last frame, so a multi-line message does not confuse it."""
     lines = tb_text.rstrip().splitlines()
     last_frame = max((i for i, ln in enumerate(lines) if ln.startswith('  File "')), default=-1)
-    for ln in lines[last_frame + 1:]:
-        if ln and not ln[0].isspace():
-            name = ln.split(":", 1)[0].strip()
-            return name if name.replace(".", "").replace("_", "").isalnum() else None
-    return None
+    return next((ln.strip() for ln in lines[last_frame + 1:] if ln and not ln[0].isspace()), None)
 
 
 def this_process(what: str = "the controller") -> str:
@@ -276,12 +282,14 @@ def report(exc: BaseException, prog: str = "megarl", stream=None) -> int:
 
 def one_line(exc: BaseException, row: Failure, log_path: str, prog: str = "megarl") -> str:
     cause = " ".join(_first_line(exc).split())
+    remote = getattr(exc, "remote_error", None)
+    if remote and remote.rsplit(".", 1)[-1] not in cause:  # "rank 0 raised:" with the error below it
+        cause = f"{cause}: {exception_line(str(exc)) or remote}"
     who = component(exc)
     where = "" if _names(cause, who) else f" [in {who}]"
     child_log = getattr(exc, "log_path", None)
     logs = f"Full log: {log_path}" + (f"; its own log: {child_log}" if child_log else "")
     name = type(exc).__name__
-    remote = getattr(exc, "remote_error", None)
     if remote and classify(exc) is _BY_NAME.get(remote.rsplit(".", 1)[-1]):
         name = f"{name} <- {remote.rsplit('.', 1)[-1]}"
     return f"{prog}: {cause}{where}. What to do: {row.todo}. {logs} (exit {row.code}, {name})"
@@ -312,10 +320,8 @@ def run_main(main, prog: str) -> int:
     like megarl's commands do."""
     try:
         return int(main() or 0)
-    except SystemExit:
-        raise
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
         return 130
-    except BaseException as exc:  # noqa: BLE001 - every failure ends in report's line
+    except Exception as exc:  # noqa: BLE001 - every failure ends in report's line (signals stay BaseExceptions)
         return report(exc, prog)
