@@ -62,8 +62,9 @@ FAILURES: tuple[Failure, ...] = (
             "to continue from the last checkpoint"),
     Failure(4, ("ExecutorTimeout", "TimeoutError"),
             "a process of the job or one of megarl's own waits did not answer in time",
-            "read the named process's log: frozen (no heartbeat) or just slow? If slow, raise the timeout the "
-            "message names; then resume with trainer.resume_from=auto"),
+            "read the named process's log: frozen (no heartbeat) or just slow? If slow, raise its timeout "
+            "(`megarl config explain trainer` and `... generator` list the *_timeout_s knobs), then resume with "
+            "trainer.resume_from=auto"),
     Failure(5, ("NonFiniteStepError",),
             "trainer.max_skipped_steps train steps in a row had a NaN/inf loss or gradient",
             "lower trainer.lr (or set trainer.grad_clip), check the rewards and advantages of the last steps in "
