@@ -20,10 +20,22 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from megarl.models.dims import ModelDims
+
+class ModelDims(Protocol):
+    """What the TP arithmetic reads of :class:`megarl.models.dims.ModelDims` (named here, not imported:
+    dims reads the family specs, which read the kinds)."""
+
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    ffn_hidden_size: int
+    vocab_size: int
+
+    @property
+    def heads_per_group(self) -> int: ...
 
 VLLM_VOCAB_PADDING = 64  # vllm.model_executor.layers.vocab_parallel_embedding.DEFAULT_VOCAB_PADDING_SIZE
 
