@@ -101,10 +101,13 @@ def _extension_setup() -> dict:
             return False
         return True
 
+    # No -std here: torch's BuildExtension adds the standard its own headers are written for when none is
+    # given (c++20 for torch 2.13, whose headers use C++20 features such as bit-field member initializers
+    # in c10/core/AutogradState.h, which -std=c++17 accepted only as an extension, with warnings).
     extension = CppExtension(
         name=EXTENSION_NAME,
         sources=EXTENSION_SOURCES,
-        extra_compile_args={"cxx": ["-O3", "-std=c++17"]},
+        extra_compile_args={"cxx": ["-O3"]},
     )
     if cuda_toolkit():
         from torch.utils.cpp_extension import CUDAExtension
@@ -114,9 +117,9 @@ def _extension_setup() -> dict:
                 name=EXTENSION_NAME,
                 sources=EXTENSION_SOURCES + CUDA_EXTENSION_SOURCES,
                 # An explicit -gencode also keeps torch from adding its TORCH_CUDA_ARCH_LIST guesses.
-                extra_compile_args={
-                    "cxx": ["-O3", "-std=c++17", "-DMEGARL_WITH_CUDA"],
-                    "nvcc": ["-O3", "-std=c++17", "-DMEGARL_WITH_CUDA", "-gencode=arch=compute_90,code=sm_90"],
+                extra_compile_args={  # the C++ standard: torch's choice, as above (nvcc too)
+                    "cxx": ["-O3", "-DMEGARL_WITH_CUDA"],
+                    "nvcc": ["-O3", "-DMEGARL_WITH_CUDA", "-gencode=arch=compute_90,code=sm_90"],
                 },
             )
         except Exception as error:  # noqa: BLE001 - e.g. CUDA library paths not found

@@ -150,3 +150,22 @@ def test_ipc_stand_ins_have_the_signatures_of_cuda_ipc_ops():
     assert set(want) == {"export", "open", "synchronize", "collect"}
     for double in (HostIpcDouble, tool.HostIpcStandIn):
         assert _public_methods(double) == want, double.__name__
+
+
+def test_extension_builds_with_the_cxx_standard_torch_chooses():
+    """setup.py passes no -std (for g++ or nvcc): torch's BuildExtension then adds the standard it writes
+    its headers for (c++20 in torch 2.13, whose headers use C++20 bit-field initializers that
+    -std=c++17 took only as an extension), which is at least the minimum the headers enforce."""
+    import torch.utils.cpp_extension as ce
+
+    tree = ast.parse((REPO / "setup.py").read_text())
+    flags = [elt.value for node in ast.walk(tree) if isinstance(node, ast.Dict)
+             for k, v in zip(node.keys, node.values)
+             if isinstance(k, ast.Constant) and k.value in ("cxx", "nvcc") and isinstance(v, ast.List)
+             for elt in v.elts if isinstance(elt, ast.Constant)]
+    assert "-O3" in flags and not [f for f in flags if f.startswith("-std")], flags
+    chosen = re.search(r"cpp_flag_prefix \+ '(c\+\+(\d+))'", inspect.getsource(ce))
+    assert chosen, "torch's BuildExtension no longer adds a default C++ standard: set one in setup.py"
+    header = Path(ce.include_paths()[0]) / "torch" / "csrc" / "api" / "include" / "torch" / "all.h"
+    required = [int(y) for y in re.findall(r"__cplusplus < (\d{4})\d\dL", header.read_text())]
+    assert required and 2000 + int(chosen.group(2)) >= max(required), (chosen.group(1), required)
