@@ -1,16 +1,21 @@
-"""GPU check 3 + 5: DDMA over CUDA IPC between processes on one GPU, and its bandwidth.
+"""GPU check: DDMA over CUDA IPC between processes on one GPU, and its bandwidth.
 
-A TP2 trainer (two sender processes holding CUDA parameters) syncs into a TP1 receiver, then into
-a TP2 receiver (two processes), both holding CUDA tensors in vLLM's layout; every sync is checked
-exactly against a CPU execution of the plan, with checksums on. Device memory must stay flat over
-the syncs (after the first two warm-up syncs: memory_allocated equal on every process, and
-cudaMemGetInfo's free memory within one bucket). ``--bench``: GB/s of a cuda_ipc sync (the worker's
-transfer time over the bytes landed) against a device-to-device copy of the same bytes.
+A TP2 trainer (two sender processes holding CUDA parameters) syncs into TP1 and TP2 receivers (one or
+two processes) holding CUDA tensors in vLLM's layout, in four cases (``CASES``: bf16 views of the
+parameters; fp32 parameters through conversion buckets, at non-zero offsets, freed and re-exported
+between syncs; wire fp8; a flat DDP-style buffer with one slow receiver). Every sync is checked
+exactly against a CPU execution of the plan (FP8: through the e4m3 round trip), with checksums on;
+each worker asserts that it opened every handle on its own device (argument 6 rewritten); with the
+slow receiver, no sender may return before its ack. Device memory must stay flat over the syncs (after
+two warm-up syncs: memory_allocated equal on every process, and cudaMemGetInfo's free memory within
+a few buckets). ``--bench``: GB/s of a cuda_ipc sync (the worker's transfer time over the bytes
+landed) against a device-to-device copy of the same bytes (goal >= 50%, enforced on a GPU).
 
 Imports torch and megarl modules that need neither vLLM nor Megatron. Prints one JSON line.
 ``--cpu-dry``: the same control flow on CPU, with the four CUDA calls done on host memory (the
 stand-in below; no GPU proves anything here, it only shows the script's logic and failure exits).
-``MEGARL_GPU_CHECK_PLANT=ipc`` corrupts one landed byte on purpose: the check must fail.
+``MEGARL_GPU_CHECK_PLANT=ipc`` corrupts one landed byte on purpose: the check must fail. Waits for
+the processes' messages notice a process that died without one.
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ import argparse
 import json
 import multiprocessing as mp
 import os
+import queue
+import signal
 import sys
 import time
 import traceback
@@ -64,11 +71,59 @@ def _dev(dry: bool) -> str:
     return "cpu" if dry else "cuda"
 
 
-def _hf(dims: ModelDims, version: int) -> dict[str, torch.Tensor]:
+def _hf(dims: ModelDims, version: int, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
     from megarl.models.layouts import hf_tensor_shapes
 
     g = torch.Generator().manual_seed(1000 + version)
-    return {n: torch.randn(s, generator=g).to(torch.bfloat16) for n, s in hf_tensor_shapes(dims).items()}
+    return {n: torch.randn(s, generator=g).to(dtype) for n, s in hf_tensor_shapes(dims).items()}
+
+
+# The cases of the exactness check (each one TP2 trainer -> TP1 and TP2 receivers):
+#   bf16     bf16 parameters: wire tensors are views of the parameters' own storages;
+#   fp32     fp32 parameters: converted to bf16 in conversion buckets (tensors at non-zero offsets of a
+#            bucket storage), and the buckets freed and reallocated between syncs (re-exported storages);
+#   fp8      wire fp8: e4m3 codes and float32 row scales in buckets;
+#   flat     bf16 parameters as views of one flat DDP-style buffer (one storage, many offsets), with one
+#            slow receiver (it sleeps before reading): the senders must return only after its ack.
+CASES = {"bf16": dict(dtype=torch.bfloat16, wire="engine"),
+         "fp32": dict(dtype=torch.float32, wire="engine", realloc=True),
+         "fp8": dict(dtype=torch.float32, wire="fp8"),
+         "flat": dict(dtype=torch.bfloat16, wire="engine", flat=True, slow=True)}
+SLOW_S = 3.0
+
+
+def _expected(spec, case: dict, version: int, rank) -> dict[str, torch.Tensor]:
+    """What worker ``rank`` must hold: the plan executed on CPU from the same HF tensors (FP8: each
+    source row through the e4m3 round trip, with the scale floor the sender uses)."""
+    from megarl.ddma.plan import execute_plan_ref, plan_sync
+    from megarl.ddma.quantize import VLLM_FP8_MIN_SCALE, dequantize_per_channel_ref, quantize_per_channel_ref
+
+    plan = plan_sync(spec.dims, spec.src, spec.dst)
+    hf = _hf(spec.dims, version, case["dtype"])
+    src = {}
+    for r in spec.src.ranks():
+        local = hf_to_local(hf.__getitem__, source_rank_layouts(spec.dims, spec.src, r.tp, r.pp))
+        for n, t in local.items():
+            if case["wire"] == "fp8" and t.dim() == 2:
+                t = dequantize_per_channel_ref(*quantize_per_channel_ref(t, VLLM_FP8_MIN_SCALE), torch.bfloat16)
+            local[n] = t.to(torch.bfloat16).contiguous()
+        src[r] = local
+    want = {r: {n: torch.zeros(sh, dtype=torch.bfloat16) for n, sh in plan.dst_shapes[r].items()} for r in plan.dst_shapes}
+    execute_plan_ref(plan, src, want)
+    return want[rank]
+
+
+def _params(spec, rank, case: dict, version: int, dev: str) -> dict[str, torch.Tensor]:
+    layouts = source_rank_layouts(spec.dims, spec.src, rank.tp, rank.pp)
+    local = hf_to_local(_hf(spec.dims, version, case["dtype"]).__getitem__, layouts)
+    if not case.get("flat"):
+        return {n: t.to(dev) for n, t in local.items()}
+    flat = torch.empty(sum(t.numel() for t in local.values()), dtype=case["dtype"], device=dev)
+    out, off = {}, 0
+    for n, t in local.items():  # DDP-style: every parameter a view of one buffer
+        out[n] = flat[off:off + t.numel()].view(t.shape).copy_(t)
+        off += t.numel()
+    return out
 
 
 def _mem(dry: bool) -> dict:
@@ -85,22 +140,24 @@ def _setup(dry: bool):
         cuda_ipc.IPC_OPS = HostIpcStandIn()
 
 
-def _sender(spec, rank, versions, dry, q):
+def _sender(spec, rank, versions, dry, q, case):
     try:
         from megarl.ddma.sync import DdmaSender
 
         _setup(dry)
-        layouts = source_rank_layouts(spec.dims, spec.src, rank.tp, rank.pp)
         sender, mems = None, []
         for v in versions:
-            params = {n: t.to(_dev(dry)) for n, t in hf_to_local(_hf(spec.dims, v).__getitem__, layouts).items()}
+            params = _params(spec, rank, case, v, _dev(dry))
             if sender is None:
                 sender = DdmaSender(spec, rank, params)
             else:  # in place, as an optimizer step
                 for n, t in params.items():
                     sender.params[n].copy_(t)
+                if case.get("realloc"):
+                    sender._bufs = None  # conversion buckets freed and allocated anew: re-exported
             del params
             stats = sender.sync(v)
+            stats["returned_at"] = time.time()
             mems.append(_mem(dry))
             q.put(("sent", str(rank), v, stats))
         q.put(("mem", str(rank), 0, mems))
@@ -108,20 +165,32 @@ def _sender(spec, rank, versions, dry, q):
         q.put(("error", str(rank), 0, traceback.format_exc()))
 
 
-def _receiver(spec, rank, versions, dry, plant, check, q):
+def _receiver(spec, rank, versions, dry, plant, check, q, case):
     try:
-        from megarl.ddma.plan import execute_plan_ref, plan_sync
         from megarl.ddma.sync import DdmaReceiver
+        from megarl.ddma.transport import cuda_ipc
 
         _setup(dry)
         recv = DdmaReceiver(spec, rank, device=_dev(dry))
+        opened_on = []
+        ops = recv.transport.ops
+        real_open = ops.open
+
+        def open_recording(handle, device):  # the device argument 6 is rewritten to (asserted below)
+            if not dry:
+                opened_on.append((handle[1][cuda_ipc.STORAGE_DEVICE_ARG], cuda_ipc.on_device(handle, device)[1][6]))
+            return real_open(handle, device)
+
+        ops.open = open_recording
         mems, bad = [], []
-        plan = plan_sync(spec.dims, spec.src, spec.dst) if check else None
+        slow = case.get("slow") and rank.tp == 0
         for v in versions:
             from datetime import timedelta
 
             # timed from when every sender has published (not while they make new weights)
             recv.store.wait([f"ddma/v{v}/src{recv.group_rank(s)}" for s in recv.src_ranks], timedelta(seconds=600))
+            if slow:
+                time.sleep(SLOW_S)  # the senders must still be waiting for this worker's ack
             t0 = time.perf_counter()
             landed = {}
             for name, staging in recv.stream(v):
@@ -132,47 +201,62 @@ def _receiver(spec, rank, versions, dry, plant, check, q):
             if not dry:
                 torch.cuda.synchronize()
             elapsed = time.perf_counter() - t0
+            acked_at = time.time()
             try:
                 recv.verify_landed(v)
             except Exception as e:  # noqa: BLE001 - reported, the parent fails the check
                 bad.append(f"v{v}: {str(e)[:300]}")
             if check:  # exact against the plan executed on CPU from the same HF tensors
-                hf = _hf(spec.dims, v)
-                src = {r: hf_to_local(hf.__getitem__, source_rank_layouts(spec.dims, spec.src, r.tp, r.pp))
-                       for r in spec.src.ranks()}
-                want = {r: {n: torch.zeros(s, dtype=torch.bfloat16) for n, s in plan.dst_shapes[r].items()}
-                        for r in plan.dst_shapes}
-                execute_plan_ref(plan, src, want)
-                for n, w in want[rank].items():
+                for n, w in _expected(spec, case, v, rank).items():
                     if not torch.equal(landed[n].cpu().view(torch.int16), w.view(torch.int16)):
                         bad.append(f"v{v}: {n} differs from the plan's CPU execution")
+            if not dry:
+                want = torch.cuda.current_device()
+                bad += [f"v{v}: a handle of device {a} opened on {b}, not this worker's {want}"
+                        for a, b in opened_on if b != want]
             nbytes = sum(t.numel() * t.element_size() for t in landed.values())
             del landed
             mems.append(_mem(dry))
-            q.put(("got", str(rank), v, {"seconds": elapsed, "bytes": nbytes, "bad": bad[:], **recv.last_stats}))
+            q.put(("got", str(rank), v, {"seconds": elapsed, "bytes": nbytes, "bad": bad[:], "slow": bool(slow),
+                                         "acked_at": acked_at, "opens_checked": len(opened_on), **recv.last_stats}))
         q.put(("mem", str(rank), 0, mems))
     except BaseException:  # noqa: BLE001
         q.put(("error", str(rank), 0, traceback.format_exc()))
 
 
-def run_sync(dims: ModelDims, gen_tp: int, syncs: int, dry: bool, plant: bool, check: bool, timeout: float = 240):
+def run_sync(dims: ModelDims, gen_tp: int, syncs: int, dry: bool, plant: bool, check: bool, timeout: float = 240,
+             case: dict | None = None):
     from megarl.ddma.sync import SyncSpec, host_store
 
+    case = case or CASES["bf16"]
     store = host_store()
     spec = SyncSpec(dims, TrainerTopology(2, 1, 1), GeneratorTopology(gen_tp, 1), "127.0.0.1", store.port,
                     transport="cuda_ipc", engine_dtype="bfloat16", verify_every=1, timeout_s=timeout,
-                    bucket_bytes=64 << 20)
+                    bucket_bytes=1 << 20, wire=case["wire"])  # 1 MiB buckets: several per rank
     ctx = mp.get_context("spawn")  # CUDA in children: never fork
     q = ctx.Queue()
     versions = list(range(1, syncs + 1))
-    procs = [ctx.Process(target=_sender, args=(spec, r, versions, dry, q)) for r in spec.src.ranks()]
-    procs += [ctx.Process(target=_receiver, args=(spec, r, versions, dry, plant, check, q)) for r in spec.dst.ranks()]
+    procs = [ctx.Process(target=_sender, args=(spec, r, versions, dry, q, case)) for r in spec.src.ranks()]
+    procs += [ctx.Process(target=_receiver, args=(spec, r, versions, dry, plant, check, q, case))
+              for r in spec.dst.ranks()]
     for p in procs:
         p.start()
     out: dict = {"got": [], "sent": [], "mem": {}, "errors": []}
     try:
+        waited = 0.0
         for _ in range(len(procs) * (syncs + 1)):
-            kind, rank, v, payload = q.get(timeout=timeout * 2)
+            while True:  # liveness: a process that died without a word (OOM kill, a CUDA abort) ends the wait
+                try:
+                    kind, rank, v, payload = q.get(timeout=2)
+                    break
+                except queue.Empty:
+                    waited += 2
+                    dead = [p for p in procs if p.exitcode not in (None, 0)]
+                    if dead or waited > timeout * 2:
+                        kind, rank, v = "error", "parent", 0
+                        payload = (f"process(es) died: {[(p.name, p.exitcode) for p in dead]}" if dead
+                                   else f"no message in {timeout * 2:.0f} s")
+                        break
             if kind == "error":
                 out["errors"].append(f"{rank}: {payload[-2000:]}")
                 break
@@ -180,9 +264,10 @@ def run_sync(dims: ModelDims, gen_tp: int, syncs: int, dry: bool, plant: bool, c
                 out["mem"][rank] = payload
             else:
                 out[kind].append((rank, v, payload))
-    finally:
+    finally:  # a clean run ends on its own; after an error or a kill, end the processes now
+        clean = not out["errors"] and sys.exc_info()[0] is None
         for p in procs:
-            p.join(timeout=10)
+            p.join(timeout=10 if clean else 0.1)
             if p.is_alive():
                 p.kill()
     return out
@@ -235,23 +320,38 @@ def main() -> int:
     ap.add_argument("--bench", action="store_true")
     ap.add_argument("--trials", type=int, default=3)
     ap.add_argument("--cpu-dry", action="store_true")
+    ap.add_argument("--cases", default=",".join(CASES), help=f"comma list of {list(CASES)}")
     args = ap.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # killed (gpu_check.sh's deadline): end the children
     plant = os.environ.get("MEGARL_GPU_CHECK_PLANT") == "ipc"
     if args.bench:
         result = bench(args.cpu_dry, args.trials)
+        if os.environ.get("MEGARL_GPU_CHECK_PLANT") == "bench":
+            result["meets_goal"] = False  # the planted failure
+        # the goal is enforced on a GPU (a CPU dry run times Python against memcpy: reported only)
+        result["goal_enforced"] = not args.cpu_dry
         print(json.dumps({"bench_cuda_ipc": result}))
-        return 0 if result["ok"] else 1
+        return 0 if result["ok"] and (result["meets_goal"] or args.cpu_dry) and not (
+            os.environ.get("MEGARL_GPU_CHECK_PLANT") == "bench") else 1
     dims = ModelDims.from_hf_config(SMALL)
     report, ok = {}, True
-    for gen_tp in (1, 2):
-        res = run_sync(dims, gen_tp, args.syncs, args.cpu_dry, plant, True)
-        bad = [b for _, _, p in res["got"] for b in p["bad"]] + res["errors"]
-        flat = check_flat(res["mem"], 64 << 20) if not args.cpu_dry else []
-        n_got = len(res["got"])
-        case_ok = not bad and not flat and n_got == gen_tp * args.syncs
-        ok &= case_ok
-        report[f"tp2_to_tp{gen_tp}"] = {"ok": case_ok, "syncs": args.syncs, "landed": n_got, "problems": bad[:5],
-                                        "memory_not_flat": flat, "memory": res["mem"]}
+    for name in args.cases.split(","):
+        case = CASES[name]
+        for gen_tp in (1, 2) if name == "bf16" else (2,):  # TP2 -> TP1 for bf16 only (the time budget)
+            res = run_sync(dims, gen_tp, args.syncs, args.cpu_dry, plant and name == "bf16", True, case=case)
+            bad = [b for _, _, p in res["got"] for b in p["bad"]] + res["errors"]
+            flat = check_flat(res["mem"], 4 << 20) if not args.cpu_dry else []
+            if case.get("slow"):  # every sender returned after the slow worker's ack, every version
+                acks = {v: p["acked_at"] for _, v, p in res["got"] if p["slow"]}
+                early = [(r, v) for r, v, st in res["sent"] if v in acks and st["returned_at"] < acks[v]]
+                bad += [f"sender {r} returned from v{v} before the slow worker acknowledged it" for r, v in early]
+            n_got = len(res["got"])
+            case_ok = not bad and not flat and n_got == gen_tp * args.syncs
+            ok &= case_ok
+            report[f"{name}_tp2_to_tp{gen_tp}"] = {"ok": case_ok, "syncs": args.syncs, "landed": n_got,
+                                                  "problems": bad[:5], "memory_not_flat": flat,
+                                                  "exports": [st.get("ipc_exports") for _, _, st in res["sent"]][-2:],
+                                                  "memory": res["mem"]}
     print(json.dumps({"cuda_ipc_sync": report, "ok": ok}))
     return 0 if ok else 1
 

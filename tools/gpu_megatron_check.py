@@ -1,5 +1,7 @@
 """GPU check 4: megatron-core (the carried 0.16.1 wheel; no Transformer Engine, local layer spec) on
-the GPU against the CPU: a TP1 train step and the logprobs of a fixed batch.
+the GPU against the CPU: a TP1 SGD step and the logprobs of a fixed batch, on a GPTModel this script
+builds itself (fp32). It does not run megarl's trainer: not ``build_gpt_model``, DDP / Float16Module,
+the Megatron optimizer, the schedules, ``token_logprobs`` or bf16 (issue 30: still to cover on a GPU).
 
 Each device runs in its own process (the CPU one applies megarl's CPU compat layer, which must not
 touch the GPU process): build the same 2-layer Llama-style GPTModel (float32, CPU initialization with
@@ -98,8 +100,11 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for dev in ("cpu", "cpu" if dry else "cuda"):
             path = os.path.join(tmp, f"{dev}-{len(res)}.pt")
+            # the CPU reference runs with CUDA hidden: megarl's CPU compat layer turns on only when CUDA is
+            # unavailable, and with a visible GPU the child died on a device mismatch before comparing
+            env = dict(os.environ, CUDA_VISIBLE_DEVICES="") if dev == "cpu" else None
             p = subprocess.run([sys.executable, __file__, "--child", dev, path], capture_output=True, text=True,
-                               timeout=300)
+                               timeout=300, env=env)
             if p.returncode != 0:
                 print(json.dumps({"megatron_tp1": {"ok": False, "error": f"{dev} run failed: {p.stderr[-1500:]}"}}))
                 return 1
