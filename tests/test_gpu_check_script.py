@@ -72,3 +72,26 @@ def test_planted_failure_in_each_step_kind(tmp_path, plant):
         assert "differs from the plan" in json.dumps(step["result"])
     else:  # the planted logprob offset (10x the bound), not a crash
         assert step["result"]["megatron_tp1"]["logprobs_before_worst_ratio"] > 9
+
+
+def test_megatron_check_runs_its_cpu_reference_with_cuda_hidden(monkeypatch):
+    """With a GPU visible, the CPU reference child kept CUDA on, so megarl's CPU compat layer stayed off
+    and it died on a device mismatch before comparing anything."""
+    import importlib.util
+    import types
+
+    spec = importlib.util.spec_from_file_location("gpu_megatron_check", REPO / "tools" / "gpu_megatron_check.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    calls = []
+
+    def fake_run(cmd, **kw):
+        calls.append((cmd[cmd.index("--child") + 1], kw.get("env")))
+        return types.SimpleNamespace(returncode=1, stderr="stopped by the test", stdout="")
+
+    monkeypatch.setattr(tool.subprocess, "run", fake_run)
+    monkeypatch.setattr(sys, "argv", ["gpu_megatron_check.py"])
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    assert tool.main() == 1
+    dev, env = calls[0]
+    assert dev == "cpu" and env is not None and env["CUDA_VISIBLE_DEVICES"] == ""
