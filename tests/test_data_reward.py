@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
 
 from megarl.data import format_prompt, load_tasks, split_train_eval
 from megarl.data.tasks import gold_answer
