@@ -13,7 +13,7 @@ same job under `megarl launch local`, and what a preemption costs. One run, side
 
 Needs root (slurmd, munged, /etc/hosts). Writes bench_slurm.json and bench_slurm.png.
 
-    .venv/bin/python tools/bench_slurm.py [--steps 6] [--out docs]
+    .venv/bin/python tools/bench_slurm.py [--steps 6] [--out runs/...]
     megarl bench slurm
 """
 
@@ -153,7 +153,8 @@ def plot(result: dict, path: Path) -> Path | None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=6, help="steps of each job (default 6)")
-    ap.add_argument("--out", default=str(REPO / "docs"), help="where bench_slurm.json / .png go")
+    ap.add_argument("--out", default=str(REPO / "runs" / "bench_slurm"),
+                    help="where bench_slurm.json / .png go (default runs/bench_slurm; the committed figures are in docs/)")
     a = ap.parse_args(argv)
     ensure_installed()  # first: without Slurm (not root, no apt-get) it ends in one line at once
     from megarl.models.tiny import make_tiny_hf_checkpoint

@@ -10,7 +10,7 @@ its rate over the first and the second half of the samples tells a leak (the sam
 halves) from warm-up (a rate that falls towards 0). Writes soak.json and soak.png (RSS per process
 against the step).
 
-    .venv/bin/python tools/soak.py [--steps 200] [--early 20] [--every 0] [--out docs]
+    .venv/bin/python tools/soak.py [--steps 200] [--early 20] [--every 0] [--out runs/...]
 """
 
 from __future__ import annotations
@@ -97,7 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--early", type=int, default=20)
     ap.add_argument("--every", type=int, default=0, help="also sample every this many steps after --early "
                     "(0: only --early and steps - 5)")
-    ap.add_argument("--out", default=str(REPO / "docs"))
+    ap.add_argument("--out", default=str(REPO / "runs" / "soak"),
+                    help="where soak.json / soak.png go (default runs/soak; the committed figures are in docs/)")
     a = ap.parse_args(argv)
     sys.path.insert(0, str(REPO))
     from megarl.models.tiny import make_tiny_hf_checkpoint
