@@ -50,6 +50,7 @@ def _one_line(done: subprocess.CompletedProcess, code: int, *named: str) -> str:
     assert f"What to do: {_row(code).todo}." in line, line
     log = re.search(r"Full log: (\S+?)[;( ]", line)
     assert log and Path(log.group(1)).is_file(), line
+    assert Path(log.group(1)).read_text().rstrip().splitlines()[-1] == line  # the log ends as the console does
     return line
 
 
@@ -325,3 +326,25 @@ def test_a_rank_of_run_multiprocess_that_raised_is_named_with_its_error(tmp_path
     assert line.startswith("megarl bench trainer: rank 0 of 1 running _rank_fails raised: FileNotFoundError: "
                            "/nowhere/config.json not found"), line
     assert re.search(r"\[in rank 0 of 1 \(pid \d+ on ", line) and "(exit 13, MultiprocessError <- FileNotFoundError)" in line
+
+
+def test_a_launcher_ends_with_the_line_the_controller_ended_with(tmp_path, capsys):
+    """`megarl launch local|slurm`: the controller's line comes before the launcher's own lines
+    (stopping the other tasks), or only in a task's output file: the launcher prints it again last."""
+    from megarl.cluster.launch import Task, supervise
+
+    log = tmp_path / "controller.log"
+    log.write_text("megarl: an older run's line. Full log: x (exit 3, ProcessDied)\n")
+    os.utime(log, (0, 0))  # written before this job: never repeated
+    stale = supervise([Task("controller", [sys.executable, "-c", "raise SystemExit(4)"], dict(os.environ))], 5.0,
+                      controller_log=log)
+    assert stale == 4 and "older run" not in capsys.readouterr().err
+    line = ("megarl: trainer: trainer rank 1 (tp 1, pp 0, dp 0; pid 7 on n2) was killed by signal SIGKILL. What to do: "
+            f"read its log. Full log: {log} (exit 3, TrainerRankFailed)")
+    write = f"import sys; open({str(log)!r}, 'a').write('Traceback ...\\n' + {line!r} + '\\n'); sys.exit(3)"
+    ctrl = Task("controller", [sys.executable, "-c", write], dict(os.environ))
+    rank = Task("trainer rank 0", [sys.executable, "-c", "import time; time.sleep(60)"], dict(os.environ))
+    code = supervise([ctrl, rank], 5.0, controller_log=log)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 3 and err[-1] == line, err[-3:]
+    assert rank.proc.poll() is not None

@@ -85,6 +85,7 @@ def launch_slurm(config: str, overrides: Sequence[str], *, dry_run: bool = False
     """Inside an allocation: print the role map and srun lines; unless ``dry_run``, run them and
     supervise them (:func:`supervise`). Returns the job's exit code."""
     from megarl.cluster.slurm import format_srun
+    from megarl.controller.loop import controller_log_path
 
     env = dict(os.environ if env is None else env)
     over = task_overrides(overrides, resume=True)
@@ -100,7 +101,7 @@ def launch_slurm(config: str, overrides: Sequence[str], *, dry_run: bool = False
     job_env = {**env, **rmap.job_env(), "MEGARL_AUTHKEY": secrets.token_hex(16)}
     tasks = [Task(f"{key} srun", lines[key], job_env) for key in ("controller", "trainer", "generator")]
     return supervise(tasks, cfg.cluster.teardown_timeout_s, preempt_grace_s=cfg.cluster.preempt_grace_s,
-                     on_preempted=lambda: requeue(rmap.job_id, env))
+                     on_preempted=lambda: requeue(rmap.job_id, env), controller_log=controller_log_path(cfg))
 
 
 def requeue(job_id: int, env: Mapping[str, str]) -> bool:
@@ -151,6 +152,7 @@ def launch_local(config: str, overrides: Sequence[str], *, trainer_nodes: int = 
     """The Slurm job's tasks as local processes: the controller + one process per trainer rank,
     spread over ``trainer_nodes`` simulated nodes, same role map, same ``megarl rank`` command."""
     from megarl.cluster.slurm import format_srun
+    from megarl.controller.loop import controller_log_path
     from megarl.config import load_config
 
     cfg0 = load_config(config, list(overrides))
@@ -192,18 +194,31 @@ def launch_local(config: str, overrides: Sequence[str], *, trainer_nodes: int = 
         node, local = rmap.replica_node(replica)
         tasks.append(task(f"generator replica {replica}", "generator", node, replica, local, nodes.index(node)))
     log.info("local launch: %s", "; ".join(f"{x.label}: {shlex.join(x.argv[-4:])}" for x in tasks[:2]))
-    return supervise(tasks, cfg.cluster.teardown_timeout_s)
+    return supervise(tasks, cfg.cluster.teardown_timeout_s, controller_log=controller_log_path(cfg))
 
 
 def supervise(tasks: list[Task], teardown_s: float, *, preempt_grace_s: float = 0.0,
-              on_preempted: Callable[[], object] | None = None) -> int:
+              on_preempted: Callable[[], object] | None = None, controller_log: Path | None = None) -> int:
     """Start ``tasks`` (the first is the controller) and wait for the job to end; any task's exit
     ends the job (see the module docstring). Returns the controller's code, else the failed task's.
 
     ``preempt_grace_s`` > 0 (a Slurm job): SIGTERM is a preemption. The controller (SIGTERM passed on
     to it) checkpoints and exits with PREEMPTED_EXIT within that many seconds; the other tasks are
-    then stopped and ``on_preempted`` runs (the requeue). A controller that takes longer is stopped."""
+    then stopped and ``on_preempted`` runs (the requeue). A controller that takes longer is stopped.
+
+    ``controller_log``: the controller's full log; when the job fails, the line its command ended
+    with (cause, component, what to do, logs: megarl/utils/errors.py) is printed again last, after
+    the launcher's own lines, so the console (or the sbatch output) ends with it."""
+    from megarl.utils.errors import last_line
     from megarl.utils.procs import PREEMPTED_EXIT, JobInterrupted, Preemption, signals_raise
+
+    started = time.time()
+
+    def failed_with(code: int) -> int:
+        line = last_line(controller_log, since=started) if controller_log else None
+        if line:
+            print(line, file=sys.stderr, flush=True)
+        return code
 
     ctrl, others = tasks[0], tasks[1:]
     preempt = Preemption() if preempt_grace_s > 0 else None
@@ -235,7 +250,7 @@ def supervise(tasks: list[Task], teardown_s: float, *, preempt_grace_s: float = 
                         return code
                     log.error("controller %s; stopping every pool", _how(code))
                     _stop(others, teardown_s)
-                    return code
+                    return failed_with(code)
                 # Exit 0 = told to exit by the controller (it is shutting down); anything else is a failure.
                 failed = [x for x in others if x.proc.poll() not in (None, 0)]
                 if failed:
@@ -254,7 +269,7 @@ def supervise(tasks: list[Task], teardown_s: float, *, preempt_grace_s: float = 
                     _wait([ctrl], teardown_s, "the controller to stop")
                     _stop(tasks, teardown_s)
                     code = ctrl.proc.returncode
-                    return code if code not in (0, None) else (f.proc.returncode or 1)
+                    return failed_with(code if code not in (0, None) else (f.proc.returncode or 1))
                 time.sleep(_POLL_S)
         except JobInterrupted:
             _stop(tasks, teardown_s)

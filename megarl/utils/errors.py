@@ -274,11 +274,37 @@ def report(exc: BaseException, prog: str = "megarl", stream=None) -> int:
     row = classify(exc)
     if row is None:
         traceback.print_exception(exc, file=stream)
-        print(f"{prog}: this is a bug: {type(exc).__name__}: {_first_line(exc)} -- megarl did not expect this "
-              f"error. Please report it with the full log: {log_path} (exit {BUG_EXIT})", file=stream, flush=True)
-        return BUG_EXIT
-    print(one_line(exc, row, log_path, prog), file=stream, flush=True)
-    return row.code
+        line = (f"{prog}: this is a bug: {type(exc).__name__}: {_first_line(exc)} -- megarl did not expect this "
+                f"error. Please report it with the full log: {log_path} (exit {BUG_EXIT})")
+    else:
+        line = one_line(exc, row, log_path, prog)
+    print(line, file=stream, flush=True)
+    _append(log_path, line)  # the log ends as the console does (a launcher repeats it: last_line)
+    return BUG_EXIT if row is None else row.code
+
+
+def _append(path: str, line: str) -> None:
+    try:
+        with open(path, "a") as fh:
+            fh.write(line + "\n")
+    except OSError:
+        pass
+
+
+def last_line(log_path: str | os.PathLike, since: float = 0.0) -> str | None:
+    """The line :func:`report` ended a command with, from its full log, if it is the log's last and
+    was written after ``since`` (a time.time()): what a launcher prints again as its own last line."""
+    path = Path(log_path)
+    try:
+        if path.stat().st_mtime < since:
+            return None
+        with open(path, "rb") as fh:
+            fh.seek(max(0, path.stat().st_size - 65536))
+            tail = fh.read().decode(errors="replace").rstrip().splitlines()
+    except OSError:
+        return None
+    line = tail[-1] if tail else ""
+    return line if line.startswith("megarl") and ("Full log: " in line or "this is a bug" in line) else None
 
 
 def one_line(exc: BaseException, row: Failure, log_path: str, prog: str = "megarl") -> str:
