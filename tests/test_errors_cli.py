@@ -14,6 +14,7 @@ executors build them (``_Rank.failure``, ``engine_died``, a real ``RewardPool``,
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import subprocess
@@ -348,3 +349,16 @@ def test_a_launcher_ends_with_the_line_the_controller_ended_with(tmp_path, capsy
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 3 and err[-1] == line, err[-3:]
     assert rank.proc.poll() is not None
+
+
+def test_a_run_folder_the_filesystem_refuses(tiny_llama_dir):
+    """A full, read-only or forbidden disk is the environment's, never a bug (/sys refuses mkdir,
+    also to root); an OS error with another errno in megarl's code is (see above)."""
+    done = subprocess.run([sys.executable, "-m", "megarl", "train", "configs/tiny_test.yaml", f"model.path={tiny_llama_dir}",
+                           "logging.out_dir=/sys/megarl-errors-test"], capture_output=True, text=True, cwd=REPO, env=ENV,
+                          timeout=120)
+    line = _one_line(done, 15, "Operation not permitted: '/sys/megarl-errors-test'", "[in megarl (pid ",
+                     "(exit 15, PermissionError)")
+    assert "PermissionError" in _full_log(line)
+    assert classify(OSError(errno.ENOSPC, "No space left on device")).code == 15
+    assert classify(OSError(errno.ECONNRESET, "Connection reset by peer")) is None

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import logging
 import os
 import socket
@@ -101,6 +102,11 @@ FAILURES: tuple[Failure, ...] = (
             "`megarl bench slurm` cannot run a Slurm cluster here",
             "run it as root on a machine with apt-get (it installs slurm-wlm and munge) or where they are "
             "installed"),
+    Failure(15, ("OSError",),
+            "the filesystem refused a write: no space, quota, read-only or no permission (errno ENOSPC, EDQUOT, "
+            "EROFS, EACCES, EPERM)",
+            "free space or fix the permissions at the path named, or point logging.out_dir / "
+            "trainer.checkpoint_dir at another disk, then resume (trainer.resume_from=auto)"),
 )
 
 # Not exceptions of the table, listed in docs/errors.md beside it (the codes main() returns).
@@ -114,6 +120,9 @@ OTHER_EXITS: tuple[tuple[str, str, str], ...] = (
 
 _BY_NAME = {name: f for f in FAILURES for name in f.names}
 _MEGARL_OWN_BUILTINS = ("TimeoutError", "FileNotFoundError")  # on purpose only when megarl raised them
+# An OSError is the environment's, never a bug, only with one of these (a full or read-only disk).
+_REFUSED_WRITES = frozenset(getattr(errno, n) for n in ("ENOSPC", "EDQUOT", "EROFS", "EACCES", "EPERM")
+                            if hasattr(errno, n))
 
 
 def classify(exc: BaseException) -> Failure | None:
@@ -128,8 +137,12 @@ def classify(exc: BaseException) -> Failure | None:
         row = _BY_NAME.get(cls.__name__)
         if row is None:
             continue
-        if cls.__module__ == "builtins":
-            return row if _raised_by_megarl(exc) else None
+        if cls.__name__ == "OSError" and cls.__module__ == "builtins":
+            if getattr(exc, "errno", None) in _REFUSED_WRITES:
+                return row
+            continue
+        if cls.__module__ == "builtins" and not _raised_by_megarl(exc):
+            continue
         return row
     return None
 
