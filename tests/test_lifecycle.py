@@ -316,6 +316,11 @@ def test_killing_the_controller_ends_every_process_of_the_job(tiny_llama_dir, tm
         if sig == signal.SIGTERM:
             text = log_path.read_text()
             assert "received SIGTERM" in text and "interrupted by SIGTERM" in text, text[-3000:]
+            last = [ln for ln in text.splitlines() if ln.strip()][-1]  # the console's last line, no traceback
+            assert last.startswith("megarl: interrupted by SIGTERM") and last.endswith(
+                f"every process of the job was stopped; full log: {tmp_path / 'out' / 'tiny-test' / 'logs' / 'controller.log'}"), \
+                text[-3000:]
+            assert "Traceback" not in text and "leaked semaphore" not in text, text[-3000:]
     finally:
         _kill_quietly(descendants)
         job.kill()
