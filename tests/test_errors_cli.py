@@ -362,3 +362,14 @@ def test_a_run_folder_the_filesystem_refuses(tiny_llama_dir):
     assert "PermissionError" in _full_log(line)
     assert classify(OSError(errno.ENOSPC, "No space left on device")).code == 15
     assert classify(OSError(errno.ECONNRESET, "Connection reset by peer")) is None
+
+
+def test_a_child_s_os_error_counts_as_a_refused_write_only_by_its_errno():
+    from megarl.executors.base import ExecutorError
+
+    for tb, code in ((f"OSError: [Errno {errno.ENOSPC}] No space left on device: '/ckpt/x'", 15),
+                     (f"OSError: [Errno {errno.EIO}] Input/output error", 3)):
+        died = ExecutorError(f"trainer: trainer rank 0 raised {tb}\nTraceback (most recent call last):\n"
+                             f'  File "/w/megarl/trainer/checkpoint.py", line 1, in save\n    f.write(b)\n{tb}\n')
+        died.remote_error = remote_error(died.args[0].split("\n", 1)[1])
+        assert died.remote_error == "OSError" and classify(died).code == code, tb

@@ -16,7 +16,8 @@ imports none of the classes). An executor's error that carries ``remote_error`` 
 trainer rank or a replica raised, from its traceback) is matched on that class first, so a
 ``NonFiniteStepError`` in a rank ends the job with the non-finite code, naming the rank.
 A built-in ``TimeoutError`` or ``FileNotFoundError`` counts as megarl's own only when megarl's code
-raised it itself (a ``raise`` in megarl, no OS errno); from a library it is a bug like any other.
+raised it itself (a ``raise`` in megarl, no OS errno); from a library it is a bug like any other. An
+``OSError`` with the errno of a refused write (a full or read-only disk) is the environment's.
 
 docs/errors.md prints the table; tests/test_errors_cli.py checks that the two agree.
 """
@@ -28,6 +29,7 @@ import dataclasses
 import errno
 import logging
 import os
+import re
 import socket
 import sys
 import tempfile
@@ -130,8 +132,12 @@ def classify(exc: BaseException) -> Failure | None:
     remote = getattr(exc, "remote_error", None)
     if remote:
         name = remote.rsplit(".", 1)[-1]
-        if name in _BY_NAME and (name not in _MEGARL_OWN_BUILTINS or "." not in remote or
-                                 remote.startswith("megarl.")):
+        if name == "OSError":  # a child's: only the errno in its message tells a refused write
+            errnos = re.findall(r"\[Errno (\d+)\]", exception_line(str(exc)) or "")
+            if errnos and int(errnos[0]) in _REFUSED_WRITES:
+                return _BY_NAME[name]
+        elif name in _BY_NAME and (name not in _MEGARL_OWN_BUILTINS or "." not in remote or
+                                   remote.startswith("megarl.")):
             return _BY_NAME[name]
     for cls in type(exc).__mro__:
         row = _BY_NAME.get(cls.__name__)
@@ -337,8 +343,6 @@ def one_line(exc: BaseException, row: Failure, log_path: str, prog: str = "megar
 
 def _names(cause: str, who: str) -> bool:
     """Whether ``cause`` already names the component (its pid, or its name when it has none)."""
-    import re
-
     pid = re.search(r"pid (\d+)", who)
     return (f"pid {pid.group(1)}" in cause) if pid else who in cause
 
