@@ -60,9 +60,10 @@ def test_json_written_when_killed_and_the_deadline_is_kept(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("plant", ["ipc", "megatron"])
+@pytest.mark.parametrize("plant", ["ipc", "trainer", "megatron"])
 def test_planted_failure_in_each_step_kind(tmp_path, plant):
-    """The transport (ipc) and the trainer (megatron) kinds; the kernel kind (fp8) is in the default suite."""
+    """The transport (ipc) and the trainer (trainer, megatron) kinds; the kernel kind (fp8) is in the
+    default suite."""
     p, doc = _run(tmp_path, timeout=600, MEGARL_GPU_CHECK_STEPS=plant, MEGARL_GPU_CHECK_PLANT=plant,
                   MEGARL_GPU_CHECK_IPC_CASES="bf16")
     assert p.returncode != 0, p.stdout + p.stderr
@@ -71,7 +72,8 @@ def test_planted_failure_in_each_step_kind(tmp_path, plant):
     if plant == "ipc":  # the planted wrong byte, caught by the checksums and the exact comparison
         assert "differs from the plan" in json.dumps(step["result"])
     else:  # the planted logprob offset (10x the bound), not a crash
-        assert step["result"]["megatron_tp1"]["logprobs_before_worst_ratio"] > 9
+        key = "megatron_tp1" if plant == "megatron" else "megarl_trainer"
+        assert step["result"][key]["logprobs_before_worst_ratio"] > 9
 
 
 def test_megatron_check_runs_its_cpu_reference_with_cuda_hidden(monkeypatch):

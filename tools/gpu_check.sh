@@ -5,6 +5,9 @@
 # non-zero exit if any step failed or was skipped for lack of time. Steps, in order of risk:
 #   ipc        CUDA IPC sync between processes, exact vs the plan on CPU, checksums on, memory flat
 #              (tools/gpu_ddma_ipc.py);
+#   trainer    megarl's own trainer (build_gpt_model, DDP, the Megatron optimizer, bf16): logprobs and a
+#              step, GPU vs CPU (CUDA hidden) within a bf16-derived bound, then make_sender over the live
+#              parameters into a cuda_ipc receiver, exact                  (tools/gpu_trainer_check.py);
 #   megatron   megatron-core from the carried wheel: a TP1 step + logprobs, GPU vs CPU (CUDA hidden)
 #              within a float32-derived bound (tools/gpu_megatron_check.py);
 #   build      megarl._C with its CUDA kernels (nvcc; ninja from the carried wheels when there), timed;
@@ -15,7 +18,7 @@
 #   megatron_core-0.16.1-*.whl: tools/gpu_check_wheels.sh puts it there, hash-checked, before the call);
 #   MEGARL_GPU_CHECK_DEADLINE_S (default 470); MEGARL_GPU_CHECK_STEPS (comma list, default all);
 #   MEGARL_GPU_CHECK_IPC_CASES (tools/gpu_ddma_ipc.py --cases, default all four);
-#   MEGARL_GPU_CHECK_PLANT=build|fp8|ipc|megatron|nccl|bench plants a failure in that step (the script must exit
+#   MEGARL_GPU_CHECK_PLANT=build|fp8|ipc|trainer|megatron|nccl|bench plants a failure in that step (the script must exit
 #   non-zero); MEGARL_GPU_CHECK_DRY=1 runs the same control flow on CPU (no CUDA build, no wheel).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -26,7 +29,7 @@ py="${PYTHON:-python3}"
 dry="${MEGARL_GPU_CHECK_DRY:-0}"
 plant="${MEGARL_GPU_CHECK_PLANT:-}"
 deadline_s="${MEGARL_GPU_CHECK_DEADLINE_S:-470}"
-only="${MEGARL_GPU_CHECK_STEPS:-ipc,megatron,build,fp8,nccl,bench}"
+only="${MEGARL_GPU_CHECK_STEPS:-ipc,trainer,megatron,build,fp8,nccl,bench}"
 dryflag=""; [[ "$dry" == 1 ]] && dryflag="--cpu-dry"
 export MEGARL_GPU_CHECK_PLANT="$plant" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PIP_NO_INDEX=1
 results="$out/gpu_check.steps.jsonl"
@@ -131,12 +134,13 @@ fi
 
 # In order of risk (issue 30); none needs another's result: ipc and megatron run without the extension.
 wants ipc && step ipc 180 "$py" tools/gpu_ddma_ipc.py --syncs 4 --cases "${MEGARL_GPU_CHECK_IPC_CASES:-bf16,fp32,fp8,flat}" $dryflag
-if wants megatron; then
+if wants megatron || wants trainer; then
   if [[ "$dry" != 1 ]]; then
     wheel="${MEGARL_MCORE_WHEEL:-$(ls wheels/megatron_core-0.16.1-*.whl shared/wheels/megatron_core-0.16.1-*.whl 2>/dev/null | head -1)}"
     if [[ -n "$wheel" && -f "$wheel" ]]; then
       site="$(mktemp -d)"
-      extra=$(ls "$(dirname "$wheel")"/packaging-*.whl 2>/dev/null | head -1)  # megatron imports it
+      # megatron imports packaging; megarl's trainer reads safetensors (the machine has neither, maybe)
+      extra=$(ls "$(dirname "$wheel")"/packaging-*.whl "$(dirname "$wheel")"/safetensors-*.whl 2>/dev/null)
       step megatron_install 60 "$py" -m pip install -q --no-index --no-deps --target "$site" "$wheel" $extra
       export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
     else
@@ -146,7 +150,8 @@ if wants megatron; then
       failed=1; write_json running
     fi
   fi
-  step megatron 120 "$py" tools/gpu_megatron_check.py $dryflag
+  wants trainer && step trainer 150 "$py" tools/gpu_trainer_check.py $dryflag
+  wants megatron && step megatron 120 "$py" tools/gpu_megatron_check.py $dryflag
 fi
 if wants build; then
   if [[ "$dry" != 1 ]]; then
