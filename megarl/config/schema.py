@@ -145,10 +145,14 @@ class ClusterConfig:
         "reward pool's workers and the DDMA store. The node's other CPUs are split over its replicas. "
         "Default 4."))
     preempt_grace_s: float = knob(120.0, help=(
-        "Under a launcher, SIGTERM (scancel, preemption, requeue) asks the job to checkpoint and exit for a "
-        "requeue: the launcher waits this long for the controller to save (seconds; size it to one train + "
-        "sync phase plus a checkpoint save, and keep it below the site's KillWait / preemption GraceTime). "
-        "Default 120."))
+        "Once a job's loop runs, SIGTERM asks it to checkpoint, then exit; it gets this long to save (seconds; "
+        "size it to one train + sync phase plus a checkpoint save, and keep it below the grace time of what "
+        "sends the signal: Slurm's KillWait / preemption GraceTime, Kubernetes' terminationGracePeriodSeconds, "
+        "systemd's TimeoutStopSec). Under a launcher (scancel, preemption, requeue; also SIGUSR1) the launcher "
+        "waits this long and the job exits 75 for a requeue. A plain `megarl train` also checkpoints on the first "
+        "SIGINT (Ctrl-C) or SIGUSR1 and exits 128 + the signal (SIGTERM 143, SIGINT 130) once saved; it exits "
+        "at once, without a checkpoint, on a second signal or when this time ran out (the previous checkpoint "
+        "stays the one a rerun resumes from). Default 120."))
     ranks_per_node: int = knob(0, help=(
         "Rank slots per node (ranks, one GPU each): 0 = the node's GPU count from Slurm "
         "(SLURM_GPUS_ON_NODE / SLURM_GPUS_PER_NODE); set it on CPU-only clusters. Default 0."))

@@ -73,9 +73,11 @@ def _run_job(cfg: MegaRLConfig) -> int:
     with ExitStack() as stack:
         # First in, last out: SIGTERM/SIGINT/SIGHUP raise JobInterrupted here, the stack closes
         # every executor below, then the handlers are restored (megarl.utils.procs).
-        # Under a launcher SIGTERM is a preemption: checkpoint, then exit for a requeue (PREEMPTED_EXIT).
-        preempt = Preemption()
-        stack.enter_context(signals_raise(preemption=preempt if cfg.cluster.launcher == "slurm" else None))
+        # Once the loop runs, SIGTERM (a plain run: also the first SIGINT) checkpoints before the job
+        # exits, within cluster.preempt_grace_s; under a launcher it then exits for a requeue
+        # (PREEMPTED_EXIT), a plain run with 128 + signum; a second signal exits a plain run at once.
+        preempt = Preemption(requeue=cfg.cluster.launcher == "slurm", grace_s=cfg.cluster.preempt_grace_s)
+        stack.enter_context(signals_raise(preemption=preempt))
         run = stack.enter_context(RunFolder(cfg, n_eval=len(prompts.held)))
         cfg = pin_resume(cfg, run.path)  # the one verified step folder every process resumes from
         trainer, generator, reward = start_executors(cfg, stack, model_dir, devices, run)
@@ -106,7 +108,7 @@ def train(cfg: MegaRLConfig, run: RunFolder, prompts: PromptSource, trainer: Tra
     resume_controller(cfg, run, trainer.step_count, rollouts)
     activity = ExecutorActivity(generator)
     preempt = preempt or Preemption()
-    with checkpoint_on_preemption(cfg, trainer, rollouts, preempt):
+    with checkpoint_on_preemption(cfg, trainer, rollouts, preempt, saved=trainer.step_count):
         for step in range(trainer.step_count + 1, steps + 1):
             preempt.check()  # a SIGTERM during the last step is served here
             timer = PhaseTimer()
@@ -136,21 +138,32 @@ def train(cfg: MegaRLConfig, run: RunFolder, prompts: PromptSource, trainer: Tra
 
 @contextlib.contextmanager
 def checkpoint_on_preemption(cfg: MegaRLConfig, trainer: Trainer, rollouts: RolloutQueue,
-                             preempt: Preemption) -> Iterator[None]:
-    """On :class:`Preempted`: save the trainer at its current step with the controller's state (the
-    step being generated is in it, with its finished samples and partial rollouts), unless that step
-    was just saved on schedule, then let it propagate (the job exits with PREEMPTED_EXIT)."""
+                             preempt: Preemption, saved: int = 0) -> Iterator[None]:
+    """Arms ``preempt`` (a plain run's signals checkpoint from here on). On :class:`Preempted`: save
+    the trainer at its current step with the controller's state (the step being generated is in it,
+    with its finished samples and partial rollouts), unless that step was just saved on schedule or
+    is the one the run resumed from (``saved``), then let it propagate (the job exits with
+    PREEMPTED_EXIT under a launcher, 128 + signum in a plain run)."""
     from megarl.trainer.checkpoint import should_save
 
+    preempt.armed = True
     try:
         yield
-    except Preempted:
+    except Preempted as exc:
         version = trainer.step_count
         with preempt.deferred():
-            if version and not should_save(cfg.trainer, version, cfg.controller.steps):
+            if version and version != saved and not should_save(cfg.trainer, version, cfg.controller.steps):
                 checkpoint(cfg, trainer, rollouts)
-        log.warning("preempted: checkpoint of step %d in place %.1fs after the signal; exiting for a requeue "
-                    "(the restarted job resumes there, losing no step)", version, time.monotonic() - preempt.at)
+        exc.set_step(version)
+        if not version and not exc.requeue:
+            exc.args = (f"{exc.args[0].split(';')[0]} before the first step was trained: nothing to checkpoint",)
+            log.warning("interrupted before the first step was trained: no checkpoint")
+        elif exc.requeue:
+            log.warning("preempted: checkpoint of step %d in place %.1fs after the signal; exiting for a requeue "
+                        "(the restarted job resumes there, losing no step)", version, time.monotonic() - preempt.at)
+        else:
+            log.warning("interrupted: checkpoint of step %d in place %.1fs after the signal; exiting (rerun the "
+                        "same command to resume at step %d)", version, time.monotonic() - preempt.at, version)
         raise
 
 

@@ -17,6 +17,11 @@ Two halves, one per side of a parent/child pair:
   ``megarl``'s command line then exits with ``128 + signum``. A second signal while unwinding
   exits at once (``os._exit``): the children's parent watch ends them within about a second.
 
+A training job (``run_job``) asks for a checkpoint instead (:class:`Preemption`): under a launcher
+SIGTERM / SIGUSR1 checkpoint for a requeue (exit :data:`PREEMPTED_EXIT`); a plain ``megarl train``
+checkpoints on the first SIGTERM, SIGINT (Ctrl-C) or SIGUSR1, exits ``128 + signum`` once it is
+written, and exits at once on a second signal or when ``cluster.preempt_grace_s`` ran out first.
+
 Slurm: ``scancel`` (and a preemption or requeue) sends SIGTERM to the job step's processes, then
 SIGKILL after ``KillWait`` (30 s by default). SIGTERM takes the graceful path above; the SIGKILL,
 or any other death of the controller (OOM killer, ``kill -9``), is caught by the children's parent
@@ -49,6 +54,9 @@ DEFAULT_SIGNALS: tuple[int, ...] = tuple(
 # SIGUSR1, the one srun passes on to its tasks unchanged (srun turns a SIGTERM it receives into
 # SIGKILL for its tasks), which the launcher forwards and `#SBATCH --signal=B:USR1@s` sends.
 PREEMPT_SIGNALS: tuple[int, ...] = (signal.SIGTERM, signal.SIGUSR1)
+# A plain `megarl train` (no launcher) checkpoints on these too, Ctrl-C included: the first one asks
+# for a checkpoint, a second one exits at once.
+PLAIN_CHECKPOINT_SIGNALS: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 
 
 # ---------------------------------------------------------------------------------- child side
@@ -162,15 +170,25 @@ PREEMPTED_EXIT = 75  # EX_TEMPFAIL: the job checkpointed after SIGTERM and shoul
 
 class Preempted(JobInterrupted):
     """SIGTERM / SIGUSR1 under a launcher (scancel, preemption, requeue, the time limit's signal):
-    the job has checkpointed and exits with :data:`PREEMPTED_EXIT` so that the launcher requeues it."""
+    the job has checkpointed and exits with :data:`PREEMPTED_EXIT` so that the launcher requeues it.
+    ``requeue=False`` (a plain ``megarl train``: SIGTERM, the first Ctrl-C, SIGUSR1): it exits with
+    ``128 + signum`` like any command a signal ended, and rerunning the same command resumes."""
 
-    def __init__(self, signum: int = signal.SIGTERM):
+    def __init__(self, signum: int = signal.SIGTERM, requeue: bool = True):
         super().__init__(signum)
-        self.args = (f"preempted by {signal_name(signum)}; checkpointed for a requeue",)
+        self.requeue = requeue
+        self.set_step(None)
+
+    def set_step(self, step: int | None) -> None:
+        """Name the step the checkpoint holds (the controller knows it once it has saved)."""
+        at = "" if step is None else f" at step {step}"
+        self.args = ((f"preempted by {signal_name(self.signum)}; checkpointed{at} for a requeue",) if self.requeue
+                     else (f"interrupted by {signal_name(self.signum)}; checkpointed{at}: rerun the same command to "
+                           f"resume",))
 
     @property
     def exit_code(self) -> int:
-        return PREEMPTED_EXIT
+        return PREEMPTED_EXIT if self.requeue else 128 + self.signum
 
 
 class Preemption:
@@ -180,20 +198,57 @@ class Preemption:
     checkpoint: they finish first). Waits that may be long and are safe to abandon (the generator
     waiting for rollouts) call :func:`raise_if_preempted` on every poll."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, requeue: bool = True, grace_s: float = 0.0) -> None:
+        """``requeue``: under a launcher (SIGTERM / SIGUSR1 request it, every time; the launcher
+        bounds the wait). ``requeue=False``: a plain run (SIGTERM, SIGINT, SIGUSR1 request it once
+        the loop is :attr:`armed`, a second signal exits at once, and this process exits by itself,
+        ``128 + signum``, when the checkpoint is not written ``grace_s`` seconds after the signal)."""
         self.signum = 0
         self.at = 0.0  # time.monotonic() of the request
+        self.requeue = requeue
+        self.grace_s = float(grace_s)
+        self.armed = requeue  # plain runs: only inside the loop (before it a signal just stops the job)
         self._defer = 0
+        self._timer: threading.Timer | None = None
 
     @property
     def requested(self) -> bool:
         return bool(self.signum)
 
+    @property
+    def signals(self) -> tuple[int, ...]:
+        return PREEMPT_SIGNALS if self.requeue else PLAIN_CHECKPOINT_SIGNALS
+
     def request(self, signum: int) -> None:
-        if not self.signum:
-            self.signum, self.at = int(signum), time.monotonic()
+        if self.signum:
+            return
+        self.signum, self.at = int(signum), time.monotonic()
+        if self.requeue:
             log.warning("received %s: checkpointing and exiting for a requeue (the generation in flight is "
                         "abandoned; a train step or sync in flight finishes first)", signal_name(signum))
+            return
+        log.warning("received %s: checkpointing, then exiting (the generation in flight is abandoned; a train step "
+                    "or sync in flight finishes first; at most %gs, cluster.preempt_grace_s); a second signal "
+                    "exits at once without a checkpoint", signal_name(signum), self.grace_s)
+        if self.grace_s > 0:
+            self._timer = threading.Timer(self.grace_s, self._grace_over)
+            self._timer.daemon = True
+            self._timer.start()
+
+    def _grace_over(self) -> None:
+        """The checkpoint was not written in time: exit hard (the children's parent watch ends them;
+        a save cut here never counts as complete, ``latest`` stays on the previous checkpoint)."""
+        try:
+            os.write(2, f"megarl: no checkpoint within cluster.preempt_grace_s={self.grace_s:g}s of "
+                        f"{signal_name(self.signum)}; exiting now (a rerun resumes from the previous "
+                        f"checkpoint, if any)\n".encode())
+        except OSError:
+            pass
+        os._exit(128 + self.signum)
+
+    def cancel_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
 
     @contextlib.contextmanager
     def deferred(self) -> Iterator[None]:
@@ -205,7 +260,7 @@ class Preemption:
 
     def check(self) -> None:
         if self.signum and not self._defer:
-            raise Preempted(self.signum)
+            raise Preempted(self.signum, requeue=self.requeue)
 
 
 _PREEMPTION: Preemption | None = None  # the one installed by signals_raise(preemption=...)
@@ -225,7 +280,8 @@ def signals_raise(signals: Sequence[int] = DEFAULT_SIGNALS,
     previous handlers are restored on exit. Off the main thread (where Python cannot install
     handlers) it does nothing and says so. With ``preemption`` (a job under a launcher), SIGTERM and
     SIGUSR1 (:data:`PREEMPT_SIGNALS`) only request it (every later one too: Slurm may signal twice);
-    SIGINT / SIGHUP as above."""
+    SIGINT / SIGHUP as above. With a plain run's ``preemption`` (``requeue=False``), once it is armed
+    the first SIGTERM / SIGINT / SIGUSR1 requests it and any second signal exits at once."""
     global _PREEMPTION
     if not spawned_from_main_thread():
         log.warning("signal handlers can only be installed from the main thread; %s keep their "
@@ -235,10 +291,12 @@ def signals_raise(signals: Sequence[int] = DEFAULT_SIGNALS,
     fired: list[int] = []
 
     def handler(signum: int, frame) -> None:
-        if preemption is not None and signum in PREEMPT_SIGNALS and not fired:
-            preemption.request(signum)
+        plain_requested = preemption is not None and not preemption.requeue and preemption.requested
+        if (preemption is not None and preemption.armed and signum in preemption.signals and not fired
+                and not plain_requested):
+            preemption.request(signum)  # under a launcher every later one too: Slurm may signal twice
             return
-        if fired:  # already unwinding: do not interrupt the cleanup with a second exception
+        if fired or plain_requested:  # already unwinding: do not interrupt the cleanup with a second exception
             try:
                 os.write(2, f"megarl: second signal ({signal_name(signum)}) while shutting down; "
                             f"exiting now\n".encode())
@@ -251,7 +309,7 @@ def signals_raise(signals: Sequence[int] = DEFAULT_SIGNALS,
 
     previous = {}
     if preemption is not None:
-        signals = tuple(dict.fromkeys([*signals, *PREEMPT_SIGNALS]))
+        signals = tuple(dict.fromkeys([*signals, *preemption.signals]))
     try:
         for s in signals:
             previous[s] = signal.signal(s, handler)
@@ -259,6 +317,8 @@ def signals_raise(signals: Sequence[int] = DEFAULT_SIGNALS,
         yield
     finally:
         _PREEMPTION = None
+        if preemption is not None:
+            preemption.cancel_timer()
         for s, old in previous.items():
             signal.signal(s, old if old is not None else signal.SIG_DFL)
 

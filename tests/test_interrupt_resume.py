@@ -1,0 +1,178 @@
+"""A plain `megarl train` (no launcher) that gets SIGTERM, or the first Ctrl-C, checkpoints before it
+exits (within cluster.preempt_grace_s), and a rerun of the same command resumes there: each sample
+trained once, the steps of metrics.jsonl and trained_samples.jsonl continuous. A second signal exits
+at once; a checkpoint that takes longer than the grace time is abandoned (the process exits by itself).
+
+The signal mechanics (megarl.utils.procs.Preemption with ``requeue=False``) are checked in small
+Python processes, the whole path through the CLI on the tiny model (one run SIGTERMed at step 2 of 6
+and its rerun: about 2 minutes on 2 cores).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _script(tmp_path: Path, body: str, timeout: float = 30) -> tuple[subprocess.CompletedProcess, float]:
+    path = tmp_path / "job.py"
+    path.write_text(textwrap.dedent("""
+        import logging, os, signal, sys, time
+        logging.basicConfig(level=logging.INFO)
+        from megarl.utils.procs import JobInterrupted, Preempted, Preemption, signals_raise
+    """) + textwrap.dedent(body))
+    t0 = time.monotonic()
+    done = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, timeout=timeout, cwd=REPO)
+    return done, time.monotonic() - t0
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_plain_run_first_signal_asks_for_a_checkpoint_and_exits_128_plus_n(tmp_path, sig):
+    """Armed (the loop runs): the first SIGTERM / SIGINT raises nothing by itself; the loop's next
+    check raises Preempted, whose exit code is the shell's 128 + N (not the launcher's 75)."""
+    done, _ = _script(tmp_path, f"""
+        p = Preemption(requeue=False, grace_s=60)
+        p.armed = True
+        with signals_raise(preemption=p):
+            os.kill(os.getpid(), {int(sig)})
+            time.sleep(0.2)  # the handler ran and raised nothing: the step in flight goes on
+            assert p.requested and p.signum == {int(sig)}
+            try:
+                p.check()
+            except Preempted as exc:
+                exc.set_step(2)
+                print("EXIT", exc.exit_code, exc)
+    """)
+    assert done.returncode == 0, done.stderr
+    assert f"EXIT {128 + sig} interrupted by {signal.Signals(sig).name}; checkpointed at step 2: rerun the same " \
+           f"command to resume" in done.stdout, done.stdout
+    assert "checkpointing, then exiting" in done.stderr and "cluster.preempt_grace_s" in done.stderr
+
+
+def test_plain_run_second_signal_exits_at_once(tmp_path):
+    """While the checkpoint is being written (here: a long sleep), a second signal ends the process
+    at once with 128 + N, whatever the grace time."""
+    done, took = _script(tmp_path, """
+        p = Preemption(requeue=False, grace_s=60)
+        p.armed = True
+        with signals_raise(preemption=p):
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.2)
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(30)  # never reached
+        print("not stopped")
+    """)
+    assert done.returncode == 128 + signal.SIGINT, (done.returncode, done.stderr)
+    assert "second signal (SIGINT)" in done.stderr and "not stopped" not in done.stdout
+    assert took < 10, took
+
+
+def test_plain_run_exits_by_itself_when_the_grace_time_runs_out(tmp_path):
+    """A checkpoint still not written cluster.preempt_grace_s after the signal: the process exits
+    128 + N by itself, saying so (a save cut there never counts as complete)."""
+    done, took = _script(tmp_path, """
+        p = Preemption(requeue=False, grace_s=1.5)
+        p.armed = True
+        with signals_raise(preemption=p):
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(30)  # a save that never ends
+        print("not stopped")
+    """)
+    assert done.returncode == 128 + signal.SIGTERM, (done.returncode, done.stderr)
+    assert "no checkpoint within cluster.preempt_grace_s=1.5s of SIGTERM; exiting now" in done.stderr
+    assert 1.4 < took < 10, took
+
+
+def test_plain_run_before_the_loop_a_signal_just_stops(tmp_path):
+    """Not armed yet (executors starting): nothing to checkpoint, SIGTERM raises JobInterrupted at
+    once (143), and an armed launcher Preemption still exits 75 for a requeue."""
+    done, _ = _script(tmp_path, """
+        p = Preemption(requeue=False, grace_s=60)
+        try:
+            with signals_raise(preemption=p):
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(30)
+        except JobInterrupted as exc:
+            print("STOP", type(exc).__name__, exc.exit_code)
+        q = Preemption()
+        with signals_raise(preemption=q):
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.2)
+            os.kill(os.getpid(), signal.SIGTERM)  # under a launcher every SIGTERM only asks
+            time.sleep(0.2)
+            try:
+                q.check()
+            except Preempted as exc:
+                print("LAUNCHER", exc.exit_code)
+    """)
+    assert done.returncode == 0, done.stderr
+    assert "STOP JobInterrupted 143" in done.stdout and "LAUNCHER 75" in done.stdout, done.stdout
+
+
+# ------------------------------------------------------------------------------ through the CLI
+def _cmd(model_dir: Path, out_dir: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "megarl", "train", str(REPO / "configs" / "tiny_test.yaml"),
+            f"model.path={model_dir}", f"logging.out_dir={out_dir}", "controller.steps=6",
+            "controller.eval_every=0", "trainer.checkpoint_interval=100", *extra]
+
+
+def _env() -> dict:
+    return dict(os.environ, PYTHONUNBUFFERED="1")
+
+
+def _steps(path: Path) -> list[int]:
+    return [json.loads(line)["step"] for line in path.read_text().splitlines() if line.strip()]
+
+
+def test_sigterm_at_step_2_of_6_checkpoints_and_the_rerun_resumes(tiny_llama_dir, tmp_path):
+    """SIGTERM once step 2 of 6 is logged (trainer.checkpoint_interval=100: no scheduled save before
+    the end): the job checkpoints step 2 and exits 143; the rerun of the same command resumes at step 2
+    and trains steps 3-6, each sample once."""
+    cmd = _cmd(tiny_llama_dir, tmp_path)
+    run = tmp_path / "tiny-test"
+    log_path = tmp_path / "first.log"
+    with open(log_path, "w") as log:
+        job = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=_env())
+    try:
+        deadline = time.monotonic() + 300
+        while job.poll() is None and time.monotonic() < deadline and "step 2/6 |" not in log_path.read_text():
+            time.sleep(0.1)
+        assert job.poll() is None, log_path.read_text()[-3000:]
+        job.send_signal(signal.SIGTERM)
+        t0 = time.monotonic()
+        code = job.wait(120)
+        took = time.monotonic() - t0
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.wait(30)
+    text = log_path.read_text()
+    assert code == 128 + signal.SIGTERM, text[-3000:]
+    assert "interrupted: checkpoint of step 2 in place" in text, text[-3000:]
+    assert "interrupted by SIGTERM; checkpointed at step 2: rerun the same command to resume" in text, text[-3000:]
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step_00000002"
+    assert took < 60, took
+    print(f"SIGTERM -> exit {code} in {took:.1f}s")
+
+    again = subprocess.run(cmd + ["trainer.resume_from=auto"], capture_output=True, text=True, timeout=600,
+                           cwd=REPO, env=_env())
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert "resuming from the step-2 checkpoint" in again.stdout + again.stderr
+    assert _steps(run / "metrics.jsonl") == [1, 2, 3, 4, 5, 6]
+    rows = [json.loads(line) for line in (run / "trained_samples.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    ids = [s["id"] for r in rows for s in r["samples"]]
+    assert len(ids) == 6 * 4 * 2 and len(set(ids)) == len(ids), "a sample was trained twice"
+    # the data stream continued at the saved cursor: no step's prompts came round again
+    crcs = [json.loads(line)["data/prompts_crc32"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert len(set(crcs)) == 6, crcs
