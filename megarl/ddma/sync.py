@@ -51,6 +51,7 @@ from megarl.ddma.transport.base import (FP8, DdmaTransportError, dequant, engine
                                         outgoing_by_param, plan_buckets, wait_keys)
 from megarl.ddma.verify import DdmaVerifyError, Segments, checksum_segments, hf_segments
 from megarl.models.layouts import ModelDims
+from megarl.utils.faults import pause_point
 
 log = logging.getLogger(__name__)
 
@@ -168,11 +169,16 @@ class DdmaSender(_Side):
         t1 = time.perf_counter()
         sums = self._checksums(wire, scales) if spec.verifies(version) else {}
         t2 = time.perf_counter()
+        sent = sum(c.numel * wire[c.src_param].element_size() for _, _, cs in self.outgoing for c in cs)
+        # Both lines go to the rank's log: a death between them is a death mid-transfer, while the
+        # generator's workers wait on this rank (tests/faults/test_fault_kill_matrix.py kills there).
+        log.info("DDMA rank %d: sending weights v%d (%d bytes)", self.group_rank(self.rank), version, sent)
+        pause_point("ddma_send")
         table: dict = {"sums": sums, "pid": os.getpid(), **self.transport.publish(wire, scales)}
         self.store.set(_key(spec, version, f"src{self.group_rank(self.rank)}"), pickle.dumps(table))
-        sent = sum(c.numel * wire[c.src_param].element_size() for _, _, cs in self.outgoing for c in cs)
         extra += self.transport.send(version, wire, scales)
         t3 = time.perf_counter()
+        log.info("DDMA rank %d: weights v%d sent in %.3fs", self.group_rank(self.rank), version, t3 - t2)
         self.peak_bytes = extra
         del wire, scales
         return {"quantize_s": t1 - t0, "verify_s": t2 - t1, "transfer_s": t3 - t2, "bytes_sent": sent,

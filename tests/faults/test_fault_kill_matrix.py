@@ -6,7 +6,9 @@ checkpoints (the staged controller state or the trainer's temp folder on disk); 
 mid-step and mid-sync; a vLLM replica mid-decode and mid-landing (after its log line "landing
 weights vN", before "weights vN landed": the test checks the second never came); a reward scoring
 process while it scores a sample (the run uses a slow import-path reward that marks each sample it
-starts). After the kill the job ends (a killed controller's processes die with it; a killed rank or
+starts). Mid-sync is rank 0 between its DDMA log lines "sending weights vN" and "weights vN sent"
+(the test checks the second never came), held there by a fault pause point while the generator's
+workers wait on it. After the kill the job ends (a killed controller's processes die with it; a killed rank or
 replica stops the job naming it, SIGKILL included), nothing is left running, and the resumed run
 trains exactly the sample ids of a run that never stopped, each once. A killed reward worker is the
 exception that does not stop the job: the pool replaces it, scores its sample again on the fresh
@@ -76,6 +78,10 @@ def judge(completion, gold, *, strict):
     return completion.strip() == gold.strip()
 """
 KIND_EXTRA = {"reward_worker": ("reward.fn=matrix_reward:judge", "reward.workers=2", "generator.stop=[e]")}
+# The first run's environment per kind. Mid-sync: every trainer rank holds 3 s between its DDMA line
+# 'sending weights vN' and publishing its shards (megarl/utils/faults.py), so the kill lands while the
+# generator's workers wait on it, not in a transfer of a few milliseconds that a poll would miss.
+KIND_ENV = {"trainer_mid_sync": {"MEGARL_FAULT_PAUSE": "ddma_send=3"}}
 
 
 def _cmd(out_dir: Path, model_dir: Path, *extra: str) -> list[str]:
@@ -138,9 +144,10 @@ def straight(tiny_llama_dir, tmp_path_factory):
     return {s: sorted(ids) for s, ids in _trained(out_dir / "tiny-test").items()}
 
 
-def _kill(kind: str, step: int, proc: subprocess.Popen, run: Path, log: Path, side: Path) -> str:
+def _kill(kind: str, step: int, proc: subprocess.Popen, run: Path, log: Path, side: Path, family: list[int]) -> str:
     """Wait for the point, SIGKILL its process; returns what was killed (for messages). ``side``:
-    the replicas' logs (generator.log_dir) and the reward's marks."""
+    the replicas' logs (generator.log_dir) and the reward's marks; ``family`` gets the job's processes
+    as they were just before the signal."""
     text = lambda: log.read_text(errors="replace") if log.is_file() else ""  # noqa: E731
     ckpts = run / "checkpoints"
     if kind == "controller":
@@ -148,15 +155,25 @@ def _kill(kind: str, step: int, proc: subprocess.Popen, run: Path, log: Path, si
         victim = proc.pid
     elif kind == "controller_in_save":
         _wait(lambda: _rows(run) >= step - 1, f"step {step - 1} logged", proc)
-        _wait(lambda: any(ckpts.glob(f".stage_step_{step:08d}")) or any(ckpts.glob(f".tmp_step_{step:08d}"))
-              or (ckpts / f"step_{step:08d}").exists(), f"the step-{step} save", proc, poll=0.005)
+        # only a save in progress (its staged controller state or the trainer's temp folder), never a
+        # finished step folder: a kill after the save would not be a kill mid-save
+        _wait(lambda: any(ckpts.glob(f".stage_step_{step:08d}")) or any(ckpts.glob(f".tmp_step_{step:08d}")),
+              f"the step-{step} save in progress", proc, poll=0.002)
         victim = proc.pid
-    elif kind in ("trainer_mid_step", "trainer_mid_sync"):
+    elif kind == "trainer_mid_step":
         pids = _wait(lambda: re.search(r"trainer: \d+ rank\(s\) ready .*? pids \[([\d, ]+)\]", text()),
                      "the trainer's pids", proc)
         victim = int(pids.group(1).split(",")[0])
-        marker = f"answer: train step {step}" if kind == "trainer_mid_step" else f"DDMA sync of weights v{step}"
+        marker = f"answer: train step {step}"
         _wait(lambda: marker in text(), f"'{marker}'", proc)
+    elif kind == "trainer_mid_sync":  # rank 0 between its DDMA log lines 'sending weights vN' and 'sent'
+        ready = _wait(lambda: re.search(r"trainer: \d+ rank\(s\) ready .*? pids \[([\d, ]+)\], logs in (\S+)",
+                                        text()), "the trainer's pids", proc)
+        victim = int(ready.group(1).split(",")[0])
+        rank_log = Path(ready.group(2)) / "trainer_rank0.log"
+        marker = f"DDMA rank 0: sending weights v{step} "
+        _wait(lambda: rank_log.is_file() and marker in rank_log.read_text(errors="replace"), f"'{marker}'", proc,
+              poll=0.002)
     elif kind == "replica_mid_landing":  # the replica logs this line as it starts landing an update
         replica_log = side / "gen" / "generator_replica0.log"
         marker = re.compile(rf"replica 0 \(pid (\d+)\): landing weights v{step}\b")
@@ -180,6 +197,10 @@ def _kill(kind: str, step: int, proc: subprocess.Popen, run: Path, log: Path, si
                 and "resource_tracker" not in " ".join(p.cmdline())]
         assert kids, "no replica process found"
         victim = max(kids, key=lambda p: p.memory_info().rss).pid
+    # The job's processes, read before the signal: once the controller is dead its children belong to
+    # init, and reading them afterwards would find none (and check nothing).
+    family[:] = _descendants(proc.pid)
+    assert family, f"{kind}: the job has no child processes to check"
     os.kill(victim, signal.SIGKILL)
     on_disk = sorted(p.name for p in ckpts.iterdir()) if ckpts.is_dir() else []
     print(f"killed {kind} pid {victim} at step {step}; checkpoints/ then held {on_disk}")
@@ -201,10 +222,10 @@ def test_kill_then_resume_trains_every_sample_once(kind, step, straight, tiny_ll
                PYTHONPATH=os.pathsep.join(p for p in (str(side), os.environ.get("PYTHONPATH", "")) if p))
     with open(log, "w") as out:
         proc = subprocess.Popen(_cmd(tmp_path, tiny_llama_dir, *extra), cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
-                                env=env)
+                                env={**env, **KIND_ENV.get(kind, {})})
         try:
-            what = _kill(kind, step, proc, run, log, side)
-            family = _descendants(proc.pid)
+            family: list[int] = []
+            what = _kill(kind, step, proc, run, log, side, family)
             code = proc.wait(WAIT_S)
         finally:
             if proc.poll() is None:
@@ -224,6 +245,15 @@ def test_kill_then_resume_trains_every_sample_once(kind, step, straight, tiny_ll
         assert code != 0, f"{what}: the job exited 0\n{first[-3000:]}"
         if kind.startswith(("trainer", "replica")):  # the job names the dead process
             assert "SIGKILL" in first, f"{what}: the cause is not named\n{first[-3000:]}"
+        if kind == "controller_in_save":  # the save never completed: `latest` still names the step before
+            ckpts = run / "checkpoints"
+            assert (ckpts / "latest").read_text().strip() == f"step_{step - 1:08d}", \
+                f"{what}: latest is {(ckpts / 'latest').read_text()!r}"
+            assert not (ckpts / f"step_{step:08d}" / "meta.json").exists(), f"{what}: the save completed"
+        if kind == "trainer_mid_sync":  # it died inside the transfer, not after it
+            rank_log = re.search(r"logs in (\S+)", first).group(1)
+            sent = (Path(rank_log) / "trainer_rank0.log").read_text(errors="replace")
+            assert f"DDMA rank 0: weights v{step} sent" not in sent, f"{what}: killed after the transfer"
         if kind == "replica_mid_landing":  # it died before the update landed
             landed = (side / "gen" / "generator_replica0.log").read_text(errors="replace")
             assert f"weights v{step} landed" not in landed, f"{what}: killed after the landing"
