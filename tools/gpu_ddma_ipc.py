@@ -5,7 +5,8 @@ two processes) holding CUDA tensors in vLLM's layout, in four cases (``CASES``: 
 parameters; fp32 parameters through conversion buckets, at non-zero offsets, freed and re-exported
 between syncs; wire fp8; a flat DDP-style buffer with one slow receiver). Every sync is checked
 exactly against a CPU execution of the plan (FP8: through the e4m3 round trip), with checksums on;
-each worker asserts that it opened every handle on its own device (argument 6 rewritten); with the
+each worker asserts that it opened every handle on its own device (argument 6, set to a device
+index that does not exist here as a sender on another GPU would have it, rewritten); with the
 slow receiver, no sender may return before its ack. Device memory must stay flat over the syncs (after
 two warm-up syncs: memory_allocated equal on every process, and cudaMemGetInfo's free memory within
 a few buckets). ``--bench``: GB/s of a cuda_ipc sync (the worker's transfer time over the bytes
@@ -178,7 +179,13 @@ def _receiver(spec, rank, versions, dry, plant, check, q, case):
 
         def open_recording(handle, device):  # the device argument 6 is rewritten to (asserted below)
             if not dry:
-                opened_on.append((handle[1][cuda_ipc.STORAGE_DEVICE_ARG], cuda_ipc.on_device(handle, device)[1][6]))
+                # As a sender on another GPU would export it: a device index that does not exist here.
+                # Opened as is, that fails (invalid device ordinal); open must map it on this worker's.
+                fn, args = handle
+                args = list(args)
+                args[cuda_ipc.STORAGE_DEVICE_ARG] = torch.cuda.device_count() + 3
+                handle = (fn, tuple(args))
+                opened_on.append((args[cuda_ipc.STORAGE_DEVICE_ARG], cuda_ipc.on_device(handle, device)[1][6]))
             return real_open(handle, device)
 
         ops.open = open_recording
