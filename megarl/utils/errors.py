@@ -55,7 +55,8 @@ class Failure:
 
 FAILURES: tuple[Failure, ...] = (
     Failure(2, ("ConfigError", "DataError", "AllocationError"),
-            "the config, its data or the Slurm allocation cannot run",
+            "the config, its data or the Slurm allocation cannot run; also any bad input to `megarl convert`, "
+            "`plan-sync` and `simulate` (one line naming it)",
             "fix what the message names; `megarl train CONFIG --dry-run` checks a config without starting anything"),
     Failure(3, ("ProcessDied", "ExecutorError", "MultiprocessError"),
             "a process of the job (trainer rank, generator replica; a rank of a benchmark or conversion) died or "
