@@ -35,20 +35,20 @@ def _cmd(out_dir: Path, model_dir: Path, *extra: str) -> list[str]:
             f"model.path={model_dir}", f"logging.out_dir={out_dir}", *COMMON, *extra]
 
 
-def _start(out_dir: Path, model_dir: Path, *extra: str) -> subprocess.Popen:
+def _start(out_dir: Path, model_dir: Path, *extra: str, log: str = "job.log") -> subprocess.Popen:
     out_dir.mkdir(parents=True, exist_ok=True)
-    return subprocess.Popen(_cmd(out_dir, model_dir, *extra), cwd=REPO, stdout=open(out_dir / "job.log", "w"),
+    return subprocess.Popen(_cmd(out_dir, model_dir, *extra), cwd=REPO, stdout=open(out_dir / log, "w"),
                             stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
 
 
-def _finish(proc: subprocess.Popen, out_dir: Path) -> Path:
+def _finish(proc: subprocess.Popen, out_dir: Path, log: str = "job.log") -> Path:
     try:
         code = proc.wait(600)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait(30)
-    assert code == 0, (out_dir / "job.log").read_text(errors="replace")[-3000:]
+    assert code == 0, (out_dir / log).read_text(errors="replace")[-3000:]
     return out_dir / "tiny-test"
 
 
@@ -77,8 +77,15 @@ def _final_tensors(run: Path, scratch: Path) -> dict[str, torch.Tensor]:
 
 
 def _samples(run: Path) -> dict[str, tuple]:
+    """Every trained sample by id; a sample trained twice (or a step recorded twice) fails here, not
+    silently collapsed by the dict."""
     rows = [json.loads(line) for line in (run / "trained_samples.jsonl").read_text().splitlines() if line.strip()]
-    return {s["id"]: (s["crc32"], s["tokens"], tuple(s["versions"])) for r in rows for s in r["samples"]}
+    steps = [r["step"] for r in rows]
+    assert steps == list(range(1, STEPS + 1)), f"{run}: steps recorded {steps}"
+    samples = [s for r in rows for s in r["samples"]]
+    ids = [s["id"] for s in samples]
+    assert len(ids) == len(set(ids)), f"{run}: a sample was trained twice"
+    return {s["id"]: (s["crc32"], s["tokens"], tuple(s["versions"])) for s in samples}
 
 
 def _differing(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]:
@@ -108,7 +115,11 @@ def test_a_killed_and_resumed_deterministic_run_ends_bit_identical(tiny_llama_di
             if p.poll() is None:
                 p.kill()
                 p.wait(30)
-    resumed = _finish(_start(tmp_path / "killed", tiny_llama_dir, "trainer.resume_from=auto"), tmp_path / "killed")
+    resumed = _finish(_start(tmp_path / "killed", tiny_llama_dir, "trainer.resume_from=auto", log="resume.log"),
+                      tmp_path / "killed", log="resume.log")
+    # It resumed (from the step-2 checkpoint, the last the killed run completed), not started over.
+    resume_log = (tmp_path / "killed" / "resume.log").read_text(errors="replace")
+    assert "resuming from the step-2 checkpoint" in resume_log, resume_log[-3000:]
 
     assert _samples(resumed) == _samples(straight), "the resumed run trained other samples"
     a, b = _final_tensors(straight, tmp_path), _final_tensors(resumed, tmp_path)
