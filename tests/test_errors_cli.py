@@ -194,9 +194,10 @@ SCRIPT = textwrap.dedent('''
             def land():
                 raise DdmaVerifyError("ddma verification failed on generator replica 0 tp 0: checksum of "
                                       "model.layers.0.mlp.down_proj.weight differs from trainer rank 1's")
+            from megarl.utils.errors import exception_line
             tb = traceback_of(land)  # what GeneratorExecutor._handle passes on a replica's "error"
             raise engine_died(ReplicaHandle(0, Proc(), None, logs / "generator_replica0.log"),
-                              f"raised {tb.strip().splitlines()[-1]}\\n{tb}", tb)
+                              f"raised {exception_line(tb)}\\n{tb}", tb)
         if case == "reward":
             from megarl.reward import RewardConfig, RewardPool
             with RewardPool(RewardConfig(fn="bad_reward:judge", workers=1, timeout_s=30.0), 8) as pool:

@@ -54,7 +54,7 @@ from megarl.generator.replicas import ReplicaHandle, Track, remove_shm_files
 from megarl.generator.errors import GeneratorEngineDied, GeneratorError, GeneratorTimeout
 from megarl.generator.weight_updates import WeightUpdates
 from megarl.rollout import Sample
-from megarl.utils.errors import remote_error
+from megarl.utils.errors import exception_line, remote_error
 from megarl.utils.procs import spawned_from_main_thread
 
 log = logging.getLogger(__name__)
@@ -483,7 +483,7 @@ class GeneratorExecutor(WeightUpdates, ExecutorBase):
             if msg[1] in self._replies:
                 self._replies[msg[1]] = msg[2]
         elif kind == "error":
-            last = msg[1].strip().splitlines()[-1] if msg[1].strip() else "unknown error"
+            last = exception_line(msg[1]) or (msg[1].strip().splitlines()[-1] if msg[1].strip() else "unknown error")
             self._fail(h, f"raised {last}\n{msg[1]}", tb=msg[1])
         elif kind == "eof":
             if not self._closing:

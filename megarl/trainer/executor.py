@@ -55,7 +55,7 @@ from megarl.batch import RolloutBatch
 from megarl.trainer.config import TrainerConfig
 from megarl.trainer.worker import rank_main
 from megarl.utils.dist import free_tcp_port
-from megarl.utils.errors import remote_error
+from megarl.utils.errors import exception_line, remote_error
 
 log = logging.getLogger(__name__)
 
@@ -547,5 +547,6 @@ class TrainerExecutor(ExecutorBase):
 
 
 def _last_line(tb: str) -> str:
+    """The "Class: message" line of a rank's traceback (not the last line of a multi-line message)."""
     lines = tb.strip().splitlines()
-    return lines[-1] if lines else "an unknown error"
+    return exception_line(tb) or (lines[-1] if lines else "an unknown error")
