@@ -71,7 +71,7 @@ FAILURES: tuple[Failure, ...] = (
             "trainer.resume_from=auto"),
     Failure(5, ("NonFiniteStepError",),
             "trainer.max_skipped_steps train steps in a row had a NaN/inf loss or gradient",
-            "lower trainer.lr (or set trainer.grad_clip), check the rewards and advantages of the last steps in "
+            "lower trainer.lr (or trainer.grad_clip), check the rewards and advantages of the last steps in "
             "metrics.jsonl, then resume from the last checkpoint (trainer.resume_from=auto)"),
     Failure(6, ("CheckpointNoSpace",),
             "a checkpoint did not fit on its disk; the previous checkpoint is intact",
