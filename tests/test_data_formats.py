@@ -251,6 +251,20 @@ def test_the_config_refuses_bad_data_naming_key_file_and_row(tmp_path):
         _cfg(tmp_path, "builtin:arithmetic", f"data.eval_path={tmp_path / 'nope'}")
 
 
+def test_only_the_controller_scans_every_row(tmp_path, monkeypatch):
+    """A launched job's trainer and generator tasks validate the config too, but only the controller
+    reads the data: they check its schema (the first rows), not every row again (megarl/cluster/rank.py)."""
+    from megarl.config import load_config
+
+    rows = verl_rows(5)
+    rows[3]["reward_model"] = {"style": "rule", "ground_truth": ""}  # a bad row past the first
+    bad = _parquet(tmp_path / "dapo.parquet", rows)
+    overrides = [f"data.train_path={bad}"]
+    assert load_config(REPO / "configs" / "tiny_test.yaml", overrides, scan_data=False).reward.fn == "dapo"
+    with pytest.raises(ConfigError, match="row 3"):
+        load_config(REPO / "configs" / "tiny_test.yaml", overrides)
+
+
 def test_prompt_knobs_reach_the_prompts(tmp_path, tiny_llama_dir, caplog):
     """data.instruction auto = the schema's; data.system_prompt adds a system turn to text prompts;
     the run's first lines name the schema, its keys and the reward."""

@@ -38,7 +38,8 @@ def run_task(role: str, config: str, overrides: list[str], env: Mapping[str, str
     env = os.environ if env is None else env
     if role not in ROLES:
         raise ConfigError([f"--role {role!r}: one of {list(ROLES)}"])
-    cfg = load_config(config, overrides)
+    # Only the controller reads the data: the other tasks check its schema, not every row again.
+    cfg = load_config(config, overrides, scan_data=role == "controller")
     if cfg.cluster.launcher != "slurm":
         raise ConfigError([f"cluster.launcher={cfg.cluster.launcher!r}: a launched task needs cluster.launcher=slurm "
                            "(`megarl launch` adds it)"], config)

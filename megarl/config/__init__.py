@@ -10,10 +10,13 @@ from megarl.config.loader import ConfigError, apply_overrides, build, describe, 
 __all__ = ["ConfigError", "knob", "load_config", "describe", "to_dict"]
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None, *, dry_run: bool = False):
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None, *, dry_run: bool = False,
+                scan_data: bool = True):
     """Load, override, type-check and cross-check a job config. Raises ConfigError listing every
     problem (each naming its key) before anything is started. ``dry_run``: a plan on a machine without
-    the weights or the data (megarl/config/validate.py ``check``)."""
+    the weights or the data (megarl/config/validate.py ``check``). ``scan_data=False``: read only the
+    data's first rows (its schema), not every row for bad ones: for the tasks of a launched job other
+    than the controller, which never read the data (the controller scans it once, before it starts)."""
     from megarl.config.schema import MegaRLConfig
     from megarl.config.lag import apply_policy_lag
     from megarl.config.validate import check, cuda_expected
@@ -23,7 +26,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     cfg, problems = build(MegaRLConfig, tree)
     if problems:
         raise ConfigError(problems, str(path or ""))
-    problems = check(cfg, dry_run=dry_run)
+    problems = check(cfg, dry_run=dry_run, scan_data=scan_data)
     if problems:
         raise ConfigError(problems, str(path or ""))
     from megarl.config.data_choice import apply_data_choice

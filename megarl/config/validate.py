@@ -56,7 +56,7 @@ def rank_counts(cfg: MegaRLConfig) -> dict[str, int]:
     return {"trainer": trainer, "generator": generator, "total": trainer + generator}
 
 
-def check(cfg: MegaRLConfig, *, dry_run: bool = False) -> list[str]:
+def check(cfg: MegaRLConfig, *, dry_run: bool = False, scan_data: bool = True) -> list[str]:
     """Every cross-section problem, each naming the key and what to change. ``dry_run``: a plan on a
     machine without the weights or the data: a model folder or data file that is not here is not a
     problem (the model's shape then comes from configs/models/; :func:`absent_paths` lists them)."""
@@ -151,7 +151,8 @@ def check(cfg: MegaRLConfig, *, dry_run: bool = False) -> list[str]:
             problems.append(f"model.path={cfg.model.path!r}: has no config.json; is it an HF model folder?")
     # Data: every file named is read through (a stream) so a bad row stops the job here, naming file:line.
     problems += data_problems({"data.train_path": cfg.data.train_path, "data.eval_path": cfg.data.eval_path},
-                              prompt_key=cfg.data.prompt_key, answer_key=cfg.data.answer_key, missing_ok=dry_run)
+                              prompt_key=cfg.data.prompt_key, answer_key=cfg.data.answer_key, missing_ok=dry_run,
+                              scan_rows=scan_data)
 
     # The model's family (only what DDMA and the conversions verify may start), then the parallel
     # sizes against its shape: the same rules the trainer and the generator apply (megarl.models.dims).

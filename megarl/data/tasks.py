@@ -150,10 +150,11 @@ def _messages(prompt: object, key: str, where: str) -> tuple[tuple[str, str], ..
 
 
 def data_problems(paths: dict[str, str], *, prompt_key: str = "", answer_key: str = "",
-                  missing_ok: bool = False) -> list[str]:
+                  missing_ok: bool = False, scan_rows: bool = True) -> list[str]:
     """For each config key -> data source: why it cannot be read (no such file, the first bad row),
-    as '<key>: <file:line>: why'. Reads every row (a stream: no row is kept). ``missing_ok``: a
-    source that is not on this machine is no problem (a dry run)."""
+    as '<key>: <file:line>: why'. Reads every row (a stream: no row is kept), or with ``scan_rows=False``
+    only the first rows that give its schema. ``missing_ok``: a source that is not on this machine is
+    no problem (a dry run)."""
     out = []
     for key, path in paths.items():
         if not path or path == BUILTIN_ARITHMETIC:
@@ -168,7 +169,7 @@ def data_problems(paths: dict[str, str], *, prompt_key: str = "", answer_key: st
             continue
         try:
             schema, _ = source_schema(path, prompt_key=prompt_key, answer_key=answer_key)
-            for _ in iter_tasks(path, schema):
+            for _ in iter_tasks(path, schema) if scan_rows else ():
                 pass
         except DataError as e:
             out.append(f"{key}: {e}")
