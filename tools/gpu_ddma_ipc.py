@@ -205,10 +205,10 @@ def _receiver(spec, rank, versions, dry, plant, check, q, case):
                     staging.view(-1)[0] += 1  # the planted failure: one wrong value lands
                 recv.check_landed(name, staging)
                 landed[name] = staging
+                last_landed_at = time.time()  # before the ack (stream() acks after its last parameter)
             if not dry:
                 torch.cuda.synchronize()
             elapsed = time.perf_counter() - t0
-            acked_at = time.time()
             try:
                 recv.verify_landed(v)
             except Exception as e:  # noqa: BLE001 - reported, the parent fails the check
@@ -225,7 +225,7 @@ def _receiver(spec, rank, versions, dry, plant, check, q, case):
             del landed
             mems.append(_mem(dry))
             q.put(("got", str(rank), v, {"seconds": elapsed, "bytes": nbytes, "bad": bad[:], "slow": bool(slow),
-                                         "acked_at": acked_at, "opens_checked": len(opened_on), **recv.last_stats}))
+                                         "last_landed_at": last_landed_at, "opens_checked": len(opened_on), **recv.last_stats}))
         q.put(("mem", str(rank), 0, mems))
     except BaseException:  # noqa: BLE001
         q.put(("error", str(rank), 0, traceback.format_exc()))
@@ -348,10 +348,11 @@ def main() -> int:
             res = run_sync(dims, gen_tp, args.syncs, args.cpu_dry, plant and name == "bf16", True, case=case)
             bad = [b for _, _, p in res["got"] for b in p["bad"]] + res["errors"]
             flat = check_flat(res["mem"], 4 << 20) if not args.cpu_dry else []
-            if case.get("slow"):  # every sender returned after the slow worker's ack, every version
-                acks = {v: p["acked_at"] for _, v, p in res["got"] if p["slow"]}
-                early = [(r, v) for r, v, st in res["sent"] if v in acks and st["returned_at"] < acks[v]]
-                bad += [f"sender {r} returned from v{v} before the slow worker acknowledged it" for r, v in early]
+            if case.get("slow"):  # every sender returned after the slow worker's ack, which follows its last
+                # landed parameter (a sender that did not wait would return SLOW_S before it even started)
+                last = {v: p["last_landed_at"] for _, v, p in res["got"] if p["slow"]}
+                early = [(r, v) for r, v, st in res["sent"] if v in last and st["returned_at"] < last[v]]
+                bad += [f"sender {r} returned from v{v} before the slow worker landed its weights" for r, v in early]
             n_got = len(res["got"])
             case_ok = not bad and not flat and n_got == gen_tp * args.syncs
             ok &= case_ok
