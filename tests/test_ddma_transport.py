@@ -371,6 +371,32 @@ def test_sender_waits_for_every_ack_before_returning():
         sender.sync(1)
 
 
+def test_cuda_ipc_worker_lets_go_of_stale_storages_before_it_acknowledges():
+    """The sender calls ipc_collect right after the last ack: a storage it no longer exports must be
+    released (its reference count at zero) by then, so the worker drops it before signalling."""
+    from megarl.ddma.layouts import DstRank
+    from megarl.ddma.transport.cuda_ipc import CudaIpcTransport
+    from tests.test_ddma_sync import HostIpcDouble
+
+    events = []
+
+    class Store:
+        def set(self, key, value):
+            events.append(("ack", sorted(t.opens.opened)))
+
+    class Side:
+        spec, rank, device, store = None, DstRank(0, 0), torch.device("cpu"), Store()
+        tables = {SrcRank(0, 0, 0): {"pid": 7, "ipc": {"buckets": {"live#2": {}}}}}
+
+        def group_rank(self, r):
+            return 1
+
+    t = CudaIpcTransport(Side(), ops=HostIpcDouble())
+    t.opens.opened = {(7, "live#2"): torch.zeros(1), (7, "stale#1"): torch.zeros(1)}
+    t.ack(3)
+    assert events == [("ack", [(7, "live#2")])]
+
+
 def test_ptrace_message_names_yama_scope_one(monkeypatch):
     """Under Yama ptrace_scope=1 a denied pidfd_getfd is Yama's descendants rule (a worker is no
     ancestor of the trainer), not a missing container capability."""

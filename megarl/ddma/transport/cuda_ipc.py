@@ -322,10 +322,13 @@ class CudaIpcTransport(Transport):
 
     def ack(self, version: int) -> None:
         self.ops.synchronize(self.side.device)  # our copies out of the senders' buffers are done
-        super().ack(version)
+        # Let go of storages the senders no longer export *before* acknowledging: the sender's
+        # ipc_collect right after the last ack then finds their reference counts at zero and frees them
+        # (after the ack, it could run first, and a freed bucket stayed held until the next sync).
         live = {(t["pid"], k) for t in self.side.tables.values() for k in t["ipc"]["buckets"]}
         self.opens.keep_only(live)
         self.ops.collect()
+        super().ack(version)
 
 
 __all__ = ["CudaIpcTransport", "CudaIpcOps", "ExportCache", "OpenCache", "IPC_OPS", "ptrace_permitted",
