@@ -9,7 +9,7 @@ each worker asserts that it opened every handle on its own device (argument 6, s
 index that does not exist here as a sender on another GPU would have it, rewritten); with the
 slow receiver, no sender may return before its ack. Device memory must stay flat over the syncs (after
 two warm-up syncs: memory_allocated equal on every process, and cudaMemGetInfo's free memory within
-a few buckets). ``--bench``: GB/s of a cuda_ipc sync (the worker's transfer time over the bytes
+32 MiB). ``--bench``: GB/s of a cuda_ipc sync (the worker's transfer time over the bytes
 landed) against a device-to-device copy of the same bytes (goal >= 50%, enforced on a GPU).
 
 Imports torch and megarl modules that need neither vLLM nor Megatron. Prints one JSON line.
@@ -347,7 +347,9 @@ def main() -> int:
         for gen_tp in (1, 2) if name == "bf16" else (2,):  # TP2 -> TP1 for bf16 only (the time budget)
             res = run_sync(dims, gen_tp, args.syncs, args.cpu_dry, plant and name == "bf16", True, case=case)
             bad = [b for _, _, p in res["got"] for b in p["bad"]] + res["errors"]
-            flat = check_flat(res["mem"], 4 << 20) if not args.cpu_dry else []
+            # allocated: exact per process (a bucket held in IPC limbo counts there); the device's free
+            # memory, which every process on the GPU moves, within 32 MiB (allocator segments of 2-20 MiB)
+            flat = check_flat(res["mem"], 32 << 20) if not args.cpu_dry else []
             if case.get("slow"):  # every sender returned after the slow worker's ack, which follows its last
                 # landed parameter (a sender that did not wait would return SLOW_S before it even started)
                 last = {v: p["last_landed_at"] for _, v, p in res["got"] if p["slow"]}
