@@ -24,12 +24,14 @@ lists has its size and CRC32, the controller's state included, so there is no wi
 checkpoint is reported in one WARNING naming the file and the previous complete one is used.
 A full disk is checked before writing (free space against the previous checkpoint's size) and
 caught while writing (ENOSPC): the partial folder is removed, the previous checkpoint is left as it
-was, and :class:`CheckpointNoSpace` names the path and the bytes needed. Model weights reshard on
-load (different TP/PP); optimizer and RNG state need the same TP/PP/DP layout they were saved with.
+was, and :class:`CheckpointNoSpace` names the path and the bytes needed. Model weights and optimizer
+state reshard on load (another TP / PP / DP; :func:`load_checkpoint`); RNG states need the layout
+they were saved with.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import json
@@ -59,8 +61,15 @@ _SPACE_MARGIN = 1.10  # a save needs this much more than the previous checkpoint
 EXTRA_DIR = "hf_extra"  # the source HF folder's tokenizer files, in step folders and model checkpoints
 _HF_EXTRA_SUFFIXES = (".json", ".txt", ".model", ".jinja", ".tiktoken")
 _NOT_EXTRA = {"config.json", "model.safetensors.index.json"}
-# DP-reshardable optimizer layout: fully parallel save/load, no gather on one rank.
-OPTIM_SHARDING = "dp_reshardable"
+# The DistributedOptimizer's state in model space (a tensor per parameter, like a plain optimizer's):
+# it reshards at load to any TP / PP / DP. megatron-core 0.16.1 builds it by all-gathering the state
+# of each model-parallel shard within its DP group at save (its "fully_reshardable"; its
+# "fully_sharded_model_space", which would not gather, fails there: "ShardedTensor.flattened_range is
+# not supported"); every rank then writes its own part. Checkpoints from before meta.json recorded it
+# used "dp_reshardable" (same layout only).
+OPTIM_SHARDING = "fully_reshardable"
+_OLD_OPTIM_SHARDING = "dp_reshardable"
+_RESHARDABLE = ("fully_sharded_model_space", "fully_reshardable")
 
 
 class CheckpointNoSpace(CheckpointError):
@@ -98,6 +107,42 @@ def model_signature(model: torch.nn.Module) -> dict:
     else:
         sig["vocab_size"] = int(m.vocab_size)
     return sig
+
+
+@contextlib.contextmanager
+def _keep_torch_adam_step(optimizer: Any):
+    """megatron-core 0.16.1's DistributedOptimizer, loading "fully_reshardable" state without Apex/TE
+    (torch Adam): its load_state_dict gives each param's state a ``step`` that the checkpoint's
+    per-param tensors lack, and ``_set_main_param_and_optimizer_states`` then copies every key of the
+    state from them (KeyError 'step'). Here the state's own ``step`` stands in for the missing one (a
+    copy onto itself); :func:`_restore_adam_steps` sets the real count after the load."""
+    patched = []
+    for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
+        setter = getattr(sub, "_set_main_param_and_optimizer_states", None)
+        if setter is None or sub.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+            continue
+
+        def with_step(model_param, tensors, _sub=sub, _setter=setter):
+            group, order = _sub.model_param_group_index_map[model_param]
+            state = _sub.optimizer.state[_sub.optimizer.param_groups[group]["params"][order]]
+            if "step" in state and "step" not in tensors:
+                tensors = {**tensors, "step": state["step"]}
+            return _setter(model_param, tensors)
+
+        sub._set_main_param_and_optimizer_states = with_step
+        patched.append(sub)
+    try:
+        yield
+    finally:
+        for sub in patched:
+            del sub._set_main_param_and_optimizer_states  # back to the class's method
+
+
+def _is_distributed(optimizer: Any) -> bool:
+    """Whether megatron's DistributedOptimizer holds (part of) the state: only its sharding type
+    depends on the layout; the plain optimizers' state maps onto the model's sharded tensors."""
+    subs = getattr(optimizer, "chained_optimizers", [optimizer])
+    return any(type(sub).__name__ == "DistributedOptimizer" for sub in subs)
 
 
 def _parallel_layout() -> dict:
@@ -161,8 +206,8 @@ def _restore_adam_steps(optimizer: Any, step: Optional[int]) -> None:
         raise CheckpointError(f"restoring the Adam step count failed: wanted {step}, have {got}")
 
 
-def _sharded_state(model_chunks: list, optimizer: Any, is_loading: bool) -> dict:
-    meta = {"distrib_optim_sharding_type": OPTIM_SHARDING, "singleton_local_shards": False,
+def _sharded_state(model_chunks: list, optimizer: Any, is_loading: bool, optim_sharding: str = OPTIM_SHARDING) -> dict:
+    meta = {"distrib_optim_sharding_type": optim_sharding, "singleton_local_shards": False,
             "chained_optim_avoid_prefix": True}
     if len(model_chunks) != 1:
         raise CheckpointError("checkpointing supports one model chunk per rank (no virtual PP)")
@@ -398,6 +443,7 @@ def save_checkpoint(checkpoint_dir: str | Path, *, model: list, optimizer: Any =
                 "format": FORMAT, "step": progress.step, "consumed_samples": progress.consumed_samples,
                 "extra": progress.extra, "model": model_signature(model[0]),
                 "parallel": _parallel_layout(), "has_optimizer": optimizer is not None,
+                "optim_sharding": OPTIM_SHARDING,
                 "adam_step": _adam_steps(optimizer) if optimizer is not None else None,
                 "scheduler": scheduler.state_dict() if scheduler is not None else None,
                 "saved_at": time.time(), "files": files, "crc32": crcs,
@@ -488,8 +534,12 @@ def load_checkpoint(path: str | Path, *, model: list, optimizer: Any = None, sch
                     load_rng: bool = True) -> TrainProgress:
     """Load a checkpoint into already-built model chunks (and optimizer / scheduler); collective.
 
-    Model weights load at any TP/PP that splits the model. Optimizer and RNG state require the
-    layout they were saved with (pass optimizer=None, load_rng=False to load weights only).
+    Model weights and optimizer state (Adam moments, fp32 master weights, step counts) load at any
+    TP / PP / DP that splits the model: megatron's dist_checkpointing reshards them, and the log says
+    so ("resharded from tp1 pp1 dp2 to tp2 pp1 dp1"). Checkpoints written before the optimizer was
+    saved in model space ("dp_reshardable") resume their optimizer at their own layout only. RNG
+    states are restored only at the same layout (each rank's stream belongs to its coordinates).
+    Pass optimizer=None, load_rng=False to load weights only.
     """
     from megatron.core import dist_checkpointing
 
@@ -499,28 +549,35 @@ def load_checkpoint(path: str | Path, *, model: list, optimizer: Any = None, sch
     step_dir = resolve_checkpoint(path)
     saved_layout = meta["parallel"]
     same_layout = all(saved_layout[k] == layout[k] for k in ("tp", "pp", "dp"))
+    describe = lambda l: f"tp{l['tp']} pp{l['pp']} dp{l['dp']}"  # noqa: E731
+    optim_sharding = meta.get("optim_sharding", _OLD_OPTIM_SHARDING)
     if optimizer is not None:
         if not meta["has_optimizer"]:
             raise CheckpointError(f"{step_dir} has no optimizer state; pass optimizer=None to "
                                   f"load the weights only")
-        if not same_layout:
+        if not same_layout and optim_sharding not in _RESHARDABLE and _is_distributed(optimizer):
             raise CheckpointError(
                 f"{step_dir} holds optimizer state for tp={saved_layout['tp']} pp="
-                f"{saved_layout['pp']} dp={saved_layout['dp']}, this job is tp={layout['tp']} "
-                f"pp={layout['pp']} dp={layout['dp']}; resume with the saved layout, or load "
-                f"the weights only (optimizer=None)")
+                f"{saved_layout['pp']} dp={saved_layout['dp']} in the old per-layout format "
+                f"({optim_sharding}), this job is tp={layout['tp']} pp={layout['pp']} dp={layout['dp']}; "
+                f"resume with the saved layout (a checkpoint it then writes reshards), or load the "
+                f"weights only (optimizer=None)")
         if meta["adam_step"] is not None and _adam_steps(optimizer) is None:
             # empty torch-Adam state: create it so the sharded load has tensors to fill
             for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
                 if hasattr(sub, "_init_optimizer_states_with_dummy_values"):  # DistributedOptimizer
                     sub._init_optimizer_states_with_dummy_values()
     t0 = time.monotonic()
-    sharded = _sharded_state(model, optimizer, is_loading=True)
+    sharded = _sharded_state(model, optimizer, is_loading=True, optim_sharding=optim_sharding)
     loaded = dist_checkpointing.load(sharded, str(step_dir / "dist"))
+    if not same_layout:
+        log.info("checkpoint: resharded %s from %s to %s", "model and optimizer" if optimizer is not None
+                 else "model", describe(saved_layout), describe(layout))
     with torch.no_grad():  # fp32 DistributedOptimizer shards are views of the model params
         unwrap(model[0]).load_state_dict(loaded["model"], strict=True)
         if optimizer is not None:
-            optimizer.load_state_dict(loaded["optimizer"])
+            with _keep_torch_adam_step(optimizer):
+                optimizer.load_state_dict(loaded["optimizer"])
             _restore_adam_steps(optimizer, meta["adam_step"])
     if scheduler is not None and meta["scheduler"] is not None:
         scheduler.load_state_dict(meta["scheduler"])
