@@ -61,6 +61,13 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--dry-run", action="store_true",
                    help="validate and print the resolved config and the plan (ranks, nodes, per-GPU memory, weight "
                         "sync), start nothing; works without the weights (configs/models/) or the data")
+    t.add_argument("--fresh", action="store_true",
+                   help="start over instead of resuming the run folder's checkpoint (trainer.resume_from=null; "
+                        "the default 'auto' resumes it); refused in a folder that holds an earlier run unless "
+                        "--overwrite")
+    t.add_argument("--overwrite", action="store_true",
+                   help="start over and delete the earlier run's files in the run folder first (metrics, "
+                        "samples, checkpoints): --fresh with logging.overwrite=true")
     t.set_defaults(func=_cmd_train)
 
     c = sub.add_parser("config", help="explain knobs or show a resolved config")
@@ -182,7 +189,12 @@ def _cmd_launch(args: argparse.Namespace) -> int:
 def _cmd_train(args: argparse.Namespace) -> int:
     from megarl.config import load_config
 
-    cfg = load_config(args.config, args.overrides, dry_run=args.dry_run)
+    overrides = list(args.overrides)
+    if args.fresh or args.overwrite:  # after the user's overrides: the flag wins
+        overrides.append("trainer.resume_from=null")
+    if args.overwrite:
+        overrides.append("logging.overwrite=true")
+    cfg = load_config(args.config, overrides, dry_run=args.dry_run)
     if args.dry_run:  # validated on a machine that may lack the weights and the data; then the plan
         from megarl.config.memory import dry_run_report
 

@@ -1,7 +1,9 @@
 """A plain `megarl train` (no launcher) that gets SIGTERM, or the first Ctrl-C, checkpoints before it
-exits (within cluster.preempt_grace_s), and a rerun of the same command resumes there: each sample
-trained once, the steps of metrics.jsonl and trained_samples.jsonl continuous. A second signal exits
-at once; a checkpoint that takes longer than the grace time is abandoned (the process exits by itself).
+exits (within cluster.preempt_grace_s), and a rerun of the same command resumes there (trainer.resume_from
+defaults to 'auto'): each sample trained once, the steps of metrics.jsonl and trained_samples.jsonl
+continuous. A second signal exits at once; a checkpoint that takes longer than the grace time is
+abandoned (the process exits by itself). Starting over in a folder that holds a run (--fresh) is
+refused in one line unless --overwrite; so is resuming with another model.path or data.train_path.
 
 The signal mechanics (megarl.utils.procs.Preemption with ``requeue=False``) are checked in small
 Python processes, the whole path through the CLI on the tiny model (one run SIGTERMed at step 2 of 6
@@ -164,10 +166,27 @@ def test_sigterm_at_step_2_of_6_checkpoints_and_the_rerun_resumes(tiny_llama_dir
     assert took < 60, took
     print(f"SIGTERM -> exit {code} in {took:.1f}s")
 
-    again = subprocess.run(cmd + ["trainer.resume_from=auto"], capture_output=True, text=True, timeout=600,
-                           cwd=REPO, env=_env())
+    # Starting over in that folder is refused in one line naming it, before anything starts; so is a
+    # rerun whose data is not the checkpoint's.
+    other = tmp_path / "other.jsonl"
+    other.write_text("".join(json.dumps({"question": f"What is {i} + {i}?", "answer": f"#### {2 * i}"}) + "\n"
+                             for i in range(64)))
+    for extra, want in ((["--fresh"], f"run folder {run} holds an earlier run (metrics.jsonl, trained_samples.jsonl, "
+                                      f"checkpoints/step_00000002) and this run starts over"),
+                        ([f"data.train_path={other}"],
+                         f"was trained with data.train_path=builtin:arithmetic, this run has data.train_path={other}")):
+        refused = subprocess.run(cmd + extra, capture_output=True, text=True, timeout=300, cwd=REPO, env=_env())
+        assert refused.returncode == 2, refused.stdout[-3000:] + refused.stderr[-3000:]
+        line = [x for x in refused.stderr.splitlines() if x.startswith("megarl: ")]
+        assert len(line) == 1 and want in line[0] and "--overwrite" in line[0], refused.stderr[-3000:]
+        assert "starting the trainer" not in refused.stdout + refused.stderr
+    assert _steps(run / "metrics.jsonl") == [1, 2]
+
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO, env=_env())
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
-    assert "resuming from the step-2 checkpoint" in again.stdout + again.stderr
+    first = (again.stdout + again.stderr).splitlines()[:3]
+    assert any(f"resume: {run} holds a checkpoint at step 2" in x and "resuming at step 2 of 6" in x
+               for x in first), first
     assert _steps(run / "metrics.jsonl") == [1, 2, 3, 4, 5, 6]
     rows = [json.loads(line) for line in (run / "trained_samples.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
@@ -176,3 +195,54 @@ def test_sigterm_at_step_2_of_6_checkpoints_and_the_rerun_resumes(tiny_llama_dir
     # the data stream continued at the saved cursor: no step's prompts came round again
     crcs = [json.loads(line)["data/prompts_crc32"] for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert len(set(crcs)) == 6, crcs
+
+
+# ------------------------------------------------------------------- the run folder, no executors
+def _cfg(model_dir: Path, tmp_path: Path, *overrides: str):
+    from megarl.config import load_config
+
+    return load_config(str(REPO / "configs" / "tiny_test.yaml"),
+                       [f"logging.out_dir={tmp_path}", f"model.path={model_dir}", *overrides])
+
+
+def _earlier_run(tmp_path: Path) -> Path:
+    run = tmp_path / "tiny-test"
+    (run / "checkpoints" / "step_00000003").mkdir(parents=True)
+    (run / "checkpoints" / "latest").write_text("step_00000003\n")
+    (run / "tensorboard").mkdir()
+    for name in ("metrics.jsonl", "trained_samples.jsonl"):
+        (run / name).write_text('{"step": 1}\n')
+    (run / "logs").mkdir()
+    return run
+
+
+def test_starting_over_in_a_used_folder_is_refused_unless_overwrite(tiny_llama_dir, tmp_path):
+    from megarl.controller.run import RunFolderConflict, claim_run_folder
+
+    run = _earlier_run(tmp_path)
+    with pytest.raises(RunFolderConflict) as err:
+        claim_run_folder(_cfg(tiny_llama_dir, tmp_path, "trainer.resume_from=null"))
+    msg = str(err.value)
+    assert "\n" not in msg and f"run folder {run} holds an earlier run" in msg, msg
+    assert "--overwrite" in msg and "name=tiny-test-2" in msg and "rerun without --fresh" in msg, msg
+    assert (run / "metrics.jsonl").read_text() == '{"step": 1}\n'  # untouched
+
+    cfg = claim_run_folder(_cfg(tiny_llama_dir, tmp_path, "trainer.resume_from=null", "logging.overwrite=true"))
+    assert cfg.trainer.resume_from is None
+    left = sorted(str(p.relative_to(run)) for p in run.rglob("*"))
+    assert left == ["checkpoints", "logs"], left  # metrics, samples, step folders, latest, TensorBoard gone
+
+    # a new folder, or one with only the logs of a run that never trained a step, just starts
+    assert claim_run_folder(_cfg(tiny_llama_dir, tmp_path, "trainer.resume_from=null")).trainer.resume_from is None
+    assert claim_run_folder(_cfg(tiny_llama_dir, tmp_path / "new")).trainer.resume_from is None
+
+
+def test_auto_without_a_checkpoint_does_not_append_to_an_earlier_run(tiny_llama_dir, tmp_path):
+    """'auto' finding nothing complete to resume is a start over: the same refusal, not a mixed folder."""
+    from megarl.controller.run import RunFolderConflict, claim_run_folder
+
+    run = tmp_path / "tiny-test"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 1}\n')
+    with pytest.raises(RunFolderConflict, match="it has no complete checkpoint to resume from"):
+        claim_run_folder(_cfg(tiny_llama_dir, tmp_path))

@@ -171,6 +171,12 @@ class LoggingConfig:
     jsonl: bool = knob(True, help="Write per-step metrics to metrics.jsonl.")
     tensorboard: bool = knob(True, help="Write per-step metrics to TensorBoard event files.")
     log_every: int = knob(1, help="Print the per-step phase line every N steps (steps).")
+    overwrite: bool = knob(False, help=(
+        "A run that starts over (`megarl train --fresh`, trainer.resume_from=null, or 'auto' finding no "
+        "checkpoint) in a run folder that holds an earlier run's files (metrics.jsonl, trained_samples.jsonl, "
+        "eval_samples.jsonl, a checkpoint): true deletes them (and the folder's checkpoints, summary, plot and "
+        "TensorBoard files) first; false (default) refuses to start, naming the folder, so two runs are never "
+        "mixed in one. `megarl train --overwrite` sets it and starts over. A run that resumes is not affected."))
 
 
 @dataclass

@@ -29,8 +29,8 @@ from megarl.config.schema import BUILTIN_SMOLLM2, MegaRLConfig
 from megarl.controller.evaluation import EvalResult, StrictScorer
 from megarl.controller.prompts import PromptSource
 from megarl.controller.rollouts import RolloutQueue, prompts_crc32, trained_record
-from megarl.controller.run import RunFolder
-from megarl.controller.state import pin_resume, stage_controller_state
+from megarl.controller.run import RunFolder, claim_run_folder
+from megarl.controller.state import stage_controller_state
 from megarl.controller.summary import ExecutorActivity
 from megarl.executors.base import Generator, RewardScorer, Trainer
 from megarl.rollout import Sample
@@ -64,6 +64,7 @@ def controller_log_path(cfg: MegaRLConfig) -> Path:
 
 def _run_job(cfg: MegaRLConfig) -> int:
     _select_device(cfg.cluster.device)
+    cfg = claim_run_folder(cfg)  # resume (said first, with the step) or start over, never mixing two runs
     _announce_native(cfg.sync.native)
     from megarl.controller.weight_sync import WeightSync
 
@@ -79,7 +80,6 @@ def _run_job(cfg: MegaRLConfig) -> int:
         preempt = Preemption(requeue=cfg.cluster.launcher == "slurm", grace_s=cfg.cluster.preempt_grace_s)
         stack.enter_context(signals_raise(preemption=preempt))
         run = stack.enter_context(RunFolder(cfg, n_eval=len(prompts.held)))
-        cfg = pin_resume(cfg, run.path)  # the one verified step folder every process resumes from
         trainer, generator, reward = start_executors(cfg, stack, model_dir, devices, run)
         weights = WeightSync(resolved_sync(cfg), trainer, generator, dims=model_dims(model_dir), generator_cfg=cfg.generator,
                              probe_prompt=prompts.eval_set()[1][0], pad_id=prompts.pad_id,

@@ -12,7 +12,7 @@ import os
 import time
 from pathlib import Path
 
-from megarl.config import to_dict
+from megarl.config import ConfigError, to_dict
 from megarl.config.schema import MegaRLConfig
 from megarl.controller.summary import StepTimings
 
@@ -131,6 +131,140 @@ class RunFolder:
                 log.info("%s", line)
         plot = plot_metrics(self.metrics.jsonl_path, self.path / "metrics.png", keys=PLOT_KEYS)
         log.info("done: %d steps; metrics in %s%s", steps, self.metrics.jsonl_path, f", plot {plot}" if plot else "")
+
+
+# ------------------------------------------------------------------------------ rerun semantics
+# What a run writes that a second run would append to or mix with (besides its checkpoints).
+RUN_FILES = ("metrics.jsonl", "trained_samples.jsonl", "eval_samples.jsonl")
+RUN_EXTRAS = ("summary.json", "metrics.png", "tensorboard")  # deleted with them on overwrite
+# The keys whose change makes a checkpoint another run's: the trainer refuses another architecture
+# by itself (the model signature in meta.json); these are checked before anything starts.
+RESUME_KEYS = ("model.path", "data.train_path")
+
+
+class RunFolderConflict(ConfigError):
+    """A rerun that would mix two runs in one run folder, or resume another model's or data's
+    checkpoint: refused before anything starts, in one line (exit 2, like any config error)."""
+
+    def __init__(self, message: str):
+        ValueError.__init__(self, message)
+        self.problems = [message]
+
+
+def resume_keys(cfg: MegaRLConfig) -> dict[str, str]:
+    """The values of :data:`RESUME_KEYS` a checkpoint records (controller_state.json ``run``)."""
+    return {"model.path": str(cfg.model.path), "data.train_path": str(cfg.data.train_path)}
+
+
+def claim_run_folder(cfg: MegaRLConfig) -> MegaRLConfig:
+    """Decide, before anything starts, what this run does with its run folder; ``cfg`` with
+    trainer.resume_from pinned to one verified step folder (or None: start over).
+
+    * A checkpoint to resume from ('auto', the default, finds the newest complete one): resume, and
+      say so (the step, the run folder); refused, naming the key, when the checkpoint was written
+      for another model.path or data.train_path.
+    * Starting over (--fresh / trainer.resume_from=null, or nothing to resume) in a folder that
+      holds an earlier run's files: refused in one line naming the folder and the ways on, unless
+      logging.overwrite, which deletes them first. A new or empty folder just starts."""
+    from megarl.controller.state import FILE, pin_resume, run_checkpoint_root
+
+    path = Path(cfg.logging.out_dir) / cfg.name
+    asked = cfg.trainer.resume_from
+    cfg = pin_resume(cfg, path)
+    step_dir = cfg.trainer.resume_from
+    if step_dir is not None:
+        step_dir = Path(step_dir)
+        _refuse_other_run(cfg, step_dir, FILE, path)
+        step = _checkpoint_step(step_dir)
+        left = cfg.controller.steps - step
+        log.info("resume: %s holds a checkpoint at step %d (%s): resuming at step %d of %d%s (trainer.resume_from=%s; "
+                 "`megarl train --fresh` starts over)", path, step, step_dir, step, cfg.controller.steps,
+                 "" if left > 0 else ": nothing left to train", asked)
+        return cfg
+    root = run_checkpoint_root(cfg)
+    found = [name for name in RUN_FILES if (path / name).is_file() and (path / name).stat().st_size]
+    found += [str(p.relative_to(path) if p.is_relative_to(path) else p) for p in _step_folders(root)]
+    if not found:
+        return cfg
+    how = ("it has no complete checkpoint to resume from" if asked not in (None, "") else
+           "this run starts over (--fresh / trainer.resume_from=null)")
+    if not cfg.logging.overwrite:
+        raise RunFolderConflict(
+            f"run folder {path} holds an earlier run ({', '.join(found[:4])}{', ...' if len(found) > 4 else ''}) and "
+            f"{how}: starting over there would mix two runs. Resume it (rerun without --fresh), start over in it "
+            f"with --overwrite (logging.overwrite=true: deletes its metrics, samples and checkpoints), or give this "
+            f"run another name= (e.g. name={cfg.name}-2)")
+    _delete_run(path, root)
+    log.warning("logging.overwrite: deleted the earlier run's files in %s (%s); starting over", path, ", ".join(found))
+    return cfg
+
+
+def _step_folders(root: Path) -> list[Path]:
+    from megarl.trainer.checkpoint_index import STEP_PREFIX
+
+    return sorted(p for p in root.glob(f"{STEP_PREFIX}*") if p.is_dir()) if root.is_dir() else []
+
+
+def _delete_run(path: Path, root: Path) -> None:
+    import shutil
+
+    from megarl.trainer.checkpoint_index import LATEST
+
+    for name in (*RUN_FILES, *RUN_EXTRAS):
+        target = path / name
+        if target.is_dir():
+            shutil.rmtree(target)
+        elif target.exists():
+            target.unlink()
+    if root.is_dir():
+        for p in _step_folders(root) + sorted(root.glob(".tmp_step_*")) + sorted(root.glob(".stage_step_*")):
+            shutil.rmtree(p, ignore_errors=True)
+        (root / LATEST).unlink(missing_ok=True)
+
+
+def _checkpoint_step(step_dir: Path) -> int:
+    from megarl.trainer.checkpoint_index import META
+
+    try:
+        return int(json.loads((step_dir / META).read_text())["step"])
+    except (OSError, ValueError, KeyError):
+        return int(step_dir.name.rsplit("_", 1)[-1])
+
+
+def _refuse_other_run(cfg: MegaRLConfig, step_dir: Path, state_file: str, path: Path) -> None:
+    """Refuse a checkpoint recorded for another model.path / data.train_path (its controller
+    state's ``run``; for a checkpoint without it, the run folder's config.yaml)."""
+    import yaml
+
+    saved: dict = {}
+    try:
+        saved = json.loads((step_dir / state_file).read_text()).get("run") or {}
+    except (OSError, ValueError):
+        pass
+    if not saved and (path / "config.yaml").is_file():
+        try:
+            old = yaml.safe_load((path / "config.yaml").read_text()) or {}
+            saved = {k: str((old.get(k.split(".")[0]) or {}).get(k.split(".")[1])) for k in RESUME_KEYS
+                     if (old.get(k.split(".")[0]) or {}).get(k.split(".")[1]) is not None}
+        except (OSError, yaml.YAMLError, AttributeError):
+            saved = {}
+    now = resume_keys(cfg)
+    for key in RESUME_KEYS:
+        if key in saved and not _same_place(saved[key], now[key]):
+            raise RunFolderConflict(
+                f"run folder {path}: its checkpoint {step_dir.name} was trained with {key}={saved[key]}, this run "
+                f"has {key}={now[key]}: resuming would continue another run. Use {key}={saved[key]} to resume it, "
+                f"start over with --fresh --overwrite, or give this run another name= (e.g. name={cfg.name}-2)")
+
+
+def _same_place(a: str, b: str) -> bool:
+    """Equal values, or two spellings of one existing path."""
+    if a == b:
+        return True
+    try:
+        return Path(a).exists() and Path(b).exists() and Path(a).resolve() == Path(b).resolve()
+    except OSError:
+        return False
 
 
 def _duration(seconds: float) -> str:

@@ -44,7 +44,10 @@ def stage_controller_state(cfg: MegaRLConfig, *, policy_version: int, rollouts: 
     before ``trainer.save()``, which adopts it. Raises ``CheckpointNoSpace`` on a full disk."""
     from megarl.trainer.checkpoint import stage_file
 
-    text = json.dumps({"policy_version": policy_version, "data_seed": cfg.data.seed, "rollouts": rollouts})
+    from megarl.controller.run import resume_keys
+
+    text = json.dumps({"policy_version": policy_version, "data_seed": cfg.data.seed, "rollouts": rollouts,
+                       "run": resume_keys(cfg)})  # a rerun refuses a checkpoint of another model or data
     return stage_file(run_checkpoint_root(cfg), policy_version, FILE, text)
 
 

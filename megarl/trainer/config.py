@@ -77,9 +77,12 @@ class TrainerConfig:
     keep_checkpoints: int = knob(2, help="Step folders kept on disk; older ones are deleted after a "
                                  "save succeeds. Keep >= 2 so a damaged newest checkpoint can fall back to "
                                  "the previous one at resume (count, >= 1). Default 2.")
-    resume_from: Optional[str] = knob(None, help="Checkpoint to resume from: a step folder, a "
-                                      "checkpoint_dir (its 'latest'), 'auto' (checkpoint_dir's "
-                                      "latest if any) or null = start fresh. Default null.")
+    resume_from: Optional[str] = knob("auto", help="Checkpoint to resume from: 'auto' (the newest "
+                                      "complete checkpoint under checkpoint_dir if there is one: rerunning "
+                                      "the same command continues the run), a checkpoint_dir (its newest "
+                                      "complete one), a step folder, or null = start over (`megarl train "
+                                      "--fresh`; refused in a run folder that holds an earlier run unless "
+                                      "logging.overwrite). Default 'auto'.")
 
     # --- supervision of the rank processes (megarl.trainer.executor.TrainerExecutor) ---
     start_timeout_s: float = knob(300.0, help="Seconds every trainer rank may take to start: spawn, "
