@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 
+from megarl.data.schemas import last_boxed
 from megarl.rollout import Sample
 
 # A plain decimal number with optional thousands groups; a minus sign only when it is not a
@@ -36,25 +37,11 @@ def last_number(text: str) -> Fraction | None:
     return Fraction(found[-1].replace(",", "").replace("\u2212", "-"))
 
 
-_BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
 _FRAC = re.compile(r"^(-?)\\[dt]?frac\{(\d+)\}\{(\d+)\}$")
 _TEX_NOISE = re.compile(r"\\left|\\right|\\!|\\,|\\;|\\ |\$|\s+")
 ANSWER_STYLES = ("number", "boxed")
 
 
-def boxed_answer(text: str) -> str | None:
-    """Content of the last closed ``\\boxed{...}`` of ``text`` (braces balanced), else None."""
-    starts = [m.end() for m in _BOXED.finditer(text)]
-    if not starts:
-        return None
-    depth, i = 1, starts[-1]
-    while i < len(text) and depth:
-        if text[i] == "\\" and i + 1 < len(text) and text[i + 1] in "{}":
-            i += 2
-            continue
-        depth += {"{": 1, "}": -1}.get(text[i], 0)
-        i += 1
-    return None if depth else text[starts[-1]:i - 1]
 
 
 def _tex_key(text: str) -> str:
@@ -80,10 +67,10 @@ def strict_boxed_correct(reply: str, gold: str, finish_reason: str | None) -> tu
     answer; correct = that answer equals ``gold`` (an exact number, else normalised text)."""
     if finish_reason == "length":
         return False, False
-    answer = boxed_answer(reply)
+    answer = last_boxed(reply)
     if answer is None or not answer.strip():
         return False, False
-    gold = boxed_answer(gold) or gold
+    gold = last_boxed(gold) or gold
     a, g = _tex_number(answer), _tex_number(gold)
     if a is not None and g is not None:
         return a == g, True

@@ -124,21 +124,31 @@ def root_columns(schema: RowSchema) -> list[str]:
 # --- the gold final answer ------------------------------------------------------------------------
 
 _BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
+# What may follow a final \boxed{} for it to count as the reply's end: '.', '$', whitespace, and one
+# closing display/inline math delimiter.
+_BOXED_TAIL = re.compile(r"[\s.$]*(?:\\\]|\\\)|\$\$)?[\s.$]*")
 
 
-def last_boxed(text: str) -> Optional[str]:
-    """Content of the last ``\\boxed{...}`` (braces balanced), None without a closed one."""
+def last_boxed(text: str, *, at_end: bool = False) -> Optional[str]:
+    """Content of the last ``\\boxed{...}`` (or ``\\fbox{...}``), braces balanced, stripped; None when
+    there is none or it is unclosed. ``at_end``: only when nothing but whitespace, '.', '$', '\\]' or
+    '\\)' follows it. The one implementation: gold answers here, rewards (megarl/reward/answers.py)
+    and the evaluation's scorer (megarl/controller/evaluation.py) read replies with it."""
     starts = [m.end() for m in _BOXED.finditer(text)]
     if not starts:
         return None
     depth, i = 1, starts[-1]
     while i < len(text) and depth:
         if text[i] == "\\" and i + 1 < len(text) and text[i + 1] in "{}":
-            i += 2
+            i += 2  # an escaped brace \{ \} is content, not structure
             continue
         depth += {"{": 1, "}": -1}.get(text[i], 0)
         i += 1
-    return None if depth else text[starts[-1]:i - 1].strip()
+    if depth:
+        return None  # the last \boxed is unclosed: the reply never finished its answer
+    if at_end and not _BOXED_TAIL.fullmatch(text[i:]):
+        return None
+    return text[starts[-1]:i - 1].strip()
 
 
 def after_hash(answer: str) -> str:

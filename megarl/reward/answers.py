@@ -23,6 +23,8 @@ import re
 from fractions import Fraction
 from typing import Optional
 
+from megarl.data.schemas import last_boxed  # noqa: F401  (one implementation, re-exported)
+
 # Dashes a model (or a tokenizer's detokenizer) writes for minus: U+2212 minus, U+2013 en dash,
 # U+2012 figure dash, U+FE63 small hyphen-minus, U+FF0D fullwidth hyphen-minus.
 _MINUS = str.maketrans({"\u2212": "-", "\u2013": "-", "\u2012": "-", "\ufe63": "-", "\uff0d": "-"})
@@ -33,9 +35,6 @@ _DIGITS = r"(?P<digits>\d{1,3}(?:,\d{3})+(?!\d)(?:\.\d+)?|\d+(?:\.\d+)?|\.\d+)"
 _NUMBER = re.compile(r"(?P<sign>-\s?)?\$?\s?" + _DIGITS)
 _ONLY_NUMBER = re.compile(r"=?\s*(?P<sign>-)?\s?\$?\s?" + _DIGITS + r"\s*\.?")
 _HASH_ANSWER = re.compile(r"####\s*(?P<answer>[^\n]*)")
-_BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
-# What may follow the last \boxed{} in a reply whose answer is "at the end" (strict math).
-_BOXED_TAIL = re.compile(r"[\s.$]*(?:\\\]|\\\)|\$\$)?[\s.$]*")
 
 
 def normalize(text: str) -> str:
@@ -92,22 +91,3 @@ def hash_answer(text: str) -> Optional[Fraction]:
     return _value(m) if m else None  # the answer starts right after '####': a sign there is a sign
 
 
-def last_boxed(text: str, *, at_end: bool = False) -> Optional[str]:
-    """Content of the last ``\\boxed{...}`` (or ``\\fbox{...}``), braces balanced; None when there is
-    none or it is unclosed. ``at_end``: only when nothing but whitespace, '.', '$', '\\]' or '\\)'
-    follows it."""
-    starts = [m.end() for m in _BOXED.finditer(text)]
-    if not starts:
-        return None
-    depth, i = 1, starts[-1]
-    while i < len(text) and depth:
-        if text[i] == "\\" and i + 1 < len(text) and text[i + 1] in "{}":
-            i += 2  # an escaped brace \{ \} is content, not structure
-            continue
-        depth += {"{": 1, "}": -1}.get(text[i], 0)
-        i += 1
-    if depth:
-        return None  # the last \boxed is unclosed: the reply never finished its answer
-    if at_end and not _BOXED_TAIL.fullmatch(text[i:]):
-        return None
-    return text[starts[-1]:i - 1].strip()
