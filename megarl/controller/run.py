@@ -137,9 +137,6 @@ class RunFolder:
 # What a run writes that a second run would append to or mix with (besides its checkpoints).
 RUN_FILES = ("metrics.jsonl", "trained_samples.jsonl", "eval_samples.jsonl")
 RUN_EXTRAS = ("summary.json", "metrics.png", "tensorboard")  # deleted with them on overwrite
-# The keys whose change makes a checkpoint another run's: the trainer refuses another architecture
-# by itself (the model signature in meta.json); these are checked before anything starts.
-RESUME_KEYS = ("model.path", "data.train_path")
 
 
 class RunFolderConflict(ConfigError):
@@ -149,11 +146,6 @@ class RunFolderConflict(ConfigError):
     def __init__(self, message: str):
         ValueError.__init__(self, message)
         self.problems = [message]
-
-
-def resume_keys(cfg: MegaRLConfig) -> dict[str, str]:
-    """The values of :data:`RESUME_KEYS` a checkpoint records (controller_state.json ``run``)."""
-    return {"model.path": str(cfg.model.path), "data.train_path": str(cfg.data.train_path)}
 
 
 def claim_run_folder(cfg: MegaRLConfig) -> MegaRLConfig:
@@ -166,7 +158,7 @@ def claim_run_folder(cfg: MegaRLConfig) -> MegaRLConfig:
     * Starting over (--fresh / trainer.resume_from=null, or nothing to resume) in a folder that
       holds an earlier run's files: refused in one line naming the folder and the ways on, unless
       logging.overwrite, which deletes them first. A new or empty folder just starts."""
-    from megarl.controller.state import FILE, pin_resume, run_checkpoint_root
+    from megarl.controller.state import FILE, RESUME_KEYS, pin_resume, resume_keys, run_checkpoint_root
 
     path = Path(cfg.logging.out_dir) / cfg.name
     asked = cfg.trainer.resume_from

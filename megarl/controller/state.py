@@ -39,12 +39,21 @@ def run_checkpoint_root(cfg: MegaRLConfig) -> Path:
     return checkpoint_root(cfg.trainer, Path(cfg.logging.out_dir) / cfg.name)
 
 
+# The keys whose change makes a checkpoint another run's: the trainer refuses another architecture
+# by itself (the model signature in meta.json); these are checked before anything starts
+# (megarl/controller/run.py claim_run_folder).
+RESUME_KEYS = ("model.path", "data.train_path")
+
+
+def resume_keys(cfg: MegaRLConfig) -> dict[str, str]:
+    """The values of :data:`RESUME_KEYS` a checkpoint records (controller_state.json ``run``)."""
+    return {"model.path": str(cfg.model.path), "data.train_path": str(cfg.data.train_path)}
+
+
 def stage_controller_state(cfg: MegaRLConfig, *, policy_version: int, rollouts: dict) -> Path:
     """Stage the controller's state for the step-``policy_version`` checkpoint; call it right
     before ``trainer.save()``, which adopts it. Raises ``CheckpointNoSpace`` on a full disk."""
     from megarl.trainer.checkpoint import stage_file
-
-    from megarl.controller.run import resume_keys
 
     text = json.dumps({"policy_version": policy_version, "data_seed": cfg.data.seed, "rollouts": rollouts,
                        "run": resume_keys(cfg)})  # a rerun refuses a checkpoint of another model or data
