@@ -14,6 +14,7 @@ from pathlib import Path
 
 from megarl.config import ConfigError, to_dict
 from megarl.config.schema import MegaRLConfig
+from megarl.controller.state import RESUME_KEYS, resume_keys
 from megarl.controller.summary import StepTimings
 
 log = logging.getLogger("megarl")
@@ -158,7 +159,7 @@ def claim_run_folder(cfg: MegaRLConfig) -> MegaRLConfig:
     * Starting over (--fresh / trainer.resume_from=null, or nothing to resume) in a folder that
       holds an earlier run's files: refused in one line naming the folder and the ways on, unless
       logging.overwrite, which deletes them first. A new or empty folder just starts."""
-    from megarl.controller.state import FILE, RESUME_KEYS, pin_resume, resume_keys, run_checkpoint_root
+    from megarl.controller.state import FILE, pin_resume, run_checkpoint_root
 
     path = Path(cfg.logging.out_dir) / cfg.name
     asked = cfg.trainer.resume_from
