@@ -62,28 +62,28 @@ FAILURES: tuple[Failure, ...] = (
             "a process of the job (trainer rank, generator replica; a rank of a benchmark or conversion) died or "
             "raised; every other one was stopped",
             "read the named process's log for why it ended (SIGKILL with no one to send it: often the kernel's "
-            "out-of-memory killer, see `dmesg`), then run the same command again with trainer.resume_from=auto "
-            "to continue from the last checkpoint"),
+            "out-of-memory killer, see `dmesg`), then run the same command again: it "
+            "resumes from the last checkpoint (trainer.resume_from=auto, the default)"),
     Failure(4, ("ExecutorTimeout", "TimeoutError"),
             "a process of the job or one of megarl's own waits did not answer in time",
             "read the named process's log: frozen (no heartbeat) or just slow? If slow, raise its timeout "
-            "(`megarl config explain trainer` and `... generator` list the *_timeout_s knobs), then resume with "
-            "trainer.resume_from=auto"),
+            "(`megarl config explain trainer` and `... generator` list the *_timeout_s knobs), then rerun the "
+            "same command to resume"),
     Failure(5, ("NonFiniteStepError",),
             "trainer.max_skipped_steps train steps in a row had a NaN/inf loss or gradient",
             "lower trainer.lr (or trainer.grad_clip), check the rewards and advantages of the last steps in "
-            "metrics.jsonl, then resume from the last checkpoint (trainer.resume_from=auto)"),
+            "metrics.jsonl, then rerun the same command (it resumes from the last checkpoint)"),
     Failure(6, ("CheckpointNoSpace",),
             "a checkpoint did not fit on its disk; the previous checkpoint is intact",
-            "free space at the path named or set trainer.checkpoint_dir to a larger disk, then resume "
-            "(trainer.resume_from=auto)"),
+            "free space at the path named or set trainer.checkpoint_dir to a larger disk, then rerun the "
+            "same command (it resumes from the intact checkpoint)"),
     Failure(7, ("CheckpointError",),
             "a checkpoint is missing, incomplete or does not fit the model",
-            "resume from another step folder (trainer.resume_from=PATH) or start without trainer.resume_from"),
+            "resume from another step folder (trainer.resume_from=PATH) or start over (`megarl train --fresh`)"),
     Failure(8, ("RewardError",),
             "the reward function failed on too much of a batch, or could not be loaded",
-            "fix reward.fn (the first traceback is in the full log) or raise reward.max_error_frac, then resume "
-            "(trainer.resume_from=auto)"),
+            "fix reward.fn (the first traceback is in the full log) or raise reward.max_error_frac, then rerun "
+            "the same command (it resumes)"),
     Failure(9, ("ProbeMismatch",),
             "after a weight sync the generator's logprobs are not the trainer's: the engine holds wrong weights",
             "this model or layout is not synced right: train on with sync.method=shm and report it with the full "
@@ -109,7 +109,7 @@ FAILURES: tuple[Failure, ...] = (
             "the filesystem refused a write: no space, quota, read-only or no permission (errno ENOSPC, EDQUOT, "
             "EROFS, EACCES, EPERM)",
             "free space or fix the permissions at the path named, or point logging.out_dir / "
-            "trainer.checkpoint_dir at another disk, then resume (trainer.resume_from=auto)"),
+            "trainer.checkpoint_dir at another disk, then rerun the same command (it resumes)"),
 )
 
 # Not exceptions of the table, listed in docs/errors.md beside it (the codes main() returns).
