@@ -324,3 +324,42 @@ def test_one_train_step_on_verl_parquet_shards(tmp_path, tiny_llama_dir):
     assert base["step"] == 0 and base["eval/n"] == 4 == row["eval/n"]  # the 4 held-out chat prompts, scored
     config = (tmp_path / "runs" / "tiny-test" / "config.yaml").read_text()
     assert "fn: dapo" in config
+
+
+def _math_rows(n: int) -> list[dict]:
+    return [{"problem": f"What is ${i} + {i + 1}$?", "level": "Level 1", "type": "Prealgebra",
+             "solution": f"${i} + {i + 1} = \\boxed{{{2 * i + 1}}}$."} for i in range(n)]
+
+
+@pytest.mark.parametrize("fmt", ["math_jsonl", "gsm8k_shards"])
+def test_one_train_step_on_math_jsonl_and_gsm8k_shards(fmt, tmp_path, tiny_llama_dir):
+    """The other two formats the seeds ship, each through `megarl train` for one step: a MATH-format
+    jsonl (gold = the last \\boxed{}, the math reward) and GSM8K rows over two parquet shards (the
+    gsm8k reward). Every row is used: 8 train + 4 held-out of 12."""
+    import os
+    import subprocess
+    import sys
+
+    if fmt == "math_jsonl":
+        source = _jsonl(tmp_path / "math.jsonl", _math_rows(12))
+        schema, reward, first = "MATH rows", "reward.fn=math (auto: the MATH schema's reward)", f"{source}:1"
+    else:
+        shards = tmp_path / "gsm8k"
+        shards.mkdir()
+        _parquet(shards / "train-00000-of-00002.parquet", gsm8k_rows(7))
+        _parquet(shards / "train-00001-of-00002.parquet", gsm8k_rows(5, start=7))
+        source = shards
+        schema, reward = "GSM8K rows", "reward.fn=gsm8k (auto: the GSM8K schema's reward)"
+        first = f"{shards / 'train-00000-of-00002.parquet'}:row 0"
+    out = subprocess.run(
+        [sys.executable, "-m", "megarl", "train", str(REPO / "configs" / "tiny_test.yaml"), f"model.path={tiny_llama_dir}",
+         f"logging.out_dir={tmp_path / 'runs'}", f"data.train_path={source}", "data.eval_size=4",
+         "controller.steps=1", "controller.eval_every=0", "algorithm.entropy_coef=0.01", "reward.workers=1"],
+        capture_output=True, text=True, timeout=600, cwd=REPO, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    log = out.stdout + out.stderr
+    assert out.returncode == 0, log[-4000:]
+    (choice,) = [ln for ln in log.splitlines() if "data: data.train_path:" in ln]
+    assert schema in choice and f"recognised from {first}" in choice and reward in choice, choice
+    assert "prompts: 8 train, 4 held-out" in log, log[-4000:]  # all 12 rows
+    (row,) = [json.loads(ln) for ln in (tmp_path / "runs" / "tiny-test" / "metrics.jsonl").read_text().splitlines()]
+    assert row["step"] == 1 and row["gen/samples"] == 8 and row["train/tokens"] > 0 and row["train/grad_norm"] > 0
