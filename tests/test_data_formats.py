@@ -299,22 +299,11 @@ def test_one_train_step_on_verl_parquet_shards(tmp_path, tiny_llama_dir):
     """`megarl train` on a glob of two verl/DAPO parquet shards (chat prompts with a system turn):
     every row is used (train + held-out), the run's first lines say which schema and reward were
     picked from which keys, the step trains on the dapo reward."""
-    import os
-    import subprocess
-    import sys
-
     shards = tmp_path / "dapo"
     shards.mkdir()
     _parquet(shards / "train-00000-of-00002.parquet", verl_rows(7))
     _parquet(shards / "train-00001-of-00002.parquet", verl_rows(5, start=7))
-    out = subprocess.run(
-        [sys.executable, "-m", "megarl", "train", str(REPO / "configs" / "tiny_test.yaml"), f"model.path={tiny_llama_dir}",
-         f"logging.out_dir={tmp_path / 'runs'}", f"data.train_path={shards / 'train-*.parquet'}", "data.eval_size=4",
-         "controller.steps=1", "controller.eval_every=1", "algorithm.entropy_coef=0.01", "reward.workers=1"],
-        capture_output=True, text=True, timeout=600, cwd=REPO, env=dict(os.environ, PYTHONUNBUFFERED="1"))
-    log = out.stdout + out.stderr
-    assert out.returncode == 0, log[-4000:]
-    (choice,) = [ln for ln in log.splitlines() if "data: data.train_path:" in ln]
+    log, choice = _train_one_step(tmp_path, tiny_llama_dir, shards / "train-*.parquet", eval_every=1)
     assert ("verl rows (prompt 'prompt', gold answer as it is of 'reward_model.ground_truth')" in choice
             and f"recognised from {shards / 'train-00000-of-00002.parquet'}:row 0" in choice
             and "reward.fn=dapo (auto: the verl schema's reward)" in choice), choice
@@ -336,9 +325,6 @@ def test_one_train_step_on_math_jsonl_and_gsm8k_shards(fmt, tmp_path, tiny_llama
     """The other two formats the seeds ship, each through `megarl train` for one step: a MATH-format
     jsonl (gold = the last \\boxed{}, the math reward) and GSM8K rows over two parquet shards (the
     gsm8k reward). Every row is used: 8 train + 4 held-out of 12."""
-    import os
-    import subprocess
-    import sys
 
     if fmt == "math_jsonl":
         source = _jsonl(tmp_path / "math.jsonl", _math_rows(12))
@@ -351,15 +337,27 @@ def test_one_train_step_on_math_jsonl_and_gsm8k_shards(fmt, tmp_path, tiny_llama
         source = shards
         schema, reward = "GSM8K rows", "reward.fn=gsm8k (auto: the GSM8K schema's reward)"
         first = f"{shards / 'train-00000-of-00002.parquet'}:row 0"
-    out = subprocess.run(
-        [sys.executable, "-m", "megarl", "train", str(REPO / "configs" / "tiny_test.yaml"), f"model.path={tiny_llama_dir}",
-         f"logging.out_dir={tmp_path / 'runs'}", f"data.train_path={source}", "data.eval_size=4",
-         "controller.steps=1", "controller.eval_every=0", "algorithm.entropy_coef=0.01", "reward.workers=1"],
-        capture_output=True, text=True, timeout=600, cwd=REPO, env=dict(os.environ, PYTHONUNBUFFERED="1"))
-    log = out.stdout + out.stderr
-    assert out.returncode == 0, log[-4000:]
-    (choice,) = [ln for ln in log.splitlines() if "data: data.train_path:" in ln]
+    log, choice = _train_one_step(tmp_path, tiny_llama_dir, source, eval_every=0)
     assert schema in choice and f"recognised from {first}" in choice and reward in choice, choice
     assert "prompts: 8 train, 4 held-out" in log, log[-4000:]  # all 12 rows
     (row,) = [json.loads(ln) for ln in (tmp_path / "runs" / "tiny-test" / "metrics.jsonl").read_text().splitlines()]
     assert row["step"] == 1 and row["gen/samples"] == 8 and row["train/tokens"] > 0 and row["train/grad_norm"] > 0
+
+
+def _train_one_step(tmp_path: Path, model_dir: Path, source, *, eval_every: int) -> tuple[str, str]:
+    """`megarl train` for one step on the tiny model with ``data.train_path=source`` (4 held out);
+    returns its log and the run's 'data:' line (which schema and reward the data picked)."""
+    import os
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-m", "megarl", "train", str(REPO / "configs" / "tiny_test.yaml"), f"model.path={model_dir}",
+         f"logging.out_dir={tmp_path / 'runs'}", f"data.train_path={source}", "data.eval_size=4",
+         "controller.steps=1", f"controller.eval_every={eval_every}", "algorithm.entropy_coef=0.01",
+         "reward.workers=1"],
+        capture_output=True, text=True, timeout=600, cwd=REPO, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    log = out.stdout + out.stderr
+    assert out.returncode == 0, log[-4000:]
+    (choice,) = [ln for ln in log.splitlines() if "data: data.train_path:" in ln]
+    return log, choice
