@@ -110,6 +110,15 @@ def _parser() -> argparse.ArgumentParser:
                         "saved without them (older megarl)")
     m.set_defaults(func=_cmd_mcore_to_hf)
 
+    r = sub.add_parser("reward", help="rewards and environments")
+    rsub = r.add_subparsers(title="actions", metavar="<action>")
+    rc = rsub.add_parser("check", help="score given replies: one JSON line (score, reason) per case, in order")
+    rc.add_argument("--fn", required=True, help="a reward or environment name (arithmetic, gsm8k, math, dapo, code, "
+                    "...) or a 'module:function' path")
+    rc.add_argument("--cases", required=True, help="JSON lines: each a task row of the reward's schema plus 'reply'")
+    rc.add_argument("--strict", action="store_true", help="the reward's strict answer format (reward.strict)")
+    rc.set_defaults(func=_cmd_reward_check)
+
     b = sub.add_parser("bench", help="benchmarks (ratios measured side by side; JSON + PNG)")
     b.add_argument("which", choices=BENCHES)
     b.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to tools/bench_<which>.py")
@@ -311,6 +320,18 @@ def _cmd_mcore_to_hf(args: argparse.Namespace) -> int:
     if rc == 0:
         print(f"HF folder: {args.out}")
     return rc
+
+
+def _cmd_reward_check(args: argparse.Namespace) -> int:
+    from megarl.data.sources import DataError
+    from megarl.reward.check import print_checks
+
+    try:
+        print_checks(args.fn, args.cases, sys.stdout, strict=args.strict)
+    except (DataError, ValueError) as exc:
+        print(f"megarl: reward check: {_one_line(exc)}", file=sys.stderr)
+        return 2
+    return 0
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:

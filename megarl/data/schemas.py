@@ -19,6 +19,8 @@ How the gold final answer is read (``gold``):
 - ``boxed``: the content of the last ``\\boxed{...}`` of a reference solution (MATH).
 - ``as_is``: the value itself, stripped (verl's ``reward_model.ground_truth``).
 - ``auto``: ``boxed`` when the answer has a ``\\boxed{}``, ``hash`` when it has ``####``, else ``as_is``.
+- ``code``: a code task (HumanEval's ``prompt`` + ``test`` + ``entry_point``): the gold is the JSON
+  object ``{"prompt", "test", "entry_point"}`` the ``code`` reward runs (megarl/reward/code.py).
 
 Nothing here imports torch, pyarrow or math-verify.
 """
@@ -34,6 +36,8 @@ ANSWER_NUMBER = "Reply with only the final number."  # the quickstart's, for sho
 # Qwen2.5-Math's chain-of-thought prompt, the usual one for MATH-style RL (verl's MATH preprocessing
 # asks for the same: "... output the final answer within \boxed{}").
 ANSWER_BOXED = "Please reason step by step, and put your final answer within \\boxed{}."
+# A code task's prompt is a function's signature and docstring; the reply is its whole code.
+ANSWER_CODE = "Complete the Python function. Reply with the whole function in one ```python block."
 
 
 @dataclass(frozen=True)
@@ -48,6 +52,8 @@ class RowSchema:
     # How held-out evaluation reads a reply's final answer (megarl/controller/evaluation.py): 'number'
     # (the last number) or 'boxed' (the last \boxed{}, for answers that are not all numbers).
     eval_answer: str = "number"
+    # Further columns the gold is built from (the code schema's 'entry_point'), read with the answer.
+    extra_keys: tuple[str, ...] = ()
 
     def keys(self, prompt_key: str = "", answer_key: str = "") -> "RowSchema":
         """This schema with ``data.prompt_key`` / ``data.answer_key`` in place of its own keys."""
@@ -55,7 +61,8 @@ class RowSchema:
 
     def describe(self) -> str:
         how = {"hash": "the text after its last '####'", "boxed": "its last \\boxed{}", "as_is": "as it is",
-               "auto": "its last \\boxed{}, else after '####', else as it is"}[self.gold]
+               "auto": "its last \\boxed{}, else after '####', else as it is",
+               "code": "the tests, run against the reply's code"}[self.gold]
         return f"{self.label} rows (prompt {self.prompt_key!r}, gold answer {how} of {self.answer_key!r})"
 
 
@@ -67,6 +74,9 @@ SCHEMAS: tuple[RowSchema, ...] = (
     # ground_truth}, extra_info. DAPO's own prompt asks for "Answer: ..." on the last line; the
     # dapo reward reads that line or the last \boxed{}.
     RowSchema("verl", "verl", "prompt", "reward_model.ground_truth", "as_is", "dapo", ANSWER_BOXED),
+    # HumanEval (and MBPP-style rows in its layout): prompt (signature + docstring), test (defines
+    # check(candidate)), entry_point; canonical_solution is ignored. The code reward runs the tests.
+    RowSchema("code", "code (HumanEval)", "prompt", "test", "code", "code", ANSWER_CODE, extra_keys=("entry_point",)),
     # MATH (Hendrycks): problem, solution (the gold answer is its last \boxed{}), level, type.
     RowSchema("math", "MATH", "problem", "solution", "boxed", "math", ANSWER_BOXED, "boxed"),
     # MATH-500 and similar: problem + a bare answer.
@@ -118,7 +128,8 @@ def detect(row: dict, prompt_key: str = "", answer_key: str = "") -> Optional[Ro
 
 def root_columns(schema: RowSchema) -> list[str]:
     """The top-level columns a schema reads (what a columnar reader needs to load)."""
-    return sorted({schema.prompt_key.split(".")[0], schema.answer_key.split(".")[0]})
+    return sorted({schema.prompt_key.split(".")[0], schema.answer_key.split(".")[0],
+                   *(k.split(".")[0] for k in schema.extra_keys)})
 
 
 # --- the gold final answer ------------------------------------------------------------------------
@@ -154,6 +165,17 @@ def last_boxed(text: str, *, at_end: bool = False) -> Optional[str]:
 def after_hash(answer: str) -> str:
     """GSM8K puts the final answer after '####'; thousands separators are dropped."""
     return answer.split("####")[-1].strip().replace(",", "")
+
+
+def code_gold(prompt: str, test: str, entry_point: object) -> tuple[str, str]:
+    """(gold, why not) of a code row: the JSON task the code reward runs."""
+    import json
+
+    if not isinstance(entry_point, str) or not entry_point.isidentifier():
+        return "", f"'entry_point' must be the tested function's name, got {str(entry_point)[:40]!r}"
+    if "def check(" not in test:
+        return "", "'test' must define check(candidate), the function the code reward calls"
+    return json.dumps({"prompt": prompt, "test": test, "entry_point": entry_point}), ""
 
 
 def gold_of(schema: RowSchema, answer: str) -> tuple[str, str]:

@@ -5,7 +5,7 @@ Nothing is loaded whole: jsonl is read a line at a time, parquet a record batch 
 (``pyarrow.parquet.ParquetFile.iter_batches``, only the columns the row schema reads), so a 500k-row
 file costs one batch of dicts at a time, never a list of every row. ``.json`` is a JSON array (parsed
 whole: JSON has no streaming form in the standard library) or, when it does not start with ``[``,
-JSON lines. A file of another suffix is read as JSON lines.
+JSON lines. A file of another suffix is read as JSON lines (gunzipped when it ends in ``.gz``).
 
 ``where`` names the row in every message: ``file:line`` for JSON lines (1-based, as editors count),
 ``file:row N`` for parquet and JSON arrays (0-based, as pandas and pyarrow count).
@@ -14,6 +14,7 @@ JSON lines. A file of another suffix is read as JSON lines.
 from __future__ import annotations
 
 import glob
+import gzip
 import json
 import re
 from pathlib import Path
@@ -85,7 +86,8 @@ def _starts_with(path: Path, prefix: bytes) -> bool:
 
 
 def _jsonl_rows(path: Path) -> Iterator[tuple[str, dict]]:
-    with path.open("rb") as fh:
+    # A gzipped JSON-lines file (HumanEval.jsonl.gz) is read through gzip, a line at a time.
+    with (gzip.open(path, "rb") if path.name.endswith(".gz") else path.open("rb")) as fh:
         for lineno, raw in enumerate(fh, 1):
             where = f"{path}:{lineno}"
             try:

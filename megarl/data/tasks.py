@@ -23,7 +23,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Iterator
 
-from megarl.data.schemas import (ANSWER_NUMBER, ARITHMETIC, KNOWN, MISSING, RowSchema, after_hash, detect, gold_of,
+from megarl.data.schemas import (ANSWER_NUMBER, ARITHMETIC, KNOWN, MISSING, RowSchema, after_hash, code_gold, detect, gold_of,
                                  lookup, root_columns)
 from megarl.data.sources import DataError, data_files, first_row, iter_rows
 
@@ -126,7 +126,10 @@ def parse_row(row: dict, schema: RowSchema, where: str) -> Task:
     if isinstance(answer, bool) or not isinstance(answer, (str, int, float)) or not str(answer).strip():
         raise DataError(f"{where}: empty or non-text {a!r} ({str(answer)[:60]!r}); give the gold answer, "
                         f"e.g. '... #### 72'")
-    gold, why = gold_of(schema, str(answer))
+    if schema.gold == "code":
+        gold, why = code_gold(question, str(answer), lookup(row, schema.extra_keys[0]))
+    else:
+        gold, why = gold_of(schema, str(answer))
     if why:
         raise DataError(f"{where}: {why}")
     return Task(question, gold, where=where, messages=messages)

@@ -24,7 +24,8 @@ class RewardConfig:
                    "the loader writes the choice into data.choice; a RewardConfig built without a config is "
                    "arithmetic), a built-in name (arithmetic: the reply's last number; gsm8k: the '####' answer, "
                    "else the last number; math: math-verify on the last \\boxed{}; dapo: math-verify on the last "
-                   "line's 'Answer: ...' or else the last \\boxed{}) or a 'package.module:function' path to "
+                   "line's 'Answer: ...' or else the last \\boxed{}; code: the reply's Python passes the task's tests in the "
+                   "sandbox, auto for code rows such as HumanEval) or a 'package.module:function' path to "
                    "fn(completion, gold, *, strict) -> bool; an explicit value always wins; default auto")
     strict: bool = knob(False, help="strict answer format: arithmetic: the reply is only the number; gsm8k: "
                         "only the number after '####'; math: the last \\boxed{} ends the reply; dapo: only the last line's "

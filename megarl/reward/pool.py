@@ -346,9 +346,11 @@ def _safe_call(fn: Callable, completion: str, gold: str, strict: bool) -> _Verdi
 
 def _init_worker(timeout_s: float, parent_pid: Optional[int] = None, pdeathsig: bool = True) -> None:
     watch_parent(parent_pid, pdeathsig=pdeathsig)  # first: a worker dies with the job's controller
-    from megarl.reward import rewards
+    from megarl.reward import rewards, sandbox
 
     rewards.MATH_TIMEOUT_S = max(1, int(timeout_s))
+    # The code sandbox's run ends (and sweeps its processes) before the pool would kill this worker.
+    sandbox.WALL_TIMEOUT_S = max(0.5, 0.8 * timeout_s - 0.5)
 
 
 def _worker_main(conn, spec: str, timeout_s: float, parent_pid: Optional[int], pdeathsig: bool) -> None:

@@ -23,18 +23,20 @@ F = TypeVar("F", bound=Callable)
 _REWARDS: Dict[str, Callable] = {}
 
 # Attribute a registered function carries: {"extract": fn(completion, strict) -> answer or None,
-# "in_process": bool}. ``extract`` tells RewardPool whether a reply was formatted; ``in_process``
+# "in_process": bool, "explain": fn(completion, gold, *, strict) -> (bool, reason) or None}. ``extract`` tells RewardPool whether a reply was formatted; ``in_process``
 # marks rewards cheap and safe enough (a few regexes, no sympy) to run without the process pool.
 META = "__megarl_reward__"
 
 
 def register_reward(name: str, *, extract: Optional[Callable[..., object]] = None,
-                    in_process: bool = False) -> Callable[[F], F]:
+                    in_process: bool = False, explain: Optional[Callable[..., object]] = None) -> Callable[[F], F]:
     """Decorator: register a reward function under ``name``.
 
     ``extract(completion, *, strict) -> answer or None`` (optional) is the reward's answer extraction:
     a reply it returns None for counts as unformatted. ``in_process=True`` lets RewardPool call the
     function in the calling process (only for fast pure-Python rewards that cannot hang).
+    ``explain(completion, gold, *, strict) -> (bool, reason)`` (optional) is the same verdict with the
+    reason a person reads (``megarl reward check``); without it the reason is said from ``extract``.
     """
     if not isinstance(name, str) or not name or ":" in name:
         raise ValueError(f"reward name must be a non-empty string without ':', got {name!r}")
@@ -43,7 +45,7 @@ def register_reward(name: str, *, extract: Optional[Callable[..., object]] = Non
         if name in _REWARDS and _REWARDS[name] is not fn:
             raise ValueError(f"reward {name!r} is already registered (by {_REWARDS[name].__qualname__}); "
                              f"pick another name")
-        setattr(fn, META, {"extract": extract, "in_process": in_process})
+        setattr(fn, META, {"extract": extract, "in_process": in_process, "explain": explain})
         _REWARDS[name] = fn
         return fn
 
@@ -94,4 +96,20 @@ def get_reward(spec: str) -> Callable:
 
 def reward_meta(fn: Callable) -> dict:
     """The registration metadata of ``fn`` (defaults for an unregistered import-path function)."""
-    return getattr(fn, META, None) or {"extract": None, "in_process": False}
+    return getattr(fn, META, None) or {"extract": None, "in_process": False, "explain": None}
+
+
+def explain(fn: Callable, completion: str, gold: str, *, strict: bool) -> tuple[bool, str]:
+    """``fn``'s verdict on one reply with a reason: its own ``explain`` when registered with one, else
+    the verdict and what its ``extract`` read from the reply."""
+    meta = reward_meta(fn)
+    if meta.get("explain") is not None:
+        ok, reason = meta["explain"](completion, gold, strict=strict)
+        return bool(ok), str(reason)
+    ok = bool(fn(completion, gold, strict=strict))
+    if meta.get("extract") is None:
+        return ok, "right" if ok else "wrong"
+    answer = meta["extract"](completion, strict=strict)
+    if answer is None:
+        return False, "no final answer in the expected format" + (" (strict)" if strict else "")
+    return ok, f"final answer {str(answer)!r} {'equals' if ok else 'does not equal'} gold {gold!r}"
