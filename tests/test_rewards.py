@@ -351,12 +351,12 @@ def test_reward_defined_in_this_module_by_import_path():
 
 
 def test_unknown_reward_name_lists_the_known_ones():
-    assert known_rewards()[:4] == ["arithmetic", "dapo", "gsm8k", "math"]
-    with pytest.raises(ValueError, match=r"unknown reward; known: arithmetic, dapo, gsm8k, math.*did you mean 'arithmetic'"):
+    assert known_rewards()[:5] == ["arithmetic", "code", "dapo", "gsm8k", "math"]
+    with pytest.raises(ValueError, match=r"unknown reward; known: arithmetic, code, dapo, gsm8k, math.*did you mean 'arithmetic'"):
         get_reward("arithmetc")
     with pytest.raises(ValueError) as exc:
         RewardConfig(fn="foo")
-    assert str(exc.value) == ("reward.fn='foo': unknown reward; known: arithmetic, dapo, gsm8k, math, "
+    assert str(exc.value) == ("reward.fn='foo': unknown reward; known: arithmetic, code, dapo, gsm8k, math, "
                               "or a 'module:function' path")
 
 
@@ -448,7 +448,7 @@ def test_config_loading_validates_the_reward_section():
     assert (cfg.reward.fn, cfg.reward.strict, cfg.reward.truncated, cfg.reward.overlong_buffer) == (
         "gsm8k", True, -1.0, 32)
     _, problems = _reward_problems(["reward.fn=foo"])
-    assert problems == ["reward: reward.fn='foo': unknown reward; known: arithmetic, dapo, gsm8k, math, "
+    assert problems == ["reward: reward.fn='foo': unknown reward; known: arithmetic, code, dapo, gsm8k, math, "
                         "or a 'module:function' path"]
     _, problems = _reward_problems(["reward.overlong_buffer=100000"])
     assert len(problems) == 1 and problems[0].startswith(
