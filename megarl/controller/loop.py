@@ -134,6 +134,8 @@ def train(cfg: MegaRLConfig, run: RunFolder, prompts: PromptSource, trainer: Tra
                 if should_save(cfg.trainer, step, steps):
                     metrics["checkpoint/seconds"] = checkpoint(cfg, trainer, rollouts)
                 run.log(step, steps, metrics)
+        with preempt.deferred():
+            trainer.wait_saves()  # trainer.async_save: the last checkpoint is complete before the job ends
 
 
 @contextlib.contextmanager
@@ -154,6 +156,7 @@ def checkpoint_on_preemption(cfg: MegaRLConfig, trainer: Trainer, rollouts: Roll
         with preempt.deferred():
             if version and version != saved and not should_save(cfg.trainer, version, cfg.controller.steps):
                 checkpoint(cfg, trainer, rollouts)
+            trainer.wait_saves()  # trainer.async_save: the write in flight, within cluster.preempt_grace_s
         exc.set_step(version)
         if not version and not exc.requeue:
             exc.args = (f"{exc.args[0].split(';')[0]} before the first step was trained: nothing to checkpoint",)
@@ -212,7 +215,8 @@ def step_metrics(train: dict[str, float], times: dict[str, float], busy: dict[st
 
 def checkpoint(cfg: MegaRLConfig, trainer: Trainer, rollouts: RolloutQueue) -> float:
     """Save the trainer with the controller's part (data cursor, admitted rollouts) staged first, so
-    the step folder's manifest covers both (controller/state.py); the seconds it took."""
+    the step folder's manifest covers both (controller/state.py); the seconds it took (with
+    trainer.async_save: the snapshot's, the write goes on behind the next step)."""
     t0 = time.monotonic()
     stage_controller_state(cfg, policy_version=trainer.step_count, rollouts=rollouts.state_dict())
     trainer.save()

@@ -98,7 +98,12 @@ class Trainer(Protocol):
         ``trainer.logprob_temperature``); the weight probe compares them with the engine's."""
 
     def save(self) -> Path:
-        """Checkpoint everything a resume needs; the step folder it wrote."""
+        """Checkpoint everything a resume needs; the step folder it wrote (with
+        ``trainer.async_save``: the one it is writing, complete after :meth:`wait_saves`)."""
+
+    def wait_saves(self) -> None:
+        """Wait for a background checkpoint write in flight (``trainer.async_save``) and commit it;
+        nothing when none is."""
 
     def topology(self) -> TrainerTopology:
         """The layout (tp, pp, dp) the DDMA planner plans the trainer's side of a sync for."""

@@ -52,6 +52,7 @@ from megarl.trainer.checkpoint_index import (FORMAT, LATEST, META, STEP_PREFIX, 
                                              _manifest, _step_of, checkpoint_problem, checkpoint_root, file_crc32,
                                              latest_checkpoint, list_checkpoints, newest_complete,
                                              resolve_checkpoint, resume_path, should_save, step_dir_name)
+from megarl.trainer.async_save import AsyncWriter
 from megarl.trainer.model import unwrap
 
 log = logging.getLogger(__name__)
@@ -361,12 +362,15 @@ def _prune(root: Path, saved: Path, keep_last: int) -> None:
     for old in older[:max(len(older) - (keep_last - 1), 0)]:
         shutil.rmtree(old, ignore_errors=True)
     for d in root.glob(f"{STAGE_PREFIX}{STEP_PREFIX}*"):  # staged for a save that never happened
-        shutil.rmtree(d, ignore_errors=True)
+        staged = _step_of(d.name[len(STAGE_PREFIX):])
+        if staged is None or staged < mine:  # a later step's (staged while this one was written) stays
+            shutil.rmtree(d, ignore_errors=True)
 
 
 def save_checkpoint(checkpoint_dir: str | Path, *, model: list, optimizer: Any = None,
                     scheduler: Any = None, progress: TrainProgress, keep_last: int = 2,
                     hf_config: Optional[dict] = None, hf_extra_from: str | Path | None = None,
+                    writer: Optional[AsyncWriter] = None,
                     _before_commit: Optional[Callable[[Path], None]] = None) -> Path:
     """Save a checkpoint of this step; collective over every trainer rank.
 
@@ -374,15 +378,21 @@ def save_checkpoint(checkpoint_dir: str | Path, *, model: list, optimizer: Any =
     the manifest is written. `hf_config` (the source HF config.json as a dict) and `hf_extra_from`
     (the HF folder the model came from: its tokenizer / generation config files are copied into
     `hf_extra/`) are export metadata only: with them `megarl convert mcore-to-hf` writes a
-    complete HF folder from the step folder; loading ignores them. `_before_commit` (tests only)
-    runs after all files are written and before the rename, to simulate a crash mid-save.
-    A full disk (checked before writing, or hit while writing) removes the partial folder, leaves
-    the previous checkpoint as it was and raises :class:`CheckpointNoSpace` on every rank.
+    complete HF folder from the step folder; loading ignores them. `writer` (trainer.async_save):
+    first wait for its write in flight (logged), then take this step's snapshot (RNG, scheduler,
+    progress and the shards' plan now) and return while it writes the shards; the commit below runs
+    when it is done (:mod:`megarl.trainer.async_save`), and the returned folder exists only then.
+    `_before_commit` (tests only) runs after all files are written and before the rename, to
+    simulate a crash mid-save. A full disk (checked before writing, or hit while writing) removes
+    the partial folder, leaves the previous checkpoint as it was and raises
+    :class:`CheckpointNoSpace` on every rank.
     """
     if keep_last < 1:
         raise ValueError(f"keep_last={keep_last}: must be >= 1 (trainer.keep_checkpoints)")
     from megatron.core import dist_checkpointing
 
+    if writer is not None:
+        writer.wait(f"saving step {progress.step}")  # one write in flight: the previous one commits first
     root = Path(checkpoint_dir)
     name = step_dir_name(progress.step)
     final, tmp = root / name, root / f".tmp_{name}"
@@ -419,68 +429,81 @@ def save_checkpoint(checkpoint_dir: str | Path, *, model: list, optimizer: Any =
                 raise e
         return f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
 
-    use_in_process_write_queue()
-    written = None
+    # What the step's checkpoint records, taken now: an async write commits it steps later.
+    meta = {"format": FORMAT, "step": progress.step, "consumed_samples": progress.consumed_samples,
+            "extra": dict(progress.extra), "model": model_signature(model[0]), "parallel": _parallel_layout(),
+            "has_optimizer": optimizer is not None, "optim_sharding": OPTIM_SHARDING,
+            "adam_step": _adam_steps(optimizer) if optimizer is not None else None,
+            "scheduler": scheduler.state_dict() if scheduler is not None else None,
+            "async_save": writer is not None}
+    if hf_config is not None or hf_extra_from is not None:  # export metadata (optional)
+        m0 = unwrap(model[0])
+        meta["export"] = {"hf_config": hf_config, "hf_source": str(hf_extra_from) if hf_extra_from is not None else None,
+                          "vocab_divisible_by": getattr(m0, "megarl_vocab_divisible_by", None),
+                          "norm_style": getattr(m0, "megarl_norm_style", None)}
+    written, request = None, None
     try:
-        dist_checkpointing.save(_sharded_state(model, optimizer, is_loading=False), str(tmp / "dist"))
         torch.save(_rng_state(), tmp / "rng" / f"rank_{rank:05d}.pt")
+        if writer is None:
+            use_in_process_write_queue()
+            dist_checkpointing.save(_sharded_state(model, optimizer, is_loading=False), str(tmp / "dist"))
+        else:
+            from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+            filesystem_async._results_queue = writer.results_queue()  # the forked writer reports here
+            request = dist_checkpointing.save(_sharded_state(model, optimizer, is_loading=False),
+                                              str(tmp / "dist"), async_sharded_save=True)
     except (KeyboardInterrupt, SystemExit):
         raise
     except BaseException as e:  # noqa: BLE001 - torch DCP's CheckpointException is a BaseException;
         written = no_space(e)   # only a full disk is handled, anything else re-raises
-    written = _agree(written)  # the shards are written (or a rank's disk is full)
 
-    if rank == 0 and not written:
-        try:
-            stage = stage_dir(root, progress.step)
-            if stage.is_dir():  # the controller's part, staged before this save
-                for f in sorted(stage.iterdir()):
-                    os.replace(f, tmp / f.name)
-            if hf_extra_from is not None:
-                copy_hf_extra(hf_extra_from, tmp / EXTRA_DIR)
-            files, crcs = _manifest(tmp)
-            meta = {
-                "format": FORMAT, "step": progress.step, "consumed_samples": progress.consumed_samples,
-                "extra": progress.extra, "model": model_signature(model[0]),
-                "parallel": _parallel_layout(), "has_optimizer": optimizer is not None,
-                "optim_sharding": OPTIM_SHARDING,
-                "adam_step": _adam_steps(optimizer) if optimizer is not None else None,
-                "scheduler": scheduler.state_dict() if scheduler is not None else None,
-                "saved_at": time.time(), "files": files, "crc32": crcs,
-            }
-            if hf_config is not None or hf_extra_from is not None:  # export metadata (optional)
-                m0 = unwrap(model[0])
-                meta["export"] = {
-                    "hf_config": hf_config,
-                    "hf_source": str(hf_extra_from) if hf_extra_from is not None else None,
-                    "vocab_divisible_by": getattr(m0, "megarl_vocab_divisible_by", None),
-                    "norm_style": getattr(m0, "megarl_norm_style", None)}
-            _fsync_tree(tmp)
-            write_text_atomic(tmp / META, json.dumps(meta, indent=1, default=str))  # the manifest: last
-        except OSError as e:
-            written = no_space(e)
-    written = _agree(written if rank == 0 else None)  # metadata written
-    if written:
+    def commit(failed: Optional[BaseException]) -> Path:
+        """The shards are written (``failed``: how their write failed, the same on every rank):
+        adopt the staged files, write the manifest last, rename, move `latest`; collective."""
+        written_ = _agree(no_space(failed) if failed is not None else written)  # the shards are written
+        if rank == 0 and not written_:
+            try:
+                stage = stage_dir(root, progress.step)
+                if stage.is_dir():  # the controller's part, staged before this save
+                    for f in sorted(stage.iterdir()):
+                        os.replace(f, tmp / f.name)
+                if hf_extra_from is not None:
+                    copy_hf_extra(hf_extra_from, tmp / EXTRA_DIR)
+                files, crcs = _manifest(tmp)
+                _fsync_tree(tmp)
+                write_text_atomic(tmp / META, json.dumps({**meta, "saved_at": time.time(), "files": files,
+                                                          "crc32": crcs}, indent=1, default=str))  # the manifest: last
+            except OSError as e:
+                written_ = no_space(e)
+        written_ = _agree(written_ if rank == 0 else None)  # metadata written
+        if written_:
+            free_ = free
+            if rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+                shutil.rmtree(stage_dir(root, progress.step), ignore_errors=True)
+                free_ = shutil.disk_usage(root).free
+                log.error("checkpoint: saving step %d to %s failed: %s", progress.step, root, written_)
+            raise CheckpointNoSpace(root, need or _space_needed(root, model, optimizer), free_, progress.step)
+        if _before_commit is not None:
+            _before_commit(tmp)
         if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-            shutil.rmtree(stage_dir(root, progress.step), ignore_errors=True)
-            free = shutil.disk_usage(root).free
-            log.error("checkpoint: saving step %d to %s failed: %s", progress.step, root, written)
-        raise CheckpointNoSpace(root, need or _space_needed(root, model, optimizer), free, progress.step)
-    if _before_commit is not None:
-        _before_commit(tmp)
-    if rank == 0:
-        if final.exists():  # re-saving a step: replace it
-            trash = root / f".trash_{name}"
-            os.replace(final, trash)
-            shutil.rmtree(trash)
-        os.replace(tmp, final)
-        _fsync_dir(root)
-        write_text_atomic(root / LATEST, name)  # last: `latest` only ever names a complete one
-        _prune(root, final, keep_last)
-        log.info("checkpoint: saved step %d to %s in %.1fs (%.1f MiB)", progress.step, final,
-                 time.monotonic() - t0, _tree_bytes(final) / 2**20)
-    _barrier("checkpoint committed")
+            if final.exists():  # re-saving a step: replace it
+                trash = root / f".trash_{name}"
+                os.replace(final, trash)
+                shutil.rmtree(trash)
+            os.replace(tmp, final)
+            _fsync_dir(root)
+            write_text_atomic(root / LATEST, name)  # last: `latest` only ever names a complete one
+            _prune(root, final, keep_last)
+            log.info("checkpoint: saved step %d to %s in %.1fs (%.1f MiB)", progress.step, final,
+                     time.monotonic() - t0, _tree_bytes(final) / 2**20)
+        _barrier("checkpoint committed")
+        return final
+
+    if writer is None or _agree(written) is not None:
+        return commit(None)
+    writer.start(request, commit, progress.step)
     return final
 
 

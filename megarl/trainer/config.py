@@ -74,6 +74,12 @@ class TrainerConfig:
                                " Default ''.")
     checkpoint_interval: int = knob(0, help="Save every N optimizer steps (steps); 0 = only at the "
                                     "end of the run. Default 0.")
+    async_save: bool = knob(False, help="Write checkpoints in the background: a save takes a snapshot "
+                            "(a forked writer process holds it; on a GPU the tensors are copied to host "
+                            "memory first) and the step goes on while the writer persists it; the next save "
+                            "waits only if that write has not finished (and logs how long), a preemption "
+                            "and the end of the run wait for it. The checkpoint counts (manifest, `latest`) "
+                            "only once written. Default false.")
     keep_checkpoints: int = knob(2, help="Step folders kept on disk; older ones are deleted after a "
                                  "save succeeds. Keep >= 2 so a damaged newest checkpoint can fall back to "
                                  "the previous one at resume (count, >= 1). Default 2.")

@@ -339,6 +339,10 @@ class TrainerExecutor(ExecutorBase):
         """Checkpoint (collective megatron dist checkpoint on every rank); rank 0's step folder."""
         return Path(self._call("save", (), self.cfg.save_timeout_s, f"save step {self._step_count}")[0])
 
+    def wait_saves(self) -> None:
+        """Wait for the ranks' background checkpoint write in flight (trainer.async_save) and commit it."""
+        self._call("wait_saves", (), self.cfg.save_timeout_s, "the background checkpoint write")
+
     def start_sync(self, spec, version: int) -> None:
         """Every rank starts ``DdmaSender.sync(version)`` for ``spec`` (a ``SyncSpec``; senders are
         made once per spec); returns at once. Call :meth:`finish_sync` before any other command."""

@@ -86,6 +86,11 @@ class RankTrainer:
             self.ref_model = build_reference_model(model_dir, params_dtype(cfg))
         self.progress = TrainProgress(step=0, consumed_samples=0)
         self.checkpoint_dir = checkpoint_root(cfg, self.run_dir)
+        self.writer = None  # trainer.async_save: the background checkpoint writer
+        if cfg.async_save:
+            from megarl.trainer.async_save import AsyncWriter
+
+            self.writer = AsyncWriter(cfg.save_timeout_s)
         resume = resume_path(cfg, self.run_dir)
         if resume is not None:
             log.info("trainer: resuming from %s", resume)
@@ -103,6 +108,8 @@ class RankTrainer:
         returns the step's metrics (the same on every rank)."""
         from megarl.trainer.train_step import prepare_batch, train_step
 
+        if self.writer is not None:
+            self.writer.poll()  # commit a finished background write (collective: every rank steps)
         batch, prep = prepare_batch(self.objs, self.ref_model, batch, self.algo, self.cfg.micro_batch_size,
                                     self.cfg.logprob_temperature)
         metrics = train_step(self.objs, batch, loss_name=self.algo.loss, loss_params=loss_params(self.algo),
@@ -135,8 +142,13 @@ class RankTrainer:
 
         return save_checkpoint(self.checkpoint_dir, model=self.objs.model, optimizer=self.objs.optimizer,
                                scheduler=self.objs.scheduler, progress=self.progress,
-                               keep_last=self.cfg.keep_checkpoints,
+                               keep_last=self.cfg.keep_checkpoints, writer=self.writer,
                                hf_config=read_hf_config(self.model_dir), hf_extra_from=self.model_dir)
+
+    def wait_saves(self) -> None:
+        """Wait for the background checkpoint write in flight (trainer.async_save) and commit it."""
+        if self.writer is not None:
+            self.writer.wait("the trainer")
 
 
 class LocalTrainer(RankTrainer):

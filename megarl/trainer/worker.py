@@ -40,7 +40,7 @@ from megarl.trainer.config import TrainerConfig
 log = logging.getLogger(__name__)
 
 HEARTBEAT_S = 1.0  # seconds between heartbeats (the executor's heartbeat_timeout_s is far longer)
-COMMANDS = ("step", "save", "sync", "logprobs", "topology", "shards", "health")  # plus "exit"
+COMMANDS = ("step", "save", "wait_saves", "sync", "logprobs", "topology", "shards", "health")  # plus "exit"
 
 
 class _Channel:
@@ -124,6 +124,9 @@ class _Server:
 
     def save(self) -> str:
         return str(self.trainer.save())
+
+    def wait_saves(self) -> None:
+        self.trainer.wait_saves()
 
     def sync(self, spec, version: int) -> dict:
         if self._sender is None or self._sender_spec != spec:  # one sender (plan, store) per topology

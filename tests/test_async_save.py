@@ -1,0 +1,131 @@
+"""trainer.async_save: the background checkpoint writer (megarl/trainer/async_save.py).
+
+One 2-rank job (DP=2 + DistributedOptimizer, the model of tests/test_checkpoint.py):
+  - step 1, async save: until the writer's commit nothing counts (no step folder, no `latest`); step 2
+    trains while the write is in flight (a real snapshot: the weights change under it); the step-2 save
+    waits for it. The step-1 checkpoint holds the step-1 weights, not the step-2 ones, and a job that
+    resumes from it trains step 2 bit-exactly (optimizer and RNG of step 1 included).
+  - step 3: the writer is held by the fault pause point after writing its shards, and the ranks die
+    (os._exit) mid-write: `latest` stays on step 2, the newest complete checkpoint is step 2, and the
+    writer process dies with its rank.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from megarl.utils.dist import MultiprocessError, run_multiprocess
+from tests.test_checkpoint import LAYOUTS, _setup, _train_step, _weights
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU/gloo path (2 ranks on one host)")
+KILLED = 23
+HOLD_S = 120.0  # the pause point's hold; the ranks die long before it ends
+
+
+def _save(objs, root: Path, step: int, writer):
+    from megarl.trainer.checkpoint import TrainProgress, save_checkpoint
+
+    return save_checkpoint(root, model=objs.model, optimizer=objs.optimizer, scheduler=objs.scheduler,
+                           progress=TrainProgress(step=step, consumed_samples=8 * step), keep_last=3, writer=writer)
+
+
+def _write_job(rank: int, world_size: int, root: str) -> None:
+    from megarl.trainer.async_save import PAUSE, AsyncWriter
+    from megarl.utils.faults import ENV
+
+    root_ = Path(root) / "ckpt"
+    cfg, objs, _ = _setup(LAYOUTS["dp2"])
+    writer = AsyncWriter(timeout_s=300)
+    out: dict = {"loss1": _train_step(objs, cfg)}
+    _save(objs, root_, 1, writer)
+    out["w1"] = _weights(objs.model)
+    out["in_flight"] = writer.in_flight
+    out["before_commit"] = sorted(p.name for p in root_.iterdir())  # only the temp folder
+    out["loss2"] = _train_step(objs, cfg)  # the step goes on while the writer writes
+    out["w2"] = _weights(objs.model)
+    _save(objs, root_, 2, writer)  # waits for step 1 and commits it first
+    writer.wait("the test")
+    out["after_wait"] = sorted(p.name for p in root_.iterdir())
+    torch.save(out, Path(root) / f"write_rank{rank}.pt")
+
+    _train_step(objs, cfg)
+    os.environ[ENV] = f"{PAUSE}={HOLD_S}"
+    _save(objs, root_, 3, writer)
+    shards = root_ / ".tmp_step_00000003" / "dist"
+    deadline = time.monotonic() + 120
+    while len(list(shards.glob("*.distcp"))) < world_size:  # every rank's shard file is on disk
+        assert time.monotonic() < deadline, "the step-3 shards were not written within 120 s"
+        time.sleep(0.05)
+    (Path(root) / f"writer_rank{rank}.json").write_text(json.dumps(
+        {"pid": writer._proc.pid, "alive": writer._proc.is_alive(), "in_flight": writer.in_flight}))
+    os._exit(KILLED)  # mid-write: the writer holds at the pause point, nothing committed
+
+
+def _resume_job(rank: int, world_size: int, root: str) -> None:
+    from megarl.trainer.checkpoint import load_checkpoint
+
+    cfg, objs, _ = _setup(LAYOUTS["dp2"])
+    progress = load_checkpoint(Path(root) / "ckpt" / "step_00000001", model=objs.model, optimizer=objs.optimizer,
+                               scheduler=objs.scheduler)
+    out = {"step": progress.step, "w1": _weights(objs.model)}
+    out["loss2"] = _train_step(objs, cfg)
+    out["w2"] = _weights(objs.model)
+    torch.save(out, Path(root) / f"resume_rank{rank}.pt")  # a file: tensors sent back by the pipe share fds
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    root = tmp_path_factory.mktemp("async")
+    with pytest.raises(MultiprocessError, match=f"exit code {KILLED}"):
+        run_multiprocess(_write_job, 2, str(root), timeout_s=600)
+    written = [torch.load(root / f"write_rank{r}.pt", weights_only=False) for r in range(2)]
+    run_multiprocess(_resume_job, 2, str(root), timeout_s=600)
+    resumed = [torch.load(root / f"resume_rank{r}.pt", weights_only=False) for r in range(2)]
+    return root, written, resumed
+
+
+def test_nothing_counts_before_the_commit_and_the_step_goes_on(job):
+    _, written, _ = job
+    for w in written:
+        assert w["in_flight"] == 1
+        assert w["before_commit"] == [".tmp_step_00000001"], w["before_commit"]
+        assert "latest" in w["after_wait"] and "step_00000001" in w["after_wait"] and "step_00000002" in w["after_wait"]
+        # the weights moved under the write in flight (else the snapshot check below proves nothing)
+        assert any(not torch.equal(w["w1"][n], w["w2"][n]) for n in w["w1"])
+
+
+def test_the_checkpoint_is_the_snapshot_and_resumes_bit_exact(job):
+    _, written, resumed = job
+    for w, r in zip(written, resumed):
+        assert r["step"] == 1
+        for n in w["w1"]:
+            assert torch.equal(r["w1"][n], w["w1"][n]), f"{n}: not the step-1 weights"
+        assert r["loss2"] == w["loss2"]  # optimizer, scheduler and RNG of step 1
+        for n in w["w2"]:
+            assert torch.equal(r["w2"][n], w["w2"][n]), f"{n}: step 2 after the resume differs"
+
+
+def test_a_kill_mid_write_leaves_the_previous_checkpoint_complete(job):
+    import psutil
+
+    from megarl.trainer.checkpoint import newest_complete
+
+    root, _, _ = job
+    ckpt = root / "ckpt"
+    for rank in range(2):
+        info = json.loads((root / f"writer_rank{rank}.json").read_text())
+        assert info["alive"] and info["in_flight"] == 3, info  # the kill was mid-write
+        deadline = time.monotonic() + 30
+        while psutil.pid_exists(info["pid"]) and psutil.Process(info["pid"]).status() != psutil.STATUS_ZOMBIE:
+            assert time.monotonic() < deadline, f"rank {rank}'s writer outlived it"
+            time.sleep(0.1)
+    assert (ckpt / "latest").read_text().strip() == "step_00000002"
+    assert not (ckpt / "step_00000003").exists()
+    assert (ckpt / ".tmp_step_00000003" / "dist").is_dir()  # the shards were on disk, uncommitted
+    assert newest_complete(ckpt) == ckpt / "step_00000002"
