@@ -30,7 +30,8 @@ from megarl.utils.faults import pause_point
 
 log = logging.getLogger("megarl.trainer.checkpoint")
 
-PAUSE = "checkpoint_async_write"  # fault tests hold the writer here: shards written, nothing committed
+PAUSE = "checkpoint_async_write"  # fault tests hold the writer here (every write, or `...@<step>`: that
+#                                   step's): its shards written, nothing committed
 _POLL_S = 0.05  # how often a blocking wait looks at the writer process (s)
 
 
@@ -43,6 +44,7 @@ def _write(async_fn: Optional[Callable], args: tuple, kwargs: dict, step: int, p
         async_fn(*args, **kwargs)
     log.info("checkpoint: async writer (pid %d) wrote the step-%d shards", os.getpid(), step)
     pause_point(PAUSE)
+    pause_point(f"{PAUSE}@{step}")  # this step's write only (the kill matrix holds one)
 
 
 class AsyncWriter:

@@ -4,7 +4,9 @@
 point of that name; unset (always, outside tests), a pause point costs one dict lookup. A kill that
 must land inside a window of microseconds (a DDMA transfer of a tiny model) is otherwise a race the
 test loses at random. Points: ``ddma_send`` (a trainer rank after it logs 'sending weights vN', before
-its shards are published to the generator's workers, who are waiting for them).
+its shards are published to the generator's workers, who are waiting for them);
+``checkpoint_async_write`` (a trainer rank's background checkpoint writer after it wrote its shards,
+before anything is committed; ``checkpoint_async_write@N``: only the step-N write).
 """
 
 from __future__ import annotations
