@@ -89,6 +89,10 @@ class TrainerConfig:
                                       "complete one), a step folder, or null = start over (`megarl train "
                                       "--fresh`; refused in a run folder that holds an earlier run unless "
                                       "logging.overwrite). Default 'auto'.")
+    resume_optimizer: bool = knob(True, help="Resume the optimizer state (Adam moments, fp32 master "
+                                  "weights, step counts) and the RNG states with the weights. false: the "
+                                  "weights-only start: the checkpoint's weights, progress and LR schedule with a "
+                                  "fresh optimizer (the moments start over). Default true.")
 
     # --- supervision of the rank processes (megarl.trainer.executor.TrainerExecutor) ---
     start_timeout_s: float = knob(300.0, help="Seconds every trainer rank may take to start: spawn, "

@@ -94,8 +94,11 @@ class RankTrainer:
         resume = resume_path(cfg, self.run_dir)
         if resume is not None:
             log.info("trainer: resuming from %s", resume)
-            self.progress = load_checkpoint(resume, model=self.objs.model, optimizer=self.objs.optimizer,
-                                            scheduler=self.objs.scheduler)
+            if not cfg.resume_optimizer:
+                log.warning("trainer: trainer.resume_optimizer=false: the weights of %s with a fresh optimizer", resume)
+            self.progress = load_checkpoint(resume, model=self.objs.model,
+                                            optimizer=self.objs.optimizer if cfg.resume_optimizer else None,
+                                            scheduler=self.objs.scheduler, load_rng=cfg.resume_optimizer)
 
     @property
     def step_count(self) -> int:
