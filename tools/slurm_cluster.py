@@ -30,6 +30,12 @@ from pathlib import Path
 ADDR_BASE = 10           # node nI lives at 127.0.0.(ADDR_BASE + I)
 HOSTS_MARK = "# megarl-slurm-test"
 START_TIMEOUT_S = 60.0   # daemons up and every node idle (seen: ~5 s)
+# Preemption: a job in partition ``urgent`` (PriorityTier 2) preempts jobs of the default ``debug``
+# (PriorityTier 1) it needs nodes of; PreemptMode=REQUEUE with this GraceTime: the preempted job gets
+# SIGTERM at once and is requeued (SIGKILL after KillWait) when the grace ends. 30 s = KillWait, the
+# bound the scontrol-requeue test already holds the checkpoint to.
+PREEMPT_GRACE_S = 30
+URGENT_PARTITION = "urgent"
 
 
 class SlurmUnavailable(RuntimeError):
@@ -201,6 +207,29 @@ class SlurmCluster:
                              env=self.env(), timeout=30).stdout
         return [dict(kv.split("=", 1) for kv in line.split() if "=" in kv) for line in out.splitlines() if line]
 
+    def slurmd_pid(self, node: str) -> int:
+        """The pid of ``node``'s slurmd (started by :meth:`up` in this process)."""
+        for p in self.procs:
+            if p.args[-4:-2] == ["-N", node]:
+                return p.pid
+        raise KeyError(f"no slurmd of {node} started by this SlurmCluster")
+
+    def node_processes(self, node: str, job: int) -> list[int]:
+        """What "runs on" ``node`` for ``job`` (every node is this host): the job's processes whose
+        SLURMD_NODENAME is ``node`` (its tasks and their children), the slurmstepd above each, and
+        the node's slurmd."""
+        tasks = [pid for pid, env in _environs() if env.get("SLURM_JOB_ID") == str(job)
+                 and env.get("SLURMD_NODENAME") == node]
+        steps = set()
+        for pid in tasks:
+            ppid = _ppid(pid)
+            while ppid > 1 and ppid not in tasks:
+                if _comm(ppid).startswith("slurmstepd"):
+                    steps.add(ppid)
+                    break
+                ppid = _ppid(ppid)
+        return [self.slurmd_pid(node), *sorted(steps), *tasks]
+
     def log_tail(self, lines: int = 40) -> str:
         out = []
         for f in sorted((self.root / "log").glob("*.log")):
@@ -253,6 +282,8 @@ KillWait=30
 MinJobAge=600
 MessageTimeout=30
 SchedulerType=sched/backfill
+PreemptType=preempt/partition_prio
+PreemptMode=REQUEUE
 SchedulerParameters=sched_interval=2
 JobCompType=jobcomp/none
 AccountingStorageType=accounting_storage/none
@@ -265,7 +296,8 @@ SlurmdLogFile={r}/log/slurmd-%n.log
 SlurmctldDebug=info
 SlurmdDebug=info
 {nodes}
-PartitionName=debug Nodes={','.join(self.nodes)} Default=YES MaxTime=INFINITE State=UP OverSubscribe=NO
+PartitionName=debug Nodes={','.join(self.nodes)} Default=YES MaxTime=INFINITE State=UP OverSubscribe=NO PriorityTier=1 GraceTime={PREEMPT_GRACE_S}
+PartitionName={URGENT_PARTITION} Nodes={','.join(self.nodes)} MaxTime=INFINITE State=UP OverSubscribe=NO PriorityTier=2
 """)
         (r / "etc" / "gres.conf").write_text(
             "".join(f"NodeName={n} Name=gpu File={f}\n" for n in self.nodes for f in gres_files))
@@ -314,6 +346,33 @@ PartitionName=debug Nodes={','.join(self.nodes)} Default=YES MaxTime=INFINITE St
             time.sleep(0.5)
         raise RuntimeError(f"the test cluster's nodes are not idle after {START_TIMEOUT_S:.0f}s: {last}\n"
                            f"{self.log_tail()}")
+
+
+def _environs():
+    """(pid, environment) of every process this user can read."""
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            raw = (d / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        yield int(d.name), dict(kv.decode(errors="replace").split("=", 1) for kv in raw if b"=" in kv)
+
+
+def _ppid(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return int(fh.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def _comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
+    except OSError:
+        return ""
 
 
 def _alive(pid: int) -> bool:
