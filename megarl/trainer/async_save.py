@@ -88,11 +88,20 @@ class AsyncWriter:
         log.info("checkpoint: step %d snapshot taken in %.2fs; writing in the background (pid %d)",
                  step, time.monotonic() - self._t0, self._proc.pid)
 
-    def _all_done(self) -> bool:
-        alive = torch.tensor([int(self._proc is not None and self._proc.is_alive())], dtype=torch.int32)
+    def _all_done(self, deadline: float = float("inf")) -> bool:
+        """Whether every rank's writer has finished; raises TimeoutError on every rank at once when
+        one rank is past ``deadline`` (the decision is collective, so no rank is left waiting)."""
+        flags = torch.tensor([int(self._proc is not None and self._proc.is_alive()),
+                              int(time.monotonic() > deadline)], dtype=torch.int32)
         if dist.get_world_size() > 1:
-            dist.all_reduce(alive, op=dist.ReduceOp.MAX)
-        return not int(alive.item())
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        alive, late = (int(x) for x in flags.tolist())
+        if alive and late:
+            step = self._step
+            self._abort()
+            raise TimeoutError(f"checkpoint: the step-{step} background write did not finish within "
+                               f"{self.timeout_s:g}s (trainer.save_timeout_s); raise it or check the disk")
+        return not alive
 
     def poll(self) -> Optional[Path]:
         """Commit the write in flight if every rank's writer has finished; the committed step
@@ -107,13 +116,7 @@ class AsyncWriter:
         if self._commit is None:
             return None
         t0 = time.monotonic()
-        deadline = t0 + self.timeout_s
-        while not self._all_done():
-            if time.monotonic() > deadline:
-                step = self._step
-                self._abort()
-                raise TimeoutError(f"checkpoint: the step-{step} background write did not finish within "
-                                   f"{self.timeout_s:g}s (trainer.save_timeout_s); raise it or check the disk")
+        while not self._all_done(deadline=t0 + self.timeout_s):
             time.sleep(_POLL_S)
         waited = time.monotonic() - t0
         log.info("checkpoint: %s waited %.2fs for the step-%d background write", why, waited, self._step)
