@@ -96,12 +96,14 @@ class RolloutBatch:
     def from_samples(cls, samples: Sequence, advantages: Sequence[float] | None = None,
                      pad_id: int = 0) -> "RolloutBatch":
         """Rows of prompt + completion from generator ``megarl.rollout.Sample``s; the loss covers
-        the completion tokens, which carry their behaviour logprobs and policy versions."""
+        the completion tokens the policy sampled (``Sample.loss_mask``: a multi-turn rollout's
+        observation tokens are not trained on), which carry their behaviour logprobs and versions."""
         tokens, masks, behav, versions = [], [], [], []
         for s in samples:
             p = len(s.prompt_ids)
             tokens.append(s.token_ids)
-            masks.append([0.0] * p + [1.0] * len(s.completion_ids))
+            own = [1.0] * len(s.completion_ids) if s.loss_mask is None else [float(m) for m in s.loss_mask]
+            masks.append([0.0] * p + own)
             behav.append([0.0] * p + list(s.behav_logprobs))
             versions.append([-1] * p + list(s.versions))
         return cls.from_sequences(tokens, masks, behav, advantages, versions, pad_id=pad_id)

@@ -23,6 +23,10 @@ class Sample:
     stop_reason:    the stop string or token id that ended it, if any.
     num_rounds:     generation rounds it took (> 1 for a resumed partial rollout).
     uid:            the controller's id once trained (``s<step>p<prompt>k<sample>``), '' before.
+    loss_mask:      per completion token, 1 for a token the policy sampled and 0 for an
+                    environment's observation token in a multi-turn rollout (its behav_logprob
+                    is 0 and its version -1: never computed, never used); None = all sampled.
+    turns:          replies the policy gave in this rollout (1 for single turn).
     reward, correct, formatted: set by a scorer (``RewardScorer.score``), None before: the
                     reward trained on, whether the final answer is right, whether one could be
                     extracted in the expected format.
@@ -42,12 +46,16 @@ class Sample:
     reward: float | None = None
     correct: bool | None = None
     formatted: bool | None = None
+    loss_mask: list[int] | None = None
+    turns: int = 1
 
     def __post_init__(self) -> None:
         n = len(self.completion_ids)
         if len(self.behav_logprobs) != n or len(self.versions) != n:
             raise ValueError(f"Sample: {n} completion tokens but {len(self.behav_logprobs)} logprobs and "
                              f"{len(self.versions)} versions; they must align one per token")
+        if self.loss_mask is not None and len(self.loss_mask) != n:
+            raise ValueError(f"Sample: {n} completion tokens but {len(self.loss_mask)} loss-mask entries")
 
     @property
     def token_ids(self) -> list[int]:

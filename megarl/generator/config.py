@@ -40,6 +40,9 @@ class GeneratorConfig:
                                          "0 = size the KV cache from kv_cache_gib instead. Default 0.")
     max_model_len: int = knob(2048, help="Longest prompt + completion an engine accepts (tokens). "
                               "Default 2048.")
+    max_turns: int = knob(1, help="Most replies of one multi-turn rollout (an environment that answers with "
+                          "observation tokens, megarl/controller/turns.py); a rollout still going then ends as "
+                          "truncated (replies). Default 1 = single turn.")
     max_num_seqs: int = knob(256, help="Most sequences an engine decodes at once (sequences). "
                              "Default 256.")
     enforce_eager: bool = knob(True, help="Skip torch.compile in the engines (faster start-up, "
@@ -93,7 +96,7 @@ class GeneratorConfig:
         """Section-local problems, each naming the key and what to change."""
         out = []
         for key in ("tp", "replicas", "kv_cache_gib", "max_model_len", "max_num_seqs",
-                    "max_new_tokens", "n_samples"):
+                    "max_new_tokens", "n_samples", "max_turns"):
             if getattr(self, key) < 1:
                 out.append(f"generator.{key}={getattr(self, key)}: must be >= 1")
         if self.quantization not in QUANTIZATIONS:

@@ -3,7 +3,7 @@
 See docs/rewards.md. Importing this package imports neither torch nor math-verify.
 """
 
-from megarl.reward import code, rewards  # noqa: F401  (registers the built-ins: arithmetic, gsm8k, math, dapo, code)
+from megarl.reward import code, rewards, tools  # noqa: F401  (registers the built-ins: arithmetic, gsm8k, math, dapo, code; calculator)
 from megarl.reward.config import RewardConfig
 from megarl.reward.pool import RewardError, RewardPool, ScoredSample, overlong_penalty
 from megarl.reward.registry import get_reward, known_rewards, register_reward

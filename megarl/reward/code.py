@@ -68,7 +68,7 @@ def explain_code(completion: str, gold: str, *, strict: bool = False) -> Tuple[b
     return verdict.passed, verdict.reason
 
 
-@register_reward("code", extract=extract_code, explain=explain_code)
+@register_reward("code", extract=extract_code, explain=explain_code, prepare=sandbox.check_sandbox)
 def code(completion: str, gold: str, *, strict: bool = False) -> bool:
     """The reply's code passes every test of the task (``check(entry_point)``), sandboxed."""
     return explain_code(completion, gold, strict=strict)[0]

@@ -359,6 +359,9 @@ def _worker_main(conn, spec: str, timeout_s: float, parent_pid: Optional[int], p
     _init_worker(timeout_s, parent_pid, pdeathsig)
     try:
         fn = get_reward(spec)
+        prepare = reward_meta(fn).get("prepare")
+        if prepare is not None:
+            prepare()  # e.g. the code sandbox's machine check: refused at start, not on a sample
     except BaseException:  # noqa: BLE001 - reported to the pool, which stops the job with it
         conn.send(("init_error", traceback.format_exc()))
         return

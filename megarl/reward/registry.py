@@ -23,13 +23,15 @@ F = TypeVar("F", bound=Callable)
 _REWARDS: Dict[str, Callable] = {}
 
 # Attribute a registered function carries: {"extract": fn(completion, strict) -> answer or None,
-# "in_process": bool, "explain": fn(completion, gold, *, strict) -> (bool, reason) or None}. ``extract`` tells RewardPool whether a reply was formatted; ``in_process``
+# "in_process": bool, "explain": fn(completion, gold, *, strict) -> (bool, reason) or None,
+# "prepare": fn() run once per scoring process, or None}. ``extract`` tells RewardPool whether a reply was formatted; ``in_process``
 # marks rewards cheap and safe enough (a few regexes, no sympy) to run without the process pool.
 META = "__megarl_reward__"
 
 
 def register_reward(name: str, *, extract: Optional[Callable[..., object]] = None,
-                    in_process: bool = False, explain: Optional[Callable[..., object]] = None) -> Callable[[F], F]:
+                    in_process: bool = False, explain: Optional[Callable[..., object]] = None,
+                    prepare: Optional[Callable[[], object]] = None) -> Callable[[F], F]:
     """Decorator: register a reward function under ``name``.
 
     ``extract(completion, *, strict) -> answer or None`` (optional) is the reward's answer extraction:
@@ -37,6 +39,8 @@ def register_reward(name: str, *, extract: Optional[Callable[..., object]] = Non
     function in the calling process (only for fast pure-Python rewards that cannot hang).
     ``explain(completion, gold, *, strict) -> (bool, reason)`` (optional) is the same verdict with the
     reason a person reads (``megarl reward check``); without it the reason is said from ``extract``.
+    ``prepare()`` (optional) runs once in each scoring process before it takes a sample (the code
+    sandbox's machine check): what it raises stops the pool at start, not on the first sample.
     """
     if not isinstance(name, str) or not name or ":" in name:
         raise ValueError(f"reward name must be a non-empty string without ':', got {name!r}")
@@ -45,7 +49,7 @@ def register_reward(name: str, *, extract: Optional[Callable[..., object]] = Non
         if name in _REWARDS and _REWARDS[name] is not fn:
             raise ValueError(f"reward {name!r} is already registered (by {_REWARDS[name].__qualname__}); "
                              f"pick another name")
-        setattr(fn, META, {"extract": extract, "in_process": in_process, "explain": explain})
+        setattr(fn, META, {"extract": extract, "in_process": in_process, "explain": explain, "prepare": prepare})
         _REWARDS[name] = fn
         return fn
 
@@ -96,7 +100,7 @@ def get_reward(spec: str) -> Callable:
 
 def reward_meta(fn: Callable) -> dict:
     """The registration metadata of ``fn`` (defaults for an unregistered import-path function)."""
-    return getattr(fn, META, None) or {"extract": None, "in_process": False, "explain": None}
+    return getattr(fn, META, None) or {"extract": None, "in_process": False, "explain": None, "prepare": None}
 
 
 def explain(fn: Callable, completion: str, gold: str, *, strict: bool) -> tuple[bool, str]:

@@ -1,0 +1,135 @@
+"""Multi-turn rollouts, token in, token out: the policy replies, an environment answers with
+observation tokens, the policy continues from exactly those tokens, until the environment is done.
+
+Each turn is one generator call whose prompt is the previous turn's prompt + the tokens the policy
+sampled + the observation's tokens (as the environment tokenized them). Nothing is decoded and
+re-encoded: the trained sequence is, token by token, the prompt, each reply as sampled and each
+observation as given. In the resulting :class:`~megarl.rollout.Sample`:
+
+- ``completion_ids`` = reply 1 + observation 1 + reply 2 + ...;
+- ``loss_mask`` 1 on reply tokens, 0 on observation tokens, whose ``behav_logprobs`` are 0 and
+  ``versions`` -1: an observation's logprobs are neither asked of the engine (it is a prompt there,
+  and vLLM computes no prompt logprobs unless asked) nor used;
+- ``versions`` per reply token as each turn's engine reported them, so a partial rollout resumed
+  after a weight update inside a turn shows the switch as in single turn;
+- ``finish_reason`` 'length' (truncated) when ``generator.max_turns`` replies were given without the
+  environment being done, when the next observation and one reply token would not fit
+  ``generator.max_model_len`` (the observation is then not appended), or when a
+  reply itself hit its token limit; ``turns``: replies given.
+
+The environment's reward (``StepResult.reward``) and verdict are set on the sample; a truncated
+rollout gets ``truncated_score``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any, List, Optional, Sequence
+
+from megarl.rollout import Sample
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class _Rollout:
+    state: Any
+    prompt: List[int]
+    ids: List[int] = dataclasses.field(default_factory=list)
+    mask: List[int] = dataclasses.field(default_factory=list)
+    logprobs: List[float] = dataclasses.field(default_factory=list)
+    versions: List[int] = dataclasses.field(default_factory=list)
+    turns: int = 0
+    rounds: int = 0
+    done: bool = False
+    finish: str = ""
+    stop_reason: Any = None
+    reward: Optional[float] = None
+    correct: Optional[bool] = None
+
+    @property
+    def context(self) -> List[int]:
+        return self.prompt + self.ids
+
+
+def multi_turn(generator, env, tasks: Sequence[Any], prompts: Sequence[Sequence[int]], *, max_turns: int,
+               max_new_tokens: int, max_model_len: int, truncated_score: float = 0.0,
+               sampling: Optional[dict] = None) -> List[Sample]:
+    """One multi-turn rollout per (task, prompt token ids), driven turn by turn on ``generator``
+    (a :class:`~megarl.executors.base.Generator`: its ``generate``) with ``env`` (an
+    :class:`~megarl.reward.environment.Environment`); returns one Sample per task, in order."""
+    if max_turns < 1:
+        raise ValueError(f"generator.max_turns={max_turns}: must be >= 1")
+    runs = [_Rollout(env.reset(task), [int(t) for t in prompt]) for task, prompt in zip(tasks, prompts)]
+    for turn in range(max_turns):
+        live = [r for r in runs if not r.done]
+        if not live:
+            break
+        limits = {id(r): min(max_new_tokens, max_model_len - len(r.context) - 1) for r in live}
+        for r in live:
+            if limits[id(r)] < 1:  # no room for one more token: the context cap ends it
+                r.done, r.finish = True, "length"
+        live = [r for r in live if not r.done]
+        # One call per distinct limit keeps every request within the context cap.
+        for limit in sorted({limits[id(r)] for r in live}):
+            group = [r for r in live if limits[id(r)] == limit]
+            samples = generator.generate([r.context for r in group], n_samples=1, max_new_tokens=limit,
+                                         sampling=sampling)
+            for r, s in zip(group, samples):
+                _take_reply(r, s)
+                _step(env, r, last_turn=turn == max_turns - 1, max_model_len=max_model_len)
+    out = []
+    for i, r in enumerate(runs):
+        reward = truncated_score if r.finish == "length" else r.reward
+        out.append(Sample(prompt_ids=r.prompt, completion_ids=r.ids, behav_logprobs=r.logprobs, versions=r.versions,
+                          finish_reason=r.finish or "stop", prompt_index=i, group_id=i, stop_reason=r.stop_reason,
+                          num_rounds=r.rounds, reward=reward,
+                          correct=bool(r.correct) and r.finish != "length", loss_mask=r.mask, turns=r.turns))
+    return out
+
+
+def _take_reply(r: _Rollout, s: Sample) -> None:
+    if s.prompt_ids != r.context:  # the engine must have continued from exactly our tokens
+        raise RuntimeError(f"multi-turn: the generator returned a sample for another prompt "
+                           f"({len(s.prompt_ids)} tokens, expected {len(r.context)})")
+    r.ids += s.completion_ids
+    r.mask += [1] * len(s.completion_ids)
+    r.logprobs += list(s.behav_logprobs)
+    r.versions += list(s.versions)
+    r.turns += 1
+    r.rounds += s.num_rounds
+    r.stop_reason = s.stop_reason
+    if s.finish_reason == "length":
+        r.done, r.finish = True, "length"
+
+
+def _step(env, r: _Rollout, *, last_turn: bool, max_model_len: int) -> None:
+    if r.done:
+        return
+    step = env.step(r.state, r.ids[-_reply_len(r):])
+    if step.done:
+        r.done, r.finish = True, "stop"
+        r.reward, r.correct = step.reward, step.info.get("correct")
+        return
+    if last_turn:
+        r.done, r.finish = True, "length"  # generator.max_turns replies and the environment still wants more
+        return
+    obs = [int(t) for t in step.observation or []]
+    if len(r.context) + len(obs) + 1 > max_model_len:
+        r.done, r.finish = True, "length"  # the observation leaves no room for a reply: the context cap
+        return
+    r.ids += obs
+    r.mask += [0] * len(obs)
+    r.logprobs += [0.0] * len(obs)
+    r.versions += [-1] * len(obs)
+
+
+def _reply_len(r: _Rollout) -> int:
+    """Tokens of the last reply: the trailing run of sampled (mask 1) tokens."""
+    n = 0
+    for m in reversed(r.mask):
+        if not m:
+            break
+        n += 1
+    return n
