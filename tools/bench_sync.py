@@ -27,13 +27,14 @@ rounds interleaved, the order rotated each round, after one untimed warm-up roun
 of ``--trials`` rounds, ratios against gather+broadcast of the same variant):
 
 - ``ddma_zero_copy``: receivers copy their runs straight out of the senders' shared memory.
-- ``ddma_gloo``: gloo point-to-point, one message per (destination, parameter) (``p2p`` on CPU).
-- ``ddma_nccl_gloo``: the nccl transport's rounds (batched per pair under ``bucket_mb``) over gloo.
+- ``ddma_gloo``: gloo point-to-point in buckets of planned runs (``sync.bucket_mb``; ``p2p`` on CPU).
+- ``ddma_nccl_gloo``: the nccl transport's rounds (the same bucket schedule, batched per round) over gloo.
 - ``gather_broadcast``: every trainer rank sends its shards to rank 0, which assembles the full HF
   tensors in one buffer and sends it whole to every worker, which narrows it into its engine tensors.
 - ``shm_push``: the path before DDMA: gather to rank 0, pack the full model into one shared-memory
   file (``pack_to_shm``), every worker maps it and narrows.
-- ``memcpy`` (reference line): one process copying the bytes a worker lands, single thread.
+- ``memcpy`` (reference line): one process copying the bytes a worker lands, single thread; beside it the
+  checksum alone over the same bytes (one thread).
 
 Prints the table and writes ``sync.json`` and ``sync.png`` under ``--out``.
 
@@ -326,6 +327,23 @@ def _memcpy_seconds(nbytes: int, trials: int) -> float:
     return best
 
 
+def _checksum_seconds(nbytes: int, trials: int) -> float:
+    """DDMA's verification checksum alone (``checksum_segments``: the C++ kernel when built) over
+    ``nbytes`` of bf16, one segment, one thread, best of ``trials``: the line beside memcpy."""
+    from megarl.ddma.verify import checksum_segments
+
+    torch.set_num_threads(1)
+    flat = torch.empty(nbytes // 2, dtype=torch.int16).random_().view(torch.bfloat16)
+    segs = (torch.tensor([0]), torch.tensor([flat.numel()]), torch.tensor([0]))
+    checksum_segments(flat, segs)  # warm: pages in, kernel chosen
+    best = float("inf")
+    for _ in range(trials):
+        t = time.perf_counter()
+        checksum_segments(flat, segs)
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
 def run(args) -> dict:
     dims = ModelDims.from_hf_config(QUICK_DIMS if args.quick else BENCH_DIMS)
     src = TrainerTopology(*args.trainer)
@@ -409,6 +427,7 @@ def run(args) -> dict:
         # per round, side by side: the baseline's time in that round over this method's
         res["vs_gather_broadcast_per_round"] = [b / s for b, s in zip(base["seconds"], res["seconds"])]
     memcpy = _memcpy_seconds(nbytes, max(args.trials, 3))
+    checksum = _checksum_seconds(nbytes, max(args.trials, 3))
     # flat view (older readers: megarl/sim/micro.py reads best_seconds.ddma_zero_copy_verify)
     best_seconds = {}
     for res in results.values():
@@ -424,7 +443,9 @@ def run(args) -> dict:
                        "checksums on = trainer ranks checksum their shards and workers their engine tensors, "
                        "for every method"),
         "variants": results, "best_seconds": best_seconds, "memcpy_s": memcpy,
-        "memcpy_gb_per_s": nbytes / memcpy / 1e9,
+        "memcpy_gb_per_s": nbytes / memcpy / 1e9, "checksum_s": checksum,
+        "checksum_gb_per_s": nbytes / checksum / 1e9,
+        "zero_copy_verify_vs_memcpy": memcpy / results[variant("ddma_zero_copy", True, args.buffers[0])]["best_s"],
     }
     print(f"\n{'method':<22}{'checksums':>10}{'buffers':>8}{'best s':>9}{'median s':>10}{'GB/s':>7}"
           f"{'vs g+b best':>13}{'median':>8}")
@@ -433,6 +454,8 @@ def run(args) -> dict:
               f"{res['median_s']:10.3f}{res['gb_per_s_best']:7.2f}{res['vs_gather_broadcast_best']:12.1f}x"
               f"{res['vs_gather_broadcast_median']:7.1f}x")
     print(f"{'memcpy (1 thread)':<40}{memcpy:9.3f}{'':>10}{summary['memcpy_gb_per_s']:7.2f}")
+    print(f"{'checksum alone (1 thread)':<40}{checksum:9.3f}{'':>10}{summary['checksum_gb_per_s']:7.2f}")
+    print(f"zero-copy with checksums on ({args.buffers[0]}): {100 * summary['zero_copy_verify_vs_memcpy']:.0f}% of memcpy")
     return summary
 
 
