@@ -84,3 +84,13 @@ def tiny_mistral_dir(tmp_path_factory):
     from megarl.models.tiny import make_tiny_hf_checkpoint
 
     return make_tiny_hf_checkpoint(tmp_path_factory.mktemp("tiny_mistral"), "mistral", seed=5)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_moe_dir(tmp_path_factory):
+    """Random 2-layer Qwen3-MoE: layer 0 sparse (4 experts, top-2, renormalized, expert intermediate 64),
+    layer 1 dense (``mlp_only_layers=[1]``, intermediate 256); head_dim 64, 4 heads / 2 KV heads, untied."""
+    from megarl.models.tiny import make_tiny_hf_checkpoint
+
+    return make_tiny_hf_checkpoint(tmp_path_factory.mktemp("tiny_qwen3_moe"), "qwen3_moe", head_dim=64, seed=6,
+                                   extra_config={"mlp_only_layers": [1]})

@@ -110,6 +110,57 @@ def _wrap_attr(owner: Any, name: str, wrap: Callable[[Callable], Callable]) -> N
         setattr(owner, name, wrap(raw))
 
 
+class _HostStream:
+    """The one "stream" of a CPU: work is already done when a call returns, so waits and events are no-ops."""
+
+    def wait_stream(self, other: Any) -> None:
+        pass
+
+    def record_event(self, event: Any = None) -> "_HostStream":
+        return self
+
+    def synchronize(self) -> None:
+        pass
+
+
+_HOST_STREAM = _HostStream()
+
+
+class _CudaStreamsOnCpu:
+    """Stands in for `torch.cuda` inside megatron's MoE token dispatcher: its alltoall dispatcher makes a
+    side stream for device-to-host copies at build (``torch.cuda.Stream()``). Here every stream is the
+    host stream, so ``current_stream() != cuda_dtoh_stream`` is False and no ``record_stream`` runs."""
+
+    Stream = staticmethod(lambda *a, **k: _HOST_STREAM)
+    current_stream = staticmethod(lambda *a, **k: _HOST_STREAM)
+
+    @staticmethod
+    def stream(s: Any) -> Any:
+        import contextlib
+
+        return contextlib.nullcontext()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch.cuda, name)
+
+
+class _TorchWithHostStreams:
+    """`torch` for the MoE token dispatcher module: delegates all but `cuda` (:class:`_CudaStreamsOnCpu`)."""
+
+    cuda = _CudaStreamsOnCpu()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+
+def _host_tensor_as_numpy(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+    """megatron's ``maybe_move_tensor_to_cpu`` converts only CUDA tensors, so on CPU the alltoall
+    dispatcher's split sizes stay tensors, which ``all_to_all_single`` rejects: make them numpy here."""
+    if as_numpy and torch.is_tensor(tensor):
+        return tensor.numpy()
+    return tensor
+
+
 def _tensor_cuda_noop(self: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     return self
 
@@ -147,5 +198,15 @@ def apply_cpu_compat() -> bool:
                    _reporting_cuda_type_names)
         _wrap_attr(clip_grads, "clip_grad_by_total_norm_fp32", _reporting_cuda_type_names)
         optimizer.clip_grad_by_total_norm_fp32 = clip_grads.clip_grad_by_total_norm_fp32
+        from megatron.core.transformer.moe import moe_utils
+
+        # megatron-core 0.16.1's MoE router tests `te_general_gemm is not None`, a name it binds only
+        # when Transformer Engine imports (NameError without TE): None selects its torch.mm path.
+        if not hasattr(moe_utils, "te_general_gemm"):
+            moe_utils.te_general_gemm = None
+        from megatron.core.transformer.moe import token_dispatcher
+
+        token_dispatcher.torch = _TorchWithHostStreams()
+        token_dispatcher.maybe_move_tensor_to_cpu = _host_tensor_as_numpy
         _APPLIED = True
         return True

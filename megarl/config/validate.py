@@ -16,7 +16,7 @@ from megarl.algorithms.config import OWN_BEHAVIOUR_CORRECTION
 from megarl.config.model_source import REPO_ROOT, hub_cache, is_hub_id, local_model_dir, shipped_config
 from megarl.config.placement import device_plan
 from megarl.data.tasks import data_problems
-from megarl.models.dims import ModelDims, divisors, parallel_problems, vllm_tp_problems
+from megarl.models.dims import ModelDims, divisors, expert_parallel_problems, parallel_problems, vllm_tp_problems
 from megarl.models.families import architecture_problem
 from megarl.config.schema import BUILTIN_SMOLLM2, MegaRLConfig
 
@@ -164,7 +164,11 @@ def check(cfg: MegaRLConfig, *, dry_run: bool = False, scan_data: bool = True) -
         else:
             dims = ModelDims.from_hf_config(shape)
             problems += parallel_problems(dims, t.tp, t.pp, tp_key="trainer.tp", pp_key="trainer.pp")
+            problems += expert_parallel_problems(dims, t.ep, t.dp, ep_key="trainer.ep", dp_key="trainer.dp")
             problems += vllm_tp_problems(dims, g.tp, tp_key="generator.tp")
+            if dims.is_moe and cfg.sync.method == "ddma":
+                problems.append(f"model.path={cfg.model.path!r}: DDMA does not land {dims.family}'s routed experts "
+                                f"yet: use sync.method=shm (one trainer rank)")
 
     # Rank counts: the executors' sums must match the job's world size when one is given.
     world = cfg.cluster.world_size or _env_world_size()

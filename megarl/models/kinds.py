@@ -33,6 +33,8 @@ class ModelDims(Protocol):
     head_dim: int
     ffn_hidden_size: int
     vocab_size: int
+    moe_ffn_hidden_size: int
+    num_experts: int
 
     @property
     def heads_per_group(self) -> int: ...
@@ -70,9 +72,11 @@ class ParamLayout:
 
 
 def hf_shape(symbols: tuple[str, ...], dims: "ModelDims") -> tuple[int, ...]:
-    """A symbolic shape (``hidden``, ``q``, ``kv``, ``ffn``, ``head_dim``, ``vocab``) in numbers."""
+    """A symbolic shape (``hidden``, ``q``, ``kv``, ``ffn``, ``head_dim``, ``vocab``; MoE: ``moe_ffn``
+    = one expert's intermediate size, ``experts`` = the number of routed experts) in numbers."""
     size = {"hidden": dims.hidden_size, "q": dims.num_heads * dims.head_dim, "kv": dims.num_kv_heads * dims.head_dim,
-            "ffn": dims.ffn_hidden_size, "head_dim": dims.head_dim, "vocab": dims.vocab_size}
+            "ffn": dims.ffn_hidden_size, "head_dim": dims.head_dim, "vocab": dims.vocab_size,
+            "moe_ffn": dims.moe_ffn_hidden_size, "experts": dims.num_experts}
     return tuple(size[s] for s in symbols)
 
 

@@ -19,10 +19,11 @@ Import is torch-free; only :func:`hf_to_local` / :func:`local_to_hf` use torch.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Mapping
+from typing import TYPE_CHECKING, Callable, Iterator, Mapping
 
 from megarl.models.dims import ModelDims, parallel_problems, pp_layer_range, validate_parallel
 from megarl.models.families import VERIFIED_FAMILIES, family_spec
+from megarl.models.families.spec import LayerParam
 from megarl.models.kinds import (VLLM_VOCAB_PADDING, Kind, ParamLayout, Piece, mcore_layout, padded_vocab_size,
                                  vllm_layout)
 
@@ -38,11 +39,29 @@ def _layer_names(names: tuple[str, ...], layer: int) -> tuple[str, ...]:
     return tuple(f"model.layers.{layer}.{n}" for n in names)
 
 
+def _expert_rows(p: LayerParam, layer: int, experts: range) -> Iterator[tuple[str, tuple[str, ...], int]]:
+    """(Megatron name, HF names, -) of a row for each expert of ``experts`` (global indices, held by one
+    EP rank as local experts 0..): a dense row once."""
+    if not p.per_expert:
+        yield p.mcore, _layer_names(p.hf, layer), 0
+        return
+    for local_e, e in enumerate(experts):
+        yield p.mcore.format(e=local_e), _layer_names(tuple(n.format(e=e) for n in p.hf), layer), local_e
+
+
 def local_param_layouts(dims: ModelDims, tp: int, tp_rank: int, pp: int, pp_rank: int,
-                        norm_style: str = "local", vocab_divisible_by: int = 128) -> dict[str, ParamLayout]:
-    """Every parameter of one (tp_rank, pp_rank) Megatron GPTModel, keyed by its local state-dict name
-    (layers numbered locally from 0 on every stage, as in ``GPTModel.state_dict()``)."""
+                        norm_style: str = "local", vocab_divisible_by: int = 128, ep: int = 1,
+                        ep_rank: int = 0) -> dict[str, ParamLayout]:
+    """Every parameter of one (tp_rank, pp_rank, ep_rank) Megatron GPTModel, keyed by its local state-dict
+    name (layers numbered locally from 0 on every stage, as in ``GPTModel.state_dict()``). An MoE
+    model's experts split evenly over ``ep`` ranks (rank ``r`` holds experts ``r * E/ep ..``, Megatron's
+    ``local_expert_indices``); everything else is the same on every EP rank."""
     validate_parallel(dims, tp, pp)
+    if ep < 1 or (dims.num_experts or ep) % ep or not 0 <= ep_rank < ep:
+        raise ValueError(f"ep={ep} ep_rank={ep_rank}: the expert parallel size must divide num_experts="
+                         f"{dims.num_experts}")
+    per_ep = dims.num_experts // ep
+    experts = range(ep_rank * per_ep, (ep_rank + 1) * per_ep)
     if norm_style not in NORM_STYLES:
         raise ValueError(f"norm_style={norm_style!r}; expected one of {NORM_STYLES}")
     spec = family_spec(dims.family)
@@ -56,10 +75,11 @@ def local_param_layouts(dims: ModelDims, tp: int, tp_rank: int, pp: int, pp_rank
     if first:
         out["embedding.word_embeddings.weight"] = vocab(spec.embedding)
     for local_i, i in enumerate(pp_layer_range(dims.num_layers, pp, pp_rank)):
-        for p in spec.layer:
-            name = p.mcore_te if norm_style == "te" and p.mcore_te else p.mcore
-            out[f"decoder.layers.{local_i}.{name}"] = mcore_layout(p.kind, _layer_names(p.hf, i), p.shape, dims, tp,
-                                                                 tp_rank, vocab_divisible_by)
+        for p in spec.layer_rows(i, dims.moe_layers):
+            for mcore, hf, _ in _expert_rows(p, i, experts):
+                name = p.mcore_te if norm_style == "te" and p.mcore_te else mcore
+                out[f"decoder.layers.{local_i}.{name}"] = mcore_layout(p.kind, hf, p.shape, dims, tp, tp_rank,
+                                                                     vocab_divisible_by)
     if last:
         out["decoder.final_layernorm.weight"] = ParamLayout((h,), (Piece(spec.final_norm, (h,), 0, 0, 0, h),))
         if not dims.tie_word_embeddings:
@@ -83,7 +103,11 @@ def vllm_param_layouts(dims: ModelDims, tp: int, tp_rank: int,
 
     out = {spec.embedding: vocab(spec.embedding)}
     for i in range(dims.num_layers):
-        for p in spec.layer:
+        rows = spec.layer_rows(i, dims.moe_layers)
+        if any(p.per_expert for p in rows):
+            raise ValueError(f"DDMA does not land {dims.family}'s routed experts into vLLM's stacked "
+                             f"w13/w2 yet: set sync.method=shm for MoE models")
+        for p in rows:
             out[f"model.layers.{i}.{p.vllm}"] = vllm_layout(p.kind, _layer_names(p.hf, i), p.shape, dims, tp, tp_rank,
                                                            vocab_padding)
     out[spec.final_norm] = ParamLayout((h,), (Piece(spec.final_norm, (h,), 0, 0, 0, h),))

@@ -3,7 +3,7 @@
 They load offline in transformers and vLLM like any HF folder, one for every family in
 ``megarl.models.families`` (its spec names the transformers config class and the extra arguments).
 Every parameter is random, norms included (around 1, Qwen3's q_norm / k_norm too) and Qwen2's q/k/v
-biases non-zero, so a layout bug in any conversion (a swapped norm, a mis-sliced bias, a transposed
+biases non-zero, Qwen3-MoE's router and every expert random, so a layout bug in any conversion (a swapped norm, a mis-sliced bias, a transposed
 projection) changes the logits visibly. ``rope_scaling`` gives a Llama 3.x-style ``llama3`` rope.
 """
 
@@ -49,6 +49,7 @@ def _build_config(
     tie_word_embeddings: bool,
     max_position_embeddings: int,
     rope_scaling: dict | None = None,
+    extra_config: dict | None = None,
 ):
     import transformers
 
@@ -80,7 +81,7 @@ def _build_config(
         initializer_range=DEFAULT_INIT_STD,
     )
     spec = _SPECS[family]
-    return getattr(transformers, spec.hf_config_class)(**spec.tiny, **common)
+    return getattr(transformers, spec.hf_config_class)(**{**spec.tiny, **(extra_config or {})}, **common)
 
 
 @torch.no_grad()
@@ -111,10 +112,12 @@ def make_tiny_hf_checkpoint(
     init_std: float = DEFAULT_INIT_STD,
     max_position_embeddings: int = 2048,
     rope_scaling: dict | None = None,
+    extra_config: dict | None = None,
 ) -> Path:
     """Write a random `family` checkpoint with the SmolLM2 tokenizer into `out_dir`; return it.
 
-    Deterministic: the same arguments give bit-identical weights.
+    ``extra_config`` overrides the family's tiny HF config arguments (e.g. ``mlp_only_layers`` for a
+    Qwen3-MoE with a dense layer). Deterministic: the same arguments give bit-identical weights.
     """
     from transformers import AutoModelForCausalLM
 
@@ -130,6 +133,7 @@ def make_tiny_hf_checkpoint(
         tie_word_embeddings=tie_word_embeddings,
         max_position_embeddings=max_position_embeddings,
         rope_scaling=rope_scaling,
+        extra_config=extra_config,
     )
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     _randomize(model, seed, init_std)

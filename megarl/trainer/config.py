@@ -24,6 +24,13 @@ class TrainerConfig:
     pp: int = knob(1, help="Pipeline-parallel size (ranks); must divide the model's layer count. "
                    "Default 1.")
     dp: int = knob(1, help="Data-parallel replicas of the tp x pp model (ranks = tp*pp*dp). Default 1.")
+    ep: int = knob(1, help="Expert-parallel size of an MoE model (ranks): the routed experts split "
+                   "evenly over ep of the dp replicas (megatron's expert_model_parallel_size); must "
+                   "divide dp and the model's num_experts; 1 for dense models. Default 1.")
+    moe_aux_loss_coeff: float = knob(0.0, help="Weight of the router's load-balancing (auxiliary) loss "
+                                     "of an MoE model, added to the policy loss (dimensionless; megatron's "
+                                     "moe_aux_loss_coeff with the 'aux_loss' balancing). 0 = off, as RL "
+                                     "recipes run it: routing then follows the policy loss only. Default 0.")
 
     # --- batch ---
     micro_batch_size: int = knob(4, help="Sequences per forward/backward micro-batch on one DP "
@@ -113,12 +120,14 @@ class TrainerConfig:
     def problems(self) -> list[str]:
         """Problems this section alone can see, each naming the key and what to change."""
         out = []
-        for key in ("tp", "pp", "dp", "micro_batch_size", "keep_checkpoints", "max_skipped_steps"):
+        for key in ("tp", "pp", "dp", "ep", "micro_batch_size", "keep_checkpoints", "max_skipped_steps"):
             if getattr(self, key) < 1:
                 out.append(f"trainer.{key}={getattr(self, key)}: must be >= 1")
         for key in ("lr_warmup_steps", "lr_decay_steps", "checkpoint_interval"):
             if getattr(self, key) < 0:
                 out.append(f"trainer.{key}={getattr(self, key)}: must be >= 0")
+        if self.moe_aux_loss_coeff < 0:
+            out.append(f"trainer.moe_aux_loss_coeff={self.moe_aux_loss_coeff}: must be >= 0")
         if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
             out.append(f"trainer.lr={self.lr}, trainer.min_lr={self.min_lr}: need 0 <= min_lr <= lr "
                        f"and lr > 0")

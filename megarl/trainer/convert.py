@@ -48,10 +48,20 @@ def model_layouts(model) -> dict[str, ParamLayout]:
     from megarl.trainer.model import unwrap
 
     m = unwrap(model)
+    tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    ep = ep_rank = None
+    if m.megarl_dims.is_moe:
+        ep, ep_rank = ps.get_expert_model_parallel_world_size(), ps.get_expert_model_parallel_rank()
+        # the layouts split experts over TP as dense MLPs (expert TP = TP, Megatron's default)
+        etp = (ps.get_expert_tensor_parallel_world_size(), ps.get_expert_tensor_parallel_rank())
+        if etp != (tp, tp_rank):
+            raise RuntimeError(f"expert tensor parallel (size, rank) {etp} != tensor parallel {(tp, tp_rank)}: the "
+                               f"layouts assume expert_tensor_parallel_size = tp")
     return local_param_layouts(
-        m.megarl_dims, ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank(),
+        m.megarl_dims, tp, tp_rank,
         ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank(),
-        norm_style=m.megarl_norm_style, vocab_divisible_by=m.megarl_vocab_divisible_by)
+        norm_style=m.megarl_norm_style, vocab_divisible_by=m.megarl_vocab_divisible_by, ep=ep or 1,
+        ep_rank=ep_rank or 0)
 
 
 def model_local_params(model) -> dict[str, torch.Tensor]:

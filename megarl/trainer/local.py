@@ -74,7 +74,8 @@ class RankTrainer:
         self.model_dir = Path(model_dir)  # its config.json + tokenizer go into checkpoints (export)
         dims = ModelDims.from_hf_config(read_hf_config(model_dir))
         # Every element comes from the checkpoint: skip the random init (minutes for big models on CPU).
-        self.model = build_gpt_model(dims, params_dtype=params_dtype(cfg), init_weights=False)
+        self.model = build_gpt_model(dims, params_dtype=params_dtype(cfg), init_weights=False,
+                                     moe_aux_loss_coeff=cfg.moe_aux_loss_coeff)
         set_tp_attributes(self.model)
         load_pretrained(self.model, model_dir)
         self.objs = build_training(cfg, self.model, total_steps)

@@ -36,12 +36,19 @@ def have_transformer_engine() -> bool:
         return False
 
 
-def layer_spec(dims: ModelDims, kind: str = "auto"):
-    """(ModuleSpec, norm_style): "te" spec fuses the norms into linear_qkv/linear_fc1."""
+def layer_spec(dims: ModelDims, kind: str = "auto", config=None):
+    """(ModuleSpec, norm_style): "te" spec fuses the norms into linear_qkv/linear_fc1. An MoE model
+    gets megatron's block spec from ``config`` (its ``moe_layer_freq`` mixes sparse and dense layers),
+    experts as a SequentialMLP of per-expert linears (``moe_grouped_gemm=False``)."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
     if kind == "auto":
         kind = "te" if have_transformer_engine() else "local"
+    if dims.is_moe and kind in ("te", "local"):
+        if config is None:
+            raise ValueError("an MoE model's layer spec needs its TransformerConfig")
+        return specs.get_gpt_decoder_block_spec(config, use_transformer_engine=kind == "te",
+                                                normalization="RMSNorm"), kind
     if kind == "te":
         return specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=dims.qk_norm), "te"
     if kind == "local":
@@ -93,8 +100,34 @@ def transformer_config(dims: ModelDims, tp: int, pp: int, params_dtype: torch.dt
         gradient_accumulation_fusion=False,
         use_cpu_initialization=on_cpu,
     )
+    aux_loss_coeff = float(overrides.pop("moe_aux_loss_coeff", 0.0))
+    if dims.is_moe:
+        kwargs.update(moe_kwargs(dims, aux_loss_coeff))
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
+
+
+def moe_kwargs(dims: ModelDims, aux_loss_coeff: float = 0.0) -> dict[str, Any]:
+    """The TransformerConfig of HF's routed experts. HF routes by softmax over all experts, top-k,
+    then (``norm_topk_prob``) divides by the k probabilities' sum: the same as megatron's top-k of the
+    logits then softmax over the k (``moe_router_pre_softmax=False``); without renormalization it is
+    softmax then top-k (``pre_softmax=True``). The router runs in fp32 as HF's softmax does. No
+    capacity factor (no token dropped, as HF), no aux loss unless asked (``trainer.moe_aux_loss_coeff``).
+    Token dispatch: alltoall (set above for every family), the one that takes a different sequence
+    length on every data-parallel / expert-parallel rank (allgather needs equal token counts across
+    the EP group); on CPU megarl.compat gives it a host "stream" and gloo its all_to_all_single."""
+    return dict(
+        num_moe_experts=dims.num_experts,
+        moe_router_topk=dims.moe_topk,
+        moe_ffn_hidden_size=dims.moe_ffn_hidden_size,
+        moe_layer_freq=[1 if i in dims.moe_layers else 0 for i in range(dims.num_layers)],
+        moe_router_score_function="softmax",
+        moe_router_pre_softmax=not dims.norm_topk_prob,
+        moe_router_dtype="fp32",
+        moe_grouped_gemm=False,
+        moe_aux_loss_coeff=aux_loss_coeff,
+        moe_router_load_balancing_type="aux_loss" if aux_loss_coeff else "none",
+    )
 
 
 def build_gpt_model(dims: ModelDims, *, params_dtype: torch.dtype = torch.float32, spec: str = "auto",
@@ -115,7 +148,7 @@ def build_gpt_model(dims: ModelDims, *, params_dtype: torch.dtype = torch.float3
     pp = ps.get_pipeline_model_parallel_world_size()
     config_overrides.setdefault("perform_initialization", init_weights)
     config = transformer_config(dims, tp, pp, params_dtype, **config_overrides)
-    spec_module, norm_style = layer_spec(dims, spec)
+    spec_module, norm_style = layer_spec(dims, spec, config)
     model = GPTModel(
         config=config,
         transformer_layer_spec=spec_module,

@@ -240,7 +240,7 @@ def _serve(chan: _Channel, rank: int, world: int, master_port: int, cfg: Trainer
             sys.stderr.flush()
             os._exit(3)
         raise
-    init_model_parallel(cfg.tp, cfg.pp, seed=cfg.seed)
+    init_model_parallel(cfg.tp, cfg.pp, seed=cfg.seed, ep=cfg.ep)
     trainer = RankTrainer(cfg, algo, model_dir, total_steps=total_steps, run_dir=run_dir)
     from megatron.core import parallel_state as ps
 

@@ -53,8 +53,9 @@ def init_distributed(rank: int, world_size: int, master_addr: str = "127.0.0.1",
         rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s))
 
 
-def init_model_parallel(tp: int = 1, pp: int = 1, seed: int = 1234) -> None:
-    """Create megatron's TP/PP/DP groups over the default group and seed every RNG.
+def init_model_parallel(tp: int = 1, pp: int = 1, seed: int = 1234, ep: int = 1) -> None:
+    """Create megatron's TP/PP/DP groups (and, with ``ep`` > 1, expert-parallel groups inside the DP
+    ranks) over the default group and seed every RNG.
 
     The same seed on every rank gives the same master weights under use_cpu_initialization
     (megatron draws the full tensor, then slices it), so TP=1 and TP=2 models start identical.
@@ -74,8 +75,11 @@ def init_model_parallel(tp: int = 1, pp: int = 1, seed: int = 1234) -> None:
                          f"of trainer ranks")
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp,
-                                             pipeline_model_parallel_size=pp)
+    if ep < 1 or (world // (tp * pp)) % ep:
+        raise ValueError(f"expert parallel ({ep}) must divide the data parallel size ({world // (tp * pp)}); "
+                         f"change trainer ep or the number of trainer ranks")
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                             expert_model_parallel_size=ep)
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from megarl.models.families import llama, mistral, qwen2, qwen3
+from megarl.models.families import llama, mistral, qwen2, qwen3, qwen3_moe
 from megarl.models.families.spec import FamilySpec, LayerParam, RopeSpec, read_rope
 
-FAMILIES: dict[str, FamilySpec] = {s.model_type: s for s in (llama.SPEC, qwen2.SPEC, qwen3.SPEC, mistral.SPEC)}
+FAMILIES: dict[str, FamilySpec] = {s.model_type: s for s in (llama.SPEC, qwen2.SPEC, qwen3.SPEC, mistral.SPEC,
+                                                                 qwen3_moe.SPEC)}
 # model_type -> the HF architecture class vLLM builds for it
 VERIFIED_FAMILIES: dict[str, str] = {t: s.architecture for t, s in FAMILIES.items()}
 

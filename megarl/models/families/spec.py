@@ -34,6 +34,10 @@ class LayerParam:
     vllm: str
     shape: tuple[str, ...]
     mcore_te: str = ""
+    # MoE: one row per routed expert. ``{e}`` in ``mcore`` is the expert's index on its expert-parallel
+    # rank (Megatron's ``local_experts.<j>``), in ``hf`` its global index (``experts.<e>``); ``vllm`` names
+    # the stacked parameter (``experts.w13_weight`` [E, 2 * moe_ffn / tp, hidden]) the row lands in.
+    per_expert: bool = False
 
 
 # The rows every dense SwiGLU decoder layer has (Llama's layer), in Megatron's state-dict order.
@@ -60,6 +64,53 @@ DOWN = LayerParam(Kind.ROW, "mlp.linear_fc2.weight", ("mlp.down_proj.weight",), 
                   ("hidden", "ffn"))
 DENSE_ATTN = (ATTN_NORM, QKV, O_PROJ)
 DENSE_MLP = (MLP_NORM, GATE_UP, DOWN)
+# A routed-experts MLP (Qwen3-MoE; megatron-core's local spec: a SequentialMLP of per-expert linears).
+# The router is whole on every TP rank on both sides (Megatron's TopKRouter, vLLM's ReplicatedLinear);
+# each expert's fc1 / fc2 split over TP as a dense MLP's are.
+ROUTER = LayerParam(Kind.REPLICATED, "mlp.router.weight", ("mlp.gate.weight",), "mlp.gate.weight",
+                    ("experts", "hidden"))
+EXPERT_GATE_UP = LayerParam(Kind.GATE_UP, "mlp.experts.local_experts.{e}.linear_fc1.weight",
+                            ("mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight"),
+                            "mlp.experts.w13_weight", ("moe_ffn", "hidden"), per_expert=True)
+EXPERT_DOWN = LayerParam(Kind.ROW, "mlp.experts.local_experts.{e}.linear_fc2.weight",
+                         ("mlp.experts.{e}.down_proj.weight",), "mlp.experts.w2_weight", ("hidden", "moe_ffn"),
+                         per_expert=True)
+# Transformer Engine fuses a dense MLP's norm into linear_fc1; an MoE layer keeps pre_mlp_layernorm
+MOE_MLP_NORM = dataclasses.replace(MLP_NORM, mcore_te="")
+MOE_MLP = (MOE_MLP_NORM, ROUTER, EXPERT_GATE_UP, EXPERT_DOWN)
+
+
+@dataclasses.dataclass(frozen=True)
+class MoeSpec:
+    """The routed-experts facts of an HF config (Qwen3-MoE's keys): ``layers`` are the sparse layers'
+    indices (``decoder_sparse_step`` and ``mlp_only_layers`` applied), the others are dense."""
+
+    num_experts: int
+    topk: int
+    ffn_hidden_size: int
+    norm_topk_prob: bool
+    layers: tuple[int, ...]
+
+
+MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+
+
+def read_moe(cfg: Mapping) -> MoeSpec | None | str:
+    """The MoE facts of an HF config; None for a dense config; one line for a broken one.
+    transformers 5 writes ``num_local_experts`` where the published configs say ``num_experts``."""
+    experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+    if not experts:
+        return None
+    missing = [k for k in ("num_experts_per_tok", "moe_intermediate_size") if not cfg.get(k)]
+    if missing:
+        return f"num_experts={experts} but the config lacks {', '.join(missing)}"
+    topk, step = int(cfg["num_experts_per_tok"]), int(cfg.get("decoder_sparse_step") or 1)
+    if not 1 <= topk <= experts:
+        return f"num_experts_per_tok={topk} must be in 1..num_experts={experts}"
+    dense = set(int(i) for i in cfg.get("mlp_only_layers") or ())
+    # HF Qwen3MoeDecoderLayer: sparse iff not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0
+    layers = tuple(i for i in range(int(cfg["num_hidden_layers"])) if i not in dense and (i + 1) % step == 0)
+    return MoeSpec(experts, topk, int(cfg["moe_intermediate_size"]), bool(cfg.get("norm_topk_prob", False)), layers)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,7 +145,7 @@ def read_rope(cfg: Mapping, allowed: tuple[str, ...]) -> RopeSpec | str:
 
 
 def common_problem(cfg: Mapping) -> str | None:
-    """What no dense family here supports: activations, MLP bias, sliding windows, MoE."""
+    """What no family here supports: activations, MLP bias, sliding windows."""
     if cfg.get("hidden_act", "silu") != "silu":
         return f"hidden_act={cfg.get('hidden_act')!r} is not supported: only 'silu' (SwiGLU)"
     if cfg.get("mlp_bias", False):
@@ -103,9 +154,6 @@ def common_problem(cfg: Mapping) -> str | None:
             cfg.get("use_sliding_window", True):
         return (f"sliding_window={cfg.get('sliding_window')!r} is not supported (Megatron attends over the whole "
                 f"sequence); only configs with sliding_window null (or use_sliding_window false) train here")
-    for key in ("num_experts", "num_local_experts", "n_routed_experts"):
-        if cfg.get(key):
-            return f"{key}={cfg[key]}: mixture-of-experts models are not supported yet"
     return None
 
 
@@ -118,7 +166,8 @@ class FamilySpec:
 
     ``problem(cfg)`` adds the family's own refusals to :func:`common_problem`; ``flags`` are the
     ModelDims flags the Megatron model reads (``qkv_bias``, ``qk_norm``); ``tiny`` are the extra
-    HF config arguments ``megarl.models.tiny`` passes to ``hf_config_class``."""
+    HF config arguments ``megarl.models.tiny`` passes to ``hf_config_class``; ``moe_layer`` is the
+    table of a sparse (routed-experts) layer, empty for a dense family (which refuses MoE keys)."""
 
     model_type: str
     architecture: str
@@ -131,6 +180,11 @@ class FamilySpec:
     embedding: str = "model.embed_tokens.weight"
     final_norm: str = "model.norm.weight"
     lm_head: str = "lm_head.weight"
+    moe_layer: tuple[LayerParam, ...] = ()
+
+    def layer_rows(self, layer: int, moe_layers: tuple[int, ...] = ()) -> tuple[LayerParam, ...]:
+        """The parameter table of decoder layer ``layer`` (global index): sparse or dense."""
+        return self.moe_layer if layer in moe_layers else self.layer
 
     @property
     def qkv_bias(self) -> bool:
@@ -151,9 +205,18 @@ class FamilySpec:
         problem = common_problem(cfg) or self.problem(cfg)
         if problem:
             return problem
+        if not self.moe_layer:
+            for key in MOE_KEYS:
+                if cfg.get(key):
+                    return f"{key}={cfg[key]}: mixture-of-experts models are supported only as qwen3_moe"
+        else:
+            moe = read_moe(cfg)
+            if isinstance(moe, str):
+                return moe
         rope = read_rope(cfg, self.rope_types)
         return rope if isinstance(rope, str) else None
 
 
-__all__ = ["FamilySpec", "LayerParam", "RopeSpec", "read_rope", "common_problem", "ATTN_NORM", "QKV", "QKV_BIAS",
+__all__ = ["FamilySpec", "LayerParam", "RopeSpec", "MoeSpec", "read_moe", "read_rope", "common_problem", "ROUTER",
+           "EXPERT_GATE_UP", "EXPERT_DOWN", "MOE_MLP", "MOE_KEYS", "ATTN_NORM", "QKV", "QKV_BIAS",
            "Q_NORM", "K_NORM", "O_PROJ", "MLP_NORM", "GATE_UP", "DOWN", "DENSE_ATTN", "DENSE_MLP", "LLAMA3_ROPE_KEYS"]
