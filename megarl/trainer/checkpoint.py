@@ -391,10 +391,13 @@ def save_checkpoint(checkpoint_dir: str | Path, *, model: list, optimizer: Any =
         raise ValueError(f"keep_last={keep_last}: must be >= 1 (trainer.keep_checkpoints)")
     from megatron.core import dist_checkpointing
 
+    # This step's progress, taken now: the caller's object moves on while an async write is in flight
+    # (the commit below runs steps later; with the live value it adopted a later step's staged state).
+    step, consumed, extra = progress.step, progress.consumed_samples, dict(progress.extra)
     if writer is not None:
-        writer.wait(f"saving step {progress.step}")  # one write in flight: the previous one commits first
+        writer.wait(f"saving step {step}")  # one write in flight: the previous one commits first
     root = Path(checkpoint_dir)
-    name = step_dir_name(progress.step)
+    name = step_dir_name(step)
     final, tmp = root / name, root / f".tmp_{name}"
     rank = dist.get_rank()
     t0 = time.monotonic()
@@ -406,14 +409,14 @@ def save_checkpoint(checkpoint_dir: str | Path, *, model: list, optimizer: Any =
         need, free = _space_needed(root, model, optimizer), _free_bytes(root)
         if need > free:  # refused before writing a byte; the staged controller state goes too
             problem = (need, free)
-            shutil.rmtree(stage_dir(root, progress.step), ignore_errors=True)
-            log.error("checkpoint: step %d: %d bytes needed at %s, %d free", progress.step, need, root, free)
+            shutil.rmtree(stage_dir(root, step), ignore_errors=True)
+            log.error("checkpoint: step %d: %d bytes needed at %s, %d free", step, need, root, free)
         else:
             (tmp / "dist").mkdir(parents=True)
             (tmp / "rng").mkdir()
     problem = _agree(problem)  # also the barrier: the temp dir exists
     if problem:
-        raise CheckpointNoSpace(root, problem[0], problem[1], progress.step)
+        raise CheckpointNoSpace(root, problem[0], problem[1], step)
 
     def no_space(e: BaseException) -> Optional[str]:
         """Why the disk is full, or re-raise ``e``. Some writers lose the errno (torch's zip writer
@@ -430,8 +433,8 @@ def save_checkpoint(checkpoint_dir: str | Path, *, model: list, optimizer: Any =
         return f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
 
     # What the step's checkpoint records, taken now: an async write commits it steps later.
-    meta = {"format": FORMAT, "step": progress.step, "consumed_samples": progress.consumed_samples,
-            "extra": dict(progress.extra), "model": model_signature(model[0]), "parallel": _parallel_layout(),
+    meta = {"format": FORMAT, "step": step, "consumed_samples": consumed,
+            "extra": extra, "model": model_signature(model[0]), "parallel": _parallel_layout(),
             "has_optimizer": optimizer is not None, "optim_sharding": OPTIM_SHARDING,
             "adam_step": _adam_steps(optimizer) if optimizer is not None else None,
             "scheduler": scheduler.state_dict() if scheduler is not None else None,
@@ -464,7 +467,7 @@ def save_checkpoint(checkpoint_dir: str | Path, *, model: list, optimizer: Any =
         written_ = _agree(no_space(failed) if failed is not None else written)  # the shards are written
         if rank == 0 and not written_:
             try:
-                stage = stage_dir(root, progress.step)
+                stage = stage_dir(root, step)
                 if stage.is_dir():  # the controller's part, staged before this save
                     for f in sorted(stage.iterdir()):
                         os.replace(f, tmp / f.name)
@@ -481,10 +484,10 @@ def save_checkpoint(checkpoint_dir: str | Path, *, model: list, optimizer: Any =
             free_ = free
             if rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
-                shutil.rmtree(stage_dir(root, progress.step), ignore_errors=True)
+                shutil.rmtree(stage_dir(root, step), ignore_errors=True)
                 free_ = shutil.disk_usage(root).free
-                log.error("checkpoint: saving step %d to %s failed: %s", progress.step, root, written_)
-            raise CheckpointNoSpace(root, need or _space_needed(root, model, optimizer), free_, progress.step)
+                log.error("checkpoint: saving step %d to %s failed: %s", step, root, written_)
+            raise CheckpointNoSpace(root, need or _space_needed(root, model, optimizer), free_, step)
         if _before_commit is not None:
             _before_commit(tmp)
         if rank == 0:
@@ -496,14 +499,14 @@ def save_checkpoint(checkpoint_dir: str | Path, *, model: list, optimizer: Any =
             _fsync_dir(root)
             write_text_atomic(root / LATEST, name)  # last: `latest` only ever names a complete one
             _prune(root, final, keep_last)
-            log.info("checkpoint: saved step %d to %s in %.1fs (%.1f MiB)", progress.step, final,
+            log.info("checkpoint: saved step %d to %s in %.1fs (%.1f MiB)", step, final,
                      time.monotonic() - t0, _tree_bytes(final) / 2**20)
         _barrier("checkpoint committed")
         return final
 
     if writer is None or _agree(written) is not None:
         return commit(None)
-    writer.start(request, commit, progress.step)
+    writer.start(request, commit, step)
     return final
 
 
