@@ -6,9 +6,12 @@ into the test's folder. Each test asserts on what the job wrote: Slurm's job sta
 restart count, metrics rows, trained sample ids and the logs' attach lines.
 
 Cases: 2 trainer nodes (dp 2, one rank per node) + 1 generator node; 1 trainer node + 2 generator
-nodes (one replica each, weights to both by DDMA); the heterogeneous job; a preemption (``scontrol
-requeue`` mid-run: checkpoint, requeue, resume, no step lost or trained twice); a node lost (its
-trainer rank SIGKILLed: the job ends naming the rank and node, nothing of it left alive).
+nodes (one replica each, weights to both by DDMA); the heterogeneous job; the time limit's
+``--signal=B:USR1@180`` then a real preemption by a higher-priority job (PreemptMode=REQUEUE,
+GraceTime 30 s) in one job of three runs (each: checkpoint, requeue, resume; no step lost or trained
+twice); a node lost (its trainer rank SIGKILLed: the job ends naming the rank and node, nothing of it
+left alive); a node that stops answering (its slurmd, slurmstepd and rank SIGSTOPped: the heartbeat
+ends the job in one console line naming the node).
 
 The cluster needs root (and apt to install slurm-wlm once); elsewhere the module skips with the
 reason, except under MEGARL_REQUIRE_SLURM=1 (CI), where that is a failure.
@@ -19,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -157,51 +161,121 @@ def test_heterogeneous_job(cluster, tiny_llama_dir, tmp_path):
     _assert_trained_every_step_once(tmp_path / "het", 3)
 
 
-def test_preemption_checkpoints_requeues_and_loses_no_step(cluster, tiny_llama_dir, tmp_path):
-    """``scontrol requeue`` mid-run (Slurm: SIGTERM to every process, SIGKILL after KillWait = 30 s):
-    the controller checkpoints (trainer + controller state) and the job exits; Slurm restarts it
-    (SLURM_RESTART_COUNT=1), it resumes, and over both runs every step's samples are trained exactly
-    once (trained_samples.jsonl, rewound to the checkpoint on resume)."""
-    steps = 5
-    job = _submit(cluster, tmp_path, ["--nodes=2", "--gpus-per-node=2"], "train.sbatch",
-                  _overrides(tiny_llama_dir, tmp_path, "preempt", "trainer.checkpoint_interval=100",
-                             "generator.round_token_budget=4", steps=steps))
-    run = tmp_path / "preempt"
-    deadline = time.monotonic() + JOB_TIMEOUT_S
-    while time.monotonic() < deadline:  # preempt once 2 steps are logged, while step 3+ runs
-        if (run / "metrics.jsonl").is_file() and len(_rows(run)) >= 2:
-            break
-        assert cluster.state(job)["state"] in ("PENDING", "RUNNING"), _output(tmp_path, job)[-4000:]
-        time.sleep(0.5)
-    else:
-        raise AssertionError(f"no 2 steps in {JOB_TIMEOUT_S}s:\n{_output(tmp_path, job)[-4000:]}")
-    t_signal = time.monotonic()
-    subprocess.run(["scontrol", "requeue", str(job)], env=cluster.env(), check=True, capture_output=True,
-                   timeout=60)
-    # Slurm holds a requeued job ~120 s (Reason=BeginTime); an operator may release it at once, and the
-    # test does, to keep the suite short. The job itself is not changed.
-    deadline = time.monotonic() + 120
+def _runs(text: str) -> list[str]:
+    """The job's output split into its runs (each starts with the launcher's restart-count line)."""
+    marks = [m.start() for m in re.finditer(r"job \d+: SLURM_RESTART_COUNT=\d+", text)]
+    return [text[a:b] for a, b in zip(marks, [*marks[1:], len(text)])]
+
+
+_ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE")
+
+
+def _wait_for(what: str, done, cluster, job: int, out: Path, timeout_s: float = JOB_TIMEOUT_S):
+    """Poll ``done()`` (truthy = its value) while the job is pending or running."""
+    deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        st = cluster.state(job)
-        if st["state"] == "PENDING" and st["reason"] == "BeginTime":
-            subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=cluster.env(),
-                           capture_output=True, timeout=60)
-            break
-        if st["restarts"] and st["state"] == "RUNNING":
-            break
+        got = done()
+        if got:
+            return got
+        st = cluster.state(job)  # transient states (SIGNALING, REQUEUED, PREEMPTED, COMPLETING) are fine
+        assert st["state"] not in _ENDED, f"waiting for {what}: job {st}\n{_output(out, job)[-6000:]}"
         time.sleep(0.5)
-    # the first run's end (the controller's checkpoint line), then the second run to completion
+    raise AssertionError(f"no {what} in {timeout_s}s: job {cluster.state(job)}\n{_output(out, job)[-6000:]}")
+
+
+def _release_requeued(cluster, job: int, restarts: int, out: Path, *extra: str) -> None:
+    """Once the job is back in the queue with ``restarts`` restarts: Slurm holds a requeued job
+    ~120 s (Reason=BeginTime); an operator may release it at once, and the test does (with
+    ``extra`` scontrol updates), to keep the suite short."""
+    def requeued():
+        st = cluster.state(job)
+        return st["restarts"] >= restarts and st["state"] in ("PENDING", "RUNNING") and st
+
+    st = _wait_for(f"restart {restarts}", requeued, cluster, job, out, timeout_s=180)
+    assert st["restarts"] == restarts, st
+    if st["state"] == "PENDING":
+        subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now", *extra], env=cluster.env(),
+                       check=True, capture_output=True, timeout=60)
+
+
+def _checkpoint_at(run_text: str, signal: str) -> tuple[int, float]:
+    """The step a run checkpointed at on ``signal`` and the seconds from the signal to it."""
+    assert re.search(rf"received {signal}: checkpointing", run_text), run_text[-6000:]
+    m = re.search(r"preempted: checkpoint of step (\d+) in place ([\d.]+)s after the signal", run_text)
+    assert m, run_text[-6000:]
+    return int(m.group(1)), float(m.group(2))
+
+
+def test_time_limit_then_preemption_each_checkpoint_requeue_and_lose_no_step(cluster, tiny_llama_dir, tmp_path):
+    """One job, three runs, the two ways a Slurm job is stopped for later (40 steps):
+
+    1. **The time limit**: train.sbatch with ``--signal=B:USR1@180``. Once a step is logged its
+       limit is cut to at most 3 minutes from now (``scontrol update TimeLimit``: a short ``--time``
+       at submission would land the signal before the first step or after the last, depending on
+       the machine's speed), so the warning is due at once (slurmctld checks every 30 s). SIGUSR1
+       reaches only the batch shell (``B:``): the launcher passes it on, the controller checkpoints,
+       and the launcher requeues the job itself (Slurm would not: the job just exits). The operator
+       then lifts the limit again for the requeued run.
+    2. **A preemption**: a job in partition ``urgent`` (PriorityTier 2, PreemptMode=REQUEUE,
+       GraceTime 30 s on ``debug``) needs n1. Slurm SIGTERMs every process of the job at once and
+       requeues it when the grace ends: the checkpoint must land inside it.
+    3. The run to the end.
+
+    Over the three runs every step is logged once and every step's samples are trained once
+    (trained_samples.jsonl, rewound to the checkpoint on resume)."""
+    from tools.slurm_cluster import PREEMPT_GRACE_S, URGENT_PARTITION
+
+    # The first run must still be short of the end when the limit's signal lands: up to 30 s (slurmctld's
+    # time-limit check period) after the update, ~20 steps at the 1.47 s median step of docs/bench_slurm.json.
+    steps = 40
+    job = _submit(cluster, tmp_path, ["--nodes=2", "--gpus-per-node=2", "--signal=B:USR1@180"], "train.sbatch",
+                  _overrides(tiny_llama_dir, tmp_path, "preempt", "trainer.checkpoint_interval=100", steps=steps))
+    run = tmp_path / "preempt"
+    metrics = lambda: (run / "metrics.jsonl").is_file() and _rows(run)  # noqa: E731
+
+    # 1. the time limit
+    _wait_for("a first step", metrics, cluster, job, tmp_path)
+    elapsed = time.time() - _start_time(cluster, job)
+    limit_min = int(elapsed // 60) + 3  # ends 120-180 s from now: inside the 180 s warning window
+    subprocess.run(["scontrol", "update", f"JobId={job}", f"TimeLimit={limit_min}"], env=cluster.env(),
+                   check=True, capture_output=True, timeout=60)
+    _release_requeued(cluster, job, 1, tmp_path, "TimeLimit=UNLIMITED")
+    first = _runs(_output(tmp_path, job))[0]
+    saved1, save1_s = _checkpoint_at(first, "SIGUSR1")
+    assert re.search(r"launch WARNING .*received SIGUSR1", first), first[-6000:]  # the batch shell's signal
+    assert f"job {job} requeued: it restarts from its checkpoint" in first, first[-6000:]  # the self-requeue
+    assert 1 <= saved1 < steps, saved1
+    assert save1_s < 120 - 30, save1_s  # inside the limit: the signal came >= 90 s before it
+
+    # 2. a preemption, once the second run has logged a step of its own
+    _wait_for("a step after the resume", lambda: len(metrics() or []) > saved1, cluster, job, tmp_path)
+    urgent = cluster.sbatch([f"--partition={URGENT_PARTITION}", "--nodelist=n1", "--nodes=1", "--time=1",
+                             f"--output={tmp_path}/urgent-%j.out", "--wrap", "sleep 2"], cwd=tmp_path)
+    _release_requeued(cluster, job, 2, tmp_path)
+    assert cluster.wait(urgent, 120)["state"] == "COMPLETED"
+    second = _runs(_output(tmp_path, job))[1]
+    saved2, save2_s = _checkpoint_at(second, "(SIGTERM|SIGUSR1)")
+    assert saved1 < saved2 < steps and save2_s < PREEMPT_GRACE_S, (saved1, saved2, save2_s)
+
+    # 3. to the end
     st, text = _finish(cluster, job, tmp_path, timeout_s=2 * JOB_TIMEOUT_S)
     _assert_completed(st, text)
-    assert st["restarts"] == 1, st
-    m = re.search(r"preempted: checkpoint of step (\d+) in place ([\d.]+)s after the signal", text)
-    assert m, text[-6000:]
-    saved_at, save_s = int(m.group(1)), float(m.group(2))
-    assert 2 <= saved_at < steps and save_s < 30  # within KillWait: the step in flight was not lost
-    assert "SLURM_RESTART_COUNT=1" in text and f"resuming from the step-{saved_at} checkpoint" in text
+    assert st["restarts"] == 2, st
+    runs = _runs(text)
+    assert len(runs) == 3, [r[:80] for r in runs]
+    for i, (r, saved) in enumerate(zip(runs[1:], (saved1, saved2)), start=1):
+        assert f"SLURM_RESTART_COUNT={i}" in r and f"resuming from the step-{saved} checkpoint" in r, r[-6000:]
+    assert [row["step"] for row in _rows(run)] == list(range(1, steps + 1))  # every step logged once
     _assert_trained_every_step_once(run, steps)  # no step lost, none trained twice
-    print(f"preemption: signal -> checkpoint {save_s:.1f}s, saved at step {saved_at}, job done "
-          f"{time.monotonic() - t_signal:.0f}s after the signal")
+    print(f"time limit: USR1 -> checkpoint of step {saved1} in {save1_s:.1f}s; preemption: signal -> "
+          f"checkpoint of step {saved2} in {save2_s:.1f}s (GraceTime {PREEMPT_GRACE_S} s)")
+
+
+def _start_time(cluster, job: int) -> float:
+    """The job's StartTime (this run's) as a time.time()."""
+    from datetime import datetime
+
+    return datetime.strptime(cluster.sacct(job)[0]["StartTime"], "%Y-%m-%dT%H:%M:%S").timestamp()
 
 
 def _job_pids(job: int) -> list[int]:
@@ -248,3 +322,54 @@ def test_a_lost_node_ends_the_job_naming_the_rank_and_node(cluster, tiny_llama_d
     assert ended_s < 60 + 2 * 20, ended_s
     time.sleep(10)
     assert not _job_pids(job), [Path(f"/proc/{p}/cmdline").read_bytes()[:200] for p in _job_pids(job)]
+
+
+def test_a_node_that_stops_answering_ends_the_job_within_the_heartbeat(cluster, tiny_llama_dir, tmp_path):
+    """n2 hangs for real: its slurmd, the slurmstepd of the job's step there and the trainer rank on
+    it are SIGSTOPped (a hung or unplugged node: no process exits and no connection closes, so only
+    the heartbeat can tell). The job's console ends with one line naming trainer rank 1 on n2, what
+    to do and the log, within the heartbeat plus the launcher's teardown; no traceback. Then n2
+    comes back (SIGCONT), Slurm ends the job's steps there, and no process of the job is left."""
+    heartbeat_s, teardown_s = 20, 20
+    job = _submit(cluster, tmp_path, ["--nodes=3", "--gpus-per-node=2"], "train.sbatch",
+                  _overrides(tiny_llama_dir, tmp_path, "frozen", "trainer.dp=2", "cluster.trainer_nodes=2",
+                             f"trainer.heartbeat_timeout_s={heartbeat_s}", f"cluster.teardown_timeout_s={teardown_s}",
+                             steps=50))
+    run = tmp_path / "frozen"
+    _wait_for("a first step", lambda: (run / "metrics.jsonl").is_file() and _rows(run), cluster, job, tmp_path)
+    frozen = cluster.node_processes("n2", job)
+    assert len(frozen) >= 3, frozen  # slurmd, a slurmstepd, the rank
+    t_freeze = time.monotonic()
+    for pid in frozen:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        def ended():
+            lines = [ln for ln in _output(tmp_path, job).splitlines() if ln.strip()]
+            return lines and lines[-1].startswith("megarl: ") and "Full log: " in lines[-1] and lines[-1]
+
+        line = _wait_for("the job's last line", ended, cluster, job, tmp_path, timeout_s=180)
+        ended_s = time.monotonic() - t_freeze
+    finally:
+        for pid in frozen:
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+    text = _output(tmp_path, job)
+    assert re.search(r"trainer rank 1 \(tp 0, pp 0, dp 1; pid \d+ on n2\)", line), text[-6000:]
+    assert f"sent no heartbeat for {heartbeat_s}s" in line and "What to do: " in line, line
+    assert "Traceback" not in text, text[-6000:]
+    # detection (the heartbeat; a step in flight on the other rank waits in its collective) + the
+    # controller's report + the launcher's SIGTERM-then-SIGKILL of the pools (teardown, then 10 s)
+    assert ended_s < heartbeat_s + 2 * teardown_s + 10 + 30, ended_s
+    st = cluster.wait(job, 120)
+    assert st["state"] == "FAILED" and st["exit"] != "0:0", st
+    time.sleep(10)
+    assert not _job_pids(job), [Path(f"/proc/{p}/cmdline").read_bytes()[:200] for p in _job_pids(job)]
+    assert _node_state(cluster, "n2") in ("idle", "mix", "alloc"), _node_state(cluster, "n2")  # back for later tests
+    print(f"frozen node: the job's last line {ended_s:.0f}s after n2 stopped (heartbeat {heartbeat_s}s)")
+
+
+def _node_state(cluster, node: str) -> str:
+    return subprocess.run(["sinfo", "-h", "-n", node, "-o", "%t"], capture_output=True, text=True,
+                          env=cluster.env(), timeout=30).stdout.strip()
