@@ -92,3 +92,45 @@ def test_moe_logprobs_match_transformers_at_every_tp_and_ep(tiny_qwen3_moe_dir):
             # the dense families' fp32 HF-vs-megatron logprob bound (tests/test_trainer_model.py): a
             # 128-term logit dot rounds by ~8e-5; an expert's 64-term dots and the 2-term mix add less
             assert (lp - ref).abs().max() < 1e-4, layout
+
+
+def test_moe_trains_a_step_with_router_stats_and_resumes_exactly(tiny_qwen3_moe_dir, tmp_path):
+    """One rank: a step's metrics carry the tokens each expert got (summing to top-k x the routed
+    tokens), and a checkpoint of the MoE model (experts, router) resumes to the same next step."""
+    from megarl.algorithms.config import AlgorithmConfig
+    from megarl.batch import RolloutBatch
+    from megarl.trainer.config import TrainerConfig
+    from megarl.trainer.local import LocalTrainer
+
+    algo = AlgorithmConfig(loss="aipo")
+    cfg = TrainerConfig(lr=1e-3, micro_batch_size=2, grad_clip=1.0, use_distributed_optimizer=False,
+                        resume_from=None, checkpoint_dir=str(tmp_path / "ckpt"))
+    g = torch.Generator().manual_seed(0)
+    lengths = [10, 7, 12, 9]
+    tokens = [torch.randint(0, 49152, (n,), generator=g).tolist() for n in lengths]
+    batch = RolloutBatch.from_sequences(tokens, [[0.0] * 4 + [1.0] * (n - 4) for n in lengths],
+                                        advantages=[1.0, -1.0, 1.0, -1.0], versions=[[0] * n for n in lengths])
+    trainer = LocalTrainer(cfg, algo, tiny_qwen3_moe_dir, total_steps=4, run_dir=tmp_path / "a")
+    try:
+        batch = RolloutBatch(**{**batch.__dict__, "behav_logprobs": trainer.logprobs(batch) * batch.loss_mask})
+        first = trainer.step(batch)
+        saved = trainer.save()
+        second = trainer.step(batch)
+    finally:
+        trainer.close()
+    routed = sum(mb.input_ids.numel() for mb in batch.micro_batches(2))  # every position, padding too
+    # one MoE layer, 4 experts, top-2: the counts add up to 2 per routed token, exactly
+    assert first["moe/tokens_per_expert_mean"] * 4 == 2 * routed
+    assert first["moe/tokens_per_expert_min"] <= first["moe/tokens_per_expert_mean"] <= first["moe/tokens_per_expert_max"]
+    assert first["moe/load_imbalance"] == first["moe/tokens_per_expert_max"] / first["moe/tokens_per_expert_mean"]
+    assert abs(sum(first[f"moe/expert_load/{e}"] for e in range(4)) - 1.0) < 1e-12  # float64 shares of one whole
+    resumed = LocalTrainer(TrainerConfig(**{**cfg.__dict__, "resume_from": str(saved)}), algo, tiny_qwen3_moe_dir,
+                           total_steps=4, run_dir=tmp_path / "b")
+    try:
+        again = resumed.step(batch)
+    finally:
+        resumed.close()
+    # same layout, same kernels, fp32 state saved and loaded as fp32: the same arithmetic, bit for bit
+    for key in ("loss", "grad_norm", "moe/tokens_per_expert_max"):
+        assert again[key] == second[key], (key, again[key], second[key])
+    assert first["grad_norm"] != second["grad_norm"]  # the second step is another step (the test can fail)

@@ -78,6 +78,9 @@ class RankTrainer:
                                      moe_aux_loss_coeff=cfg.moe_aux_loss_coeff)
         set_tp_attributes(self.model)
         load_pretrained(self.model, model_dir)
+        from megarl.trainer.router_stats import RouterStats
+
+        self.router_stats = RouterStats(self.model)  # MoE: tokens per expert of each training pass
         self.objs = build_training(cfg, self.model, total_steps)
         # The KL reference: the initial policy (from model_dir even on resume), frozen, built only if used.
         self.ref_model = None
@@ -116,10 +119,12 @@ class RankTrainer:
             self.writer.poll()  # commit a finished background write (collective: every rank steps)
         batch, prep = prepare_batch(self.objs, self.ref_model, batch, self.algo, self.cfg.micro_batch_size,
                                     self.cfg.logprob_temperature)
-        metrics = train_step(self.objs, batch, loss_name=self.algo.loss, loss_params=loss_params(self.algo),
-                             micro_batch_size=self.cfg.micro_batch_size,
-                             temperature=self.cfg.logprob_temperature, current_version=self.progress.step)
+        with self.router_stats.counting():
+            metrics = train_step(self.objs, batch, loss_name=self.algo.loss, loss_params=loss_params(self.algo),
+                                 micro_batch_size=self.cfg.micro_batch_size,
+                                 temperature=self.cfg.logprob_temperature, current_version=self.progress.step)
         metrics.update(prep)
+        metrics.update(self.router_stats.metrics())
         self.progress.step += 1
         self.progress.consumed_samples += batch.batch_size
         return metrics

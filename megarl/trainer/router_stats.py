@@ -1,0 +1,73 @@
+"""Per-step router statistics of an MoE model: how many tokens each expert got in the training pass.
+
+Forward hooks on every megatron ``TopKRouter`` (its forward returns ``(probs, routing_map)``, the map
+``[tokens, experts]`` bool) count the tokens routed to each expert, per layer, while :meth:`counting`
+is open. The counts are summed over the data-parallel ranks (each routes its own tokens; TP ranks
+route the same ones and are not added), so every rank reports the same metrics. Padding tokens of a
+micro-batch are routed like any token and counted (megatron routes them; the count says where compute went).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+
+class RouterStats:
+    """Counts tokens per expert of each MoE layer of ``model`` (none for a dense model)."""
+
+    def __init__(self, model: torch.nn.Module):
+        from megatron.core.transformer.moe.router import TopKRouter
+
+        self.routers = [m for m in model.modules() if isinstance(m, TopKRouter)]
+        self.counts: dict[int, torch.Tensor] = {}
+        self._on = False
+        for i, router in enumerate(self.routers):
+            router.register_forward_hook(self._hook(i))
+
+    def _hook(self, layer: int):
+        def hook(module, args, output) -> None:
+            if not self._on:
+                return
+            routing_map = output[1]
+            counts = routing_map.reshape(-1, routing_map.shape[-1]).sum(0).to(torch.float64)
+            self.counts[layer] = self.counts.get(layer, 0) + counts.detach().cpu()
+        return hook
+
+    @contextlib.contextmanager
+    def counting(self) -> Iterator[None]:
+        """Count the routing of the forwards run inside (the training pass of one step)."""
+        self.counts, self._on = {}, True
+        try:
+            yield
+        finally:
+            self._on = False
+
+    def metrics(self) -> dict[str, float]:
+        """``moe/tokens_per_expert_max`` / ``_mean`` / ``_min`` (tokens, over experts and MoE layers,
+        summed over DP), ``moe/load_imbalance`` = max / mean (1 = perfectly balanced), and
+        ``moe/expert_load/<e>``: expert e's share of the routed tokens, averaged over layers. Collective
+        over the data-parallel group; {} for a dense model."""
+        if not self.routers:
+            return {}
+        from megatron.core import parallel_state as ps
+
+        experts = self.routers[0].weight.shape[0]
+        table = torch.zeros(len(self.routers), experts, dtype=torch.float64)
+        for layer, c in self.counts.items():
+            table[layer] = c
+        if ps.get_data_parallel_world_size() > 1:
+            torch.distributed.all_reduce(table, group=ps.get_data_parallel_group())
+        mean = float(table.mean())
+        out = {"moe/tokens_per_expert_max": float(table.max()), "moe/tokens_per_expert_mean": mean,
+               "moe/tokens_per_expert_min": float(table.min()),
+               "moe/load_imbalance": float(table.max()) / mean if mean else 0.0}
+        share = table / table.sum(1, keepdim=True).clamp(min=1.0)
+        for e, s in enumerate(share.mean(0).tolist()):
+            out[f"moe/expert_load/{e}"] = s
+        return out
+
+
+__all__ = ["RouterStats"]
