@@ -1,6 +1,8 @@
 """trainer.async_save: the background checkpoint writer (megarl/trainer/async_save.py).
 
-One 2-rank job (DP=2 + DistributedOptimizer, the model of tests/test_checkpoint.py):
+One 2-rank job (TP=2, plain fp32 optimizer, the model of tests/test_checkpoint.py: its parameters and
+Adam moments are tensors of their own, which megatron's planner does not copy, so only the writer's
+fork keeps the step-1 values while step 2 updates them in place):
   - step 1, async save: until the writer's commit nothing counts (no step folder, no `latest`); step 2
     trains while the write is in flight (a real snapshot: the weights change under it); the step-2 save
     waits for it. The step-1 checkpoint holds the step-1 weights, not the step-2 ones, and a job that
@@ -8,6 +10,8 @@ One 2-rank job (DP=2 + DistributedOptimizer, the model of tests/test_checkpoint.
   - step 3: the writer is held by the fault pause point after writing its shards, and the ranks die
     (os._exit) mid-write: `latest` stays on step 2, the newest complete checkpoint is step 2, and the
     writer process dies with its rank.
+  - each checkpoint adopts the file staged for its own step (the controller's state), also when it
+    commits after the next step's file was staged.
 """
 
 from __future__ import annotations
@@ -40,15 +44,21 @@ def _write_job(rank: int, world_size: int, root: str) -> None:
     from megarl.utils.faults import ENV
 
     root_ = Path(root) / "ckpt"
-    cfg, objs, _ = _setup(LAYOUTS["dp2"])
+    from megarl.trainer.checkpoint import stage_file
+
+    cfg, objs, _ = _setup(LAYOUTS["tp2"])
     writer = AsyncWriter(timeout_s=300)
     out: dict = {"loss1": _train_step(objs, cfg)}
+    if rank == 0:
+        stage_file(root_, 1, "controller_state.json", "step 1")
     _save(objs, root_, 1, writer)
     out["w1"] = _weights(objs.model)
     out["in_flight"] = writer.in_flight
-    out["before_commit"] = sorted(p.name for p in root_.iterdir())  # only the temp folder
+    out["before_commit"] = sorted(p.name for p in root_.iterdir())  # only the staged and the temp folder
     out["loss2"] = _train_step(objs, cfg)  # the step goes on while the writer writes
     out["w2"] = _weights(objs.model)
+    if rank == 0:  # staged before the step-1 write commits (the controller stages, then saves)
+        stage_file(root_, 2, "controller_state.json", "step 2")
     _save(objs, root_, 2, writer)  # waits for step 1 and commits it first
     writer.wait("the test")
     out["after_wait"] = sorted(p.name for p in root_.iterdir())
@@ -70,7 +80,7 @@ def _write_job(rank: int, world_size: int, root: str) -> None:
 def _resume_job(rank: int, world_size: int, root: str) -> None:
     from megarl.trainer.checkpoint import load_checkpoint
 
-    cfg, objs, _ = _setup(LAYOUTS["dp2"])
+    cfg, objs, _ = _setup(LAYOUTS["tp2"])
     progress = load_checkpoint(Path(root) / "ckpt" / "step_00000001", model=objs.model, optimizer=objs.optimizer,
                                scheduler=objs.scheduler)
     out = {"step": progress.step, "w1": _weights(objs.model)}
@@ -94,7 +104,7 @@ def test_nothing_counts_before_the_commit_and_the_step_goes_on(job):
     _, written, _ = job
     for w in written:
         assert w["in_flight"] == 1
-        assert w["before_commit"] == [".tmp_step_00000001"], w["before_commit"]
+        assert w["before_commit"] == [".stage_step_00000001", ".tmp_step_00000001"], w["before_commit"]
         assert "latest" in w["after_wait"] and "step_00000001" in w["after_wait"] and "step_00000002" in w["after_wait"]
         # the weights moved under the write in flight (else the snapshot check below proves nothing)
         assert any(not torch.equal(w["w1"][n], w["w2"][n]) for n in w["w1"])
@@ -102,6 +112,9 @@ def test_nothing_counts_before_the_commit_and_the_step_goes_on(job):
 
 def test_the_checkpoint_is_the_snapshot_and_resumes_bit_exact(job):
     _, written, resumed = job
+    root = job[0] / "ckpt"
+    for step in (1, 2):  # each its own step's staged file
+        assert (root / f"step_{step:08d}" / "controller_state.json").read_text() == f"step {step}"
     for w, r in zip(written, resumed):
         assert r["step"] == 1
         for n in w["w1"]:
