@@ -271,3 +271,56 @@ def test_the_matrix_is_seeded_and_covers_every_kind():
     assert draw() == MATRIX and len(MATRIX) == len(set(MATRIX)) == POINTS == 20
     assert {k for k, _ in SUBSET} == set(KINDS) and all(p in MATRIX for p in SUBSET)
     assert all(2 <= s <= STEPS - 1 for _, s in MATRIX)
+
+
+ASYNC_STEP = 3  # a step with a committed checkpoint before it (step 2) and steps after it
+ASYNC_HOLD_S = 60  # the step-ASYNC_STEP writer holds this long after its shards (the kill comes first)
+
+
+def test_sigkill_during_an_async_write_loses_and_doubles_no_sample(straight, tiny_llama_dir, tmp_path):
+    """trainer.async_save: the job is SIGKILLed while the step-3 checkpoint's background writer is
+    mid-write (held by the fault pause point after writing its shards, before anything is committed).
+    The step-3 checkpoint never counts (`latest` stays on step 2), nothing is left running (the
+    writer included), and the resumed run trains exactly the straight run's sample ids, each once."""
+    import psutil
+
+    run, log = tmp_path / "tiny-test", tmp_path / "first.log"
+    extra = ("trainer.async_save=true",)
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    with open(log, "w") as out:
+        proc = subprocess.Popen(_cmd(tmp_path, tiny_llama_dir, *extra), cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
+                                env={**env, "MEGARL_FAULT_PAUSE": f"checkpoint_async_write@{ASYNC_STEP}={ASYNC_HOLD_S}"})
+        try:
+            ready = _wait(lambda: re.search(r"trainer: \d+ rank\(s\) ready .*? pids \[([\d, ]+)\], logs in (\S+)",
+                                            log.read_text(errors="replace")), "the trainer's logs", proc)
+            rank_log = Path(ready.group(2)) / "trainer_rank0.log"
+            marker = re.compile(rf"async writer \(pid (\d+)\) wrote the step-{ASYNC_STEP} shards")
+            found = _wait(lambda: marker.search(rank_log.read_text(errors="replace")) if rank_log.is_file() else None,
+                          f"the step-{ASYNC_STEP} writer holding mid-write", proc)
+            writer = int(found.group(1))
+            family = _descendants(proc.pid)
+            ckpts = run / "checkpoints"
+            assert writer in family and psutil.Process(writer).is_running(), "the writer is not running"
+            assert (ckpts / f".tmp_step_{ASYNC_STEP:08d}").is_dir() and not (ckpts / f"step_{ASYNC_STEP:08d}").exists()
+            os.kill(proc.pid, signal.SIGKILL)
+            code = proc.wait(WAIT_S)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(30)
+    assert code == -signal.SIGKILL
+    deadline = time.monotonic() + GONE_S
+    while _alive(family) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _alive(family), f"processes left running: {_alive(family)} (the writer: {writer})"
+    assert (ckpts / "latest").read_text().strip() == f"step_{ASYNC_STEP - 1:08d}"
+    assert not (ckpts / f"step_{ASYNC_STEP:08d}").exists(), "the interrupted write counts as a checkpoint"
+    resumed = subprocess.run(_cmd(tmp_path, tiny_llama_dir, *extra), capture_output=True, text=True, timeout=900,
+                             cwd=REPO, env=env)
+    assert resumed.returncode == 0, f"resume failed\n{resumed.stdout[-3000:]}{resumed.stderr[-3000:]}"
+    assert f"step-{ASYNC_STEP - 1} checkpoint" in resumed.stdout + resumed.stderr
+    trained = _trained(run)
+    assert sorted(trained) == list(range(1, STEPS + 1)), sorted(trained)
+    ids = [i for s in trained.values() for i in s]
+    assert len(ids) == len(set(ids)), "a sample was trained twice"
+    assert {s: sorted(v) for s, v in trained.items()} == straight, "trained ids differ from the straight run"
