@@ -140,3 +140,32 @@ def test_calculator_answers_a_call_with_template_tokens(tok):
     assert done.done and done.reward == 1.0 and done.info["correct"]
     assert calculate("2 ** 10") == 1024 and calculate("7 / 2") == Fraction(7, 2)
     assert calculate("__import__('os')") is None and calculate("2 ** 10000") is None and calculate("1/0") is None
+
+
+def test_multi_turn_batch_trains_and_the_next_rollouts_run_the_new_weights(gen, tok, tiny_llama_dir, tmp_path):
+    """End to end: multi-turn rollouts -> a masked batch -> one Megatron step -> the weights pushed to
+    the engine -> every reply token of the next multi-turn rollouts carries the new version."""
+    import math
+
+    from megarl.algorithms.config import AlgorithmConfig
+    from megarl.trainer.config import TrainerConfig
+    from megarl.trainer.local import LocalTrainer
+
+    env = ToolEveryTurn(tok, turns=2)
+    prompts = _prompts(tok, [env.reset(t) for t in TASKS])
+    samples = multi_turn(gen, env, TASKS, prompts, max_turns=2, max_new_tokens=16, max_model_len=160, sampling=STOP)
+    assert all(s.turns == 2 and 0 in s.loss_mask for s in samples)
+    batch = RolloutBatch.from_samples(samples, advantages=[1.0, -1.0])
+    trainer = LocalTrainer(TrainerConfig(lr=1e-3, micro_batch_size=2), AlgorithmConfig(), tiny_llama_dir,
+                           total_steps=1, run_dir=tmp_path)
+    try:
+        metrics = trainer.step(batch)
+        assert metrics and all(math.isfinite(v) for v in metrics.values() if isinstance(v, float))
+        gen.update_weights(trainer.hf_weights(), version=1)
+    finally:
+        trainer.close()
+    env = ToolEveryTurn(tok, turns=2)
+    after = multi_turn(gen, env, TASKS, prompts, max_turns=2, max_new_tokens=16, max_model_len=160, sampling=STOP)
+    for s in after:
+        assert {v for v, m in zip(s.versions, s.loss_mask) if m} == {1}
+        assert {v for v, m in zip(s.versions, s.loss_mask) if not m} == {-1}
