@@ -132,11 +132,17 @@ def _parser() -> argparse.ArgumentParser:
                                    "--generator 2x2`.")
     s.add_argument("--model", required=True, help="HF config.json file, or an HF model folder holding one")
     s.add_argument("--trainer", required=True, metavar="TPxPPxDP", help="trainer topology, e.g. 8x2x4")
+    s.add_argument("--trainer-ep", type=int, default=1, metavar="EP",
+                   help="expert parallel size of an MoE trainer (divides DP and the experts; default 1)")
     s.add_argument("--generator", required=True, metavar="TPxREPLICAS", help="vLLM topology, e.g. 8x16")
     s.add_argument("--dtype", default="bf16", choices=("bf16", "fp8"),
                    help="bytes on the wire: bf16 = 2 B/element, fp8 = 1 B/element (fp8 scales ignored)")
     s.add_argument("--link-gbps", type=float, default=400.0,
                    help="one duplex NIC per rank, in Gb/s (default 400)")
+    s.add_argument("--bucket-mb", type=int, default=32,
+                   help="sync.bucket_mb of the p2p transports: messages of half this (MiB, default 32)")
+    s.add_argument("--message-us", type=float, default=0.0,
+                   help="latency per message, added per rank (microseconds; e.g. 10-20 for NCCL; default 0)")
     s.add_argument("--json", default=None, metavar="OUT", help="also write the numbers as JSON to OUT")
     s.set_defaults(func=_cmd_plan_sync)
     m = sub.add_parser("simulate", help="discrete-event model of sync vs async RL steps at scale",
@@ -389,6 +395,8 @@ def _cmd_plan_sync(args: argparse.Namespace) -> int:
         gtp, reps = _parse_topology("--generator", args.generator, ("TP", "REPLICAS"))
         if not args.link_gbps > 0:
             raise ValueError(f"--link-gbps {args.link_gbps:g}: must be > 0")
+        if args.bucket_mb < 1 or args.message_us < 0:
+            raise ValueError(f"--bucket-mb {args.bucket_mb} / --message-us {args.message_us:g}: must be >= 1 / >= 0")
         cfg = dict(_load_hf_config(args.model))
         if "_error" in cfg:
             raise ValueError(f"--model {args.model}: {cfg['_error']}")
@@ -399,8 +407,14 @@ def _cmd_plan_sync(args: argparse.Namespace) -> int:
         dims = ModelDims.from_hf_config(cfg)  # a config it cannot read is one ValueError line
         validate_parallel(dims, ttp, tpp)
         validate_vllm_tp(dims, gtp)
-        result = project_sync(dims, TrainerTopology(ttp, tpp, tdp), GeneratorTopology(gtp, reps),
-                              dtype=args.dtype, link_gbps=args.link_gbps)
+        from megarl.models.dims import expert_parallel_problems
+
+        ep_problems = expert_parallel_problems(dims, args.trainer_ep, tdp, ep_key="--trainer-ep", dp_key="DP")
+        if ep_problems:
+            raise ValueError(ep_problems[0])
+        result = project_sync(dims, TrainerTopology(ttp, tpp, tdp, ep=args.trainer_ep), GeneratorTopology(gtp, reps),
+                              dtype=args.dtype, link_gbps=args.link_gbps, bucket_bytes=args.bucket_mb << 20,
+                              message_us=args.message_us)
     except ValueError as exc:
         print(f"megarl plan-sync: {_one_line(exc)}", file=sys.stderr)
         return 2

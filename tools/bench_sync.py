@@ -87,11 +87,15 @@ def _hf_weights(dims: ModelDims) -> dict[str, torch.Tensor]:
     return {n: torch.randn(s, generator=g).to(torch.bfloat16) for n, s in hf_tensor_shapes(dims).items()}
 
 
+BUCKET_MB = int(os.environ.get("MEGARL_BENCH_BUCKET_MB", "0"))  # set by --bucket-mb (0: sync.bucket_mb's default)
+
+
 def _spec(dims, src, dst, ports, method: str, checks: bool) -> SyncSpec:
     """Each DDMA (method, checksums) pair has a rendezvous store of its own, as a job would: its
     transport's process group is created once per store."""
+    bucket = {"bucket_bytes": BUCKET_MB << 20} if BUCKET_MB else {}
     return SyncSpec(dims=dims, src=src, dst=dst, store_host="127.0.0.1", store_port=ports[(method, checks)],
-                    timeout_s=TIMEOUT_S, transport=DDMA_METHODS[method], verify_every=1 if checks else 0)
+                    timeout_s=TIMEOUT_S, transport=DDMA_METHODS[method], verify_every=1 if checks else 0, **bucket)
 
 
 def _digest(tensors: dict[str, torch.Tensor]) -> int:
@@ -511,7 +515,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--buffers", type=_buffers, default=BUFFERS, help="warm, cold or warm,cold (default both)")
     p.add_argument("--out", default="runs/bench", help="folder for sync.json and sync.png")
     p.add_argument("--quick", action="store_true", help="a ~1M-parameter model, for a smoke run")
+    p.add_argument("--bucket-mb", type=int, default=0,
+                   help="sync.bucket_mb of the DDMA methods (MiB; default 0 = the config default)")
     args = p.parse_args(argv)
+    if args.bucket_mb:  # the role processes are spawned: they read it from the environment
+        global BUCKET_MB
+        BUCKET_MB = args.bucket_mb
+        os.environ["MEGARL_BENCH_BUCKET_MB"] = str(args.bucket_mb)
     if args.trials < 1:
         p.error("--trials must be >= 1")
     summary = run(args)

@@ -6,6 +6,7 @@ import importlib.util
 import os
 from dataclasses import dataclass
 
+from megarl.ddma.bucket_model import DEFAULT_BUCKET_BYTES
 from megarl.ddma.transport.choice import TRANSPORT_CHOICES, transport_problem
 from megarl.utils.knobs import knob
 
@@ -37,11 +38,13 @@ class SyncConfig:
         "'cuda_ipc': workers copy device-to-device out of the trainer's exported CUDA buffers; 'gloo' / 'nccl': "
         "point-to-point over a DDMA process group of its own; 'p2p' = 'gloo' on CPU, 'nccl' on CUDA (the old "
         "name). The sync log line names the choice. Default auto."))
-    bucket_mb: int = knob(256, help=(
-        "Memory budget of the nccl transport and of cuda_ipc's export buckets (MiB): nccl moves each group of "
-        "parameters in rounds of at most this many bytes per (sender, worker) pair, so a sender holds at most "
-        "this much per worker it feeds and a worker this much per sender (plus the parameters being landed); "
-        "cuda_ipc packs its converted wire buffers into buckets of this size, one IPC handle each. Default 256."))
+    bucket_mb: int = knob(DEFAULT_BUCKET_BYTES >> 20, help=(
+        "Memory budget of the gloo and nccl transports and of cuda_ipc's export buckets (MiB): gloo / nccl move "
+        "each group of parameters (at most this much staging) in messages of half this size per (sender, worker) "
+        "pair, two in flight, so a sender holds at most this much per worker it feeds and a worker this much per "
+        "sender (plus the parameters being landed); cuda_ipc packs its converted wire buffers into buckets of this "
+        "size, one IPC handle each. Smaller: more messages (each costs the backend's per-message latency); "
+        "larger: less overlap of packing with sending. Default 32 (measured: docs/ddma.md, bench sync)."))
     native: str = knob("auto", choices=NATIVE, help=(
         "The C++ extension megarl._C: 'auto' uses it when built and otherwise logs one WARNING at start naming "
         "what runs in Python (planner, checksums, transport copies); 'required' makes a missing extension a "

@@ -43,6 +43,7 @@ from datetime import timedelta
 
 import torch
 
+from megarl.ddma.bucket_model import DEFAULT_BUCKET_BYTES
 from megarl.ddma.layouts import (DstRank, GeneratorTopology, SrcRank, TrainerTopology, source_rank_layouts,
                                  vllm_param_layouts)
 from megarl.ddma.plan import Copy, SyncPlan, plan_sync
@@ -74,11 +75,11 @@ class SyncSpec:
     engine_dtype: str = "bfloat16"  # the dtype the engine loads (its model dtype)
     verify_every: int = 1          # checksum every k-th sync (version % k == 0); 0 = never
     timeout_s: float = 300.0       # every wait of a sync (store keys, peers)
-    window: int = 4                # gloo: messages in flight per sender (bounds its pack buffers)
     zero_copy_via: str = "map"     # zero_copy: "map" the senders' shared memory (memcpy), falling back to
                                    # "read" (process_vm_readv, no shared memory needed) per sender
-    bucket_bytes: int = 256 << 20  # nccl: bytes per pair per round and per parameter group; cuda_ipc and
-                                   # every sender: bucket size of converted wire buffers (sync.bucket_mb)
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES  # gloo / nccl: bytes in flight per pair (two rounds of half) and per
+                                   # parameter group (transport/buckets.py); cuda_ipc and every sender: bucket
+                                   # size of converted wire buffers (sync.bucket_mb)
 
     def __post_init__(self):
         if self.transport in ("auto", "p2p"):
@@ -89,8 +90,8 @@ class SyncSpec:
             raise ValueError(f"ddma wire {self.wire!r}: choose one of {WIRES}")
         if self.zero_copy_via not in ("map", "read"):
             raise ValueError(f"ddma zero_copy_via {self.zero_copy_via!r}: choose 'map' or 'read'")
-        if self.verify_every < 0 or self.window < 1 or self.timeout_s <= 0 or self.bucket_bytes < 1:
-            raise ValueError("ddma verify_every must be >= 0, window >= 1, timeout_s > 0 and bucket_bytes >= 1")
+        if self.verify_every < 0 or self.timeout_s <= 0 or self.bucket_bytes < 1:
+            raise ValueError("ddma verify_every must be >= 0, timeout_s > 0 and bucket_bytes >= 1")
 
     def weight_source(self, version: int) -> dict:
         """The generator's weight source for this sync (see megarl/generator/weights.py)."""
@@ -108,13 +109,6 @@ def host_store(host: str = "127.0.0.1", port: int = 0) -> torch.distributed.TCPS
 def _connect(spec: SyncSpec) -> torch.distributed.TCPStore:
     return torch.distributed.TCPStore(spec.store_host, spec.store_port, is_master=False,
                                       timeout=timedelta(seconds=spec.timeout_s))
-
-
-def _key(spec: SyncSpec, version: int, what: str) -> str:
-    return key(version, what)
-
-
-_engine_dtype, _is_fp8, _dequant, _wait_keys = engine_dtype, is_fp8, dequant, wait_keys  # older names
 
 
 class _Side:
@@ -175,7 +169,7 @@ class DdmaSender(_Side):
         log.info("DDMA rank %d: sending weights v%d (%d bytes)", self.group_rank(self.rank), version, sent)
         pause_point("ddma_send")
         table: dict = {"sums": sums, "pid": os.getpid(), **self.transport.publish(wire, scales)}
-        self.store.set(_key(spec, version, f"src{self.group_rank(self.rank)}"), pickle.dumps(table))
+        self.store.set(key(version, f"src{self.group_rank(self.rank)}"), pickle.dumps(table))
         extra += self.transport.send(version, wire, scales)
         t3 = time.perf_counter()
         log.info("DDMA rank %d: weights v%d sent in %.3fs", self.group_rank(self.rank), version, t3 - t2)
@@ -186,9 +180,9 @@ class DdmaSender(_Side):
 
     def _conversions(self) -> list[tuple[str, int, torch.dtype]]:
         """(buffer key, numel, dtype) of every conversion buffer this rank's wire needs."""
-        dtype, out = _engine_dtype(self.spec), []
+        dtype, out = engine_dtype(self.spec), []
         for name, p in self.params.items():
-            if _is_fp8(self.spec, tuple(p.shape)):
+            if is_fp8(self.spec, tuple(p.shape)):
                 out += [(name, p.numel(), torch.uint8), (name + "/scale", p.shape[0], torch.float32)]
             elif not (p.dtype == dtype and p.is_contiguous()):
                 out.append((name, p.numel(), dtype))
@@ -213,11 +207,11 @@ class DdmaSender(_Side):
     def _wire_tensors(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], int]:
         """Flat wire tensors (views of the parameters when no conversion is needed), FP8 scales,
         and the bytes of the conversion buffers (kept across syncs, on the parameters' device)."""
-        dtype, wire, scales, extra = _engine_dtype(self.spec), {}, {}, 0
+        dtype, wire, scales, extra = engine_dtype(self.spec), {}, {}, 0
         bufs = self._buffers()
         for name, p in self.params.items():
             p = p.detach()
-            if _is_fp8(self.spec, tuple(p.shape)):
+            if is_fp8(self.spec, tuple(p.shape)):
                 from megarl.ddma.quantize import VLLM_FP8_MIN_SCALE, quantize_per_channel
 
                 # vLLM's own scale floor: its re-quantization on arrival then reproduces our codes.
@@ -238,7 +232,7 @@ class DdmaSender(_Side):
         if name not in scales:
             return wire
         rows = self.params[name].shape[0]
-        return _dequant(wire.view(rows, -1), scales[name][:, None], _engine_dtype(self.spec)).view(-1)
+        return dequant(wire.view(rows, -1), scales[name][:, None], engine_dtype(self.spec)).view(-1)
 
     def _segments(self) -> dict[tuple[int, str, str], Segments]:
         """Per (destination, HF tensor, source parameter): the HF-affine segments this rank sends
@@ -293,8 +287,8 @@ class DdmaReceiver(_Side):
         and ends with :meth:`verify_landed`."""
         spec = self.spec
         t0 = time.perf_counter()
-        keys = [_key(spec, version, f"src{self.group_rank(s)}") for s in self.src_ranks]
-        _wait_keys(self.store, keys, f"{len(keys)} trainer rank(s) to publish weights v{version}", spec.timeout_s)
+        keys = [key(version, f"src{self.group_rank(s)}") for s in self.src_ranks]
+        wait_keys(self.store, keys, f"{len(keys)} trainer rank(s) to publish weights v{version}", spec.timeout_s)
         self.begin_landing({s: pickle.loads(self.store.get(k)) for s, k in zip(self.src_ranks, keys)})
         transfer = land = 0.0
         received = peak = 0
@@ -325,8 +319,6 @@ class DdmaReceiver(_Side):
         self._unsent: set[str] = set()  # engine weights no layout covers
         self._verify_s = 0.0
 
-    _tables = property(lambda self: self.tables)
-
     def check_landed(self, name: str, landed: torch.Tensor) -> None:
         """Checksum parameter ``name`` as the engine holds it after landing (its local layout)."""
         layout = self.layouts.get(name)
@@ -336,7 +328,7 @@ class DdmaReceiver(_Side):
             return
         t = time.perf_counter()
         flat = landed.detach().reshape(-1)
-        if flat.dtype != _engine_dtype(self.spec) or flat.numel() != math.prod(layout.local_shape):
+        if flat.dtype != engine_dtype(self.spec) or flat.numel() != math.prod(layout.local_shape):
             raise DdmaVerifyError(f"ddma: engine parameter {name} landed as {landed.dtype} {tuple(landed.shape)}; "
                                   f"the sync sent {self.spec.engine_dtype} {tuple(layout.local_shape)}")
         sums: dict[str, int] = collections.defaultdict(int)
@@ -364,7 +356,7 @@ class DdmaReceiver(_Side):
         for per_param in self._landed.values():
             for hf_name, v in per_param.items():
                 sums[hf_name] = (sums[hf_name] + v) & 0xFFFFFFFFFFFFFFFF
-        self._compare(sums, self._tables)
+        self._compare(sums, self.tables)
         self._verify_s += time.perf_counter() - t
         self.last_stats["verify_s"] = self._verify_s
 
@@ -396,7 +388,7 @@ class DdmaReceiver(_Side):
         name = bad[0]
         where = []
         for dparam, layout in self.layouts.items():
-            itemsize = _engine_dtype(self.spec).itemsize
+            itemsize = engine_dtype(self.spec).itemsize
             inner = math.prod(layout.local_shape[1:])
             for p in layout.pieces:
                 if p.hf_name == name and p.dim == 0:

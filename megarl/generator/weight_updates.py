@@ -31,8 +31,10 @@ class WeightUpdates:
         steps; in-flight requests continue under them. Bumps the policy version (to ``version``
         when given), then resumes cached partial rollouts. Returns the seconds it took.
 
-        Today the tensors travel through one host shared-memory file every worker maps; DDMA
-        will instead hand each worker a source that streams only its shard (see weights.py)."""
+        This path (``sync.method=shm``) sends the tensors through one host shared-memory file every
+        worker maps; DDMA does not come here: it hands :meth:`update_weights_from_source` a ``ddma``
+        source (``SyncSpec.weight_source``) from which each worker streams only its shard
+        (megarl/generator/ddma_source.py)."""
         self._check_failed()
         new_version = self.version + 1 if version is None else int(version)
         t0 = time.monotonic()

@@ -235,10 +235,13 @@ def _numel(p) -> int:
 
 
 def analytic_sync(dims: ModelDims, trainer: tuple[int, int, int], generator: tuple[int, int], dtype: str,
-                  link_bytes_per_s: float) -> dict:
+                  link_bytes_per_s: float, message_us: float = 0.0) -> dict:
     """The same two numbers as the projection, from layouts alone (no copy plan): each generator
     worker receives its shard; the trainer ranks share the sending evenly (the planner's least-loaded
-    rule, idealised), so busiest link = max(largest worker shard, total / trainer ranks)."""
+    rule, idealised), so busiest link = max(largest worker shard, total / trainer ranks). Messages: the
+    bucket model's count for the busiest link's bytes (``ddma/bucket_model.py``; a lower bound: it
+    leaves out each pair's last partial message) times ``message_us``."""
+    from megarl.ddma.bucket_model import DEFAULT_BUCKET_BYTES, pair_messages
     from megarl.ddma.layouts import TrainerTopology, source_rank_layouts, vllm_param_layouts
 
     tp, pp, dp = trainer
@@ -252,13 +255,15 @@ def analytic_sync(dims: ModelDims, trainer: tuple[int, int, int], generator: tup
                 for p in lay.pieces) * bpe
     busiest = max(max(shard), total / (tp * pp * dp))
     base = (model - rank0) + total
-    return {"ddma_s": busiest / link_bytes_per_s, "gather_broadcast_s": base / link_bytes_per_s,
+    messages = pair_messages(int(busiest), DEFAULT_BUCKET_BYTES)
+    return {"ddma_s": busiest / link_bytes_per_s + messages * message_us * 1e-6,
+            "gather_broadcast_s": base / link_bytes_per_s, "messages_busiest_rank": messages,
             "busiest_link_bytes": busiest, "busiest_rank": "analytic", "baseline_link_bytes": base,
             "planned_as": "analytic (layouts only)", "dtype": dtype, "model_bytes": model}
 
 
 def sync_seconds(dims: ModelDims, trainer: tuple[int, int, int], generator: tuple[int, int], dtype: str,
-                 link_bytes_per_s: float) -> dict:
+                 link_bytes_per_s: float, message_us: float = 0.0) -> dict:
     """DDMA projection (``megarl plan-sync``'s) and the gather+broadcast baseline at full scale.
 
     The plan is built at TP x PP x (dp/g) -> TP x (replicas/g), g = gcd(dp, replicas): a full-scale
@@ -266,7 +271,9 @@ def sync_seconds(dims: ModelDims, trainer: tuple[int, int, int], generator: tupl
     replicas/dp only (DP replicas share the sending), while the baseline's broadcast is linear in the
     replica count (scaled back up here) and its gather does not depend on dp. A generator TP wider
     than the trainer's splits every trainer row run into pieces (405B TP8 -> TP16: 66M copy runs,
-    over a minute to plan), so that case uses :func:`analytic_sync`."""
+    over a minute to plan), so that case uses :func:`analytic_sync`. ``message_us``: per-message latency
+    of the p2p transports' bucket model (``megarl/ddma/bucket_model.py``), added per rank as
+    ``megarl plan-sync --message-us`` does (0: bytes only)."""
     from megarl.ddma.layouts import GeneratorTopology, TrainerTopology, validate_vllm_tp
     from megarl.ddma.project import project_sync
     from megarl.models.layouts import validate_parallel
@@ -276,13 +283,14 @@ def sync_seconds(dims: ModelDims, trainer: tuple[int, int, int], generator: tupl
     validate_parallel(dims, tp, pp)
     validate_vllm_tp(dims, gtp)
     if gtp > tp:
-        return analytic_sync(dims, trainer, generator, dtype, link_bytes_per_s)
+        return analytic_sync(dims, trainer, generator, dtype, link_bytes_per_s, message_us)
     g = math.gcd(dp, reps)
     r = project_sync(dims, TrainerTopology(tp, pp, dp // g), GeneratorTopology(gtp, reps // g), dtype=dtype,
-                     link_gbps=link_bytes_per_s * 8 / 1e9)
+                     link_gbps=link_bytes_per_s * 8 / 1e9, message_us=message_us)
     b = r["baseline"]
     base_bytes = b["gather_bytes"] + b["broadcast_bytes"] * g
-    return {"ddma_s": r["projected_sync_s"], "gather_broadcast_s": base_bytes / link_bytes_per_s,
+    return {"ddma_s": r["projected_sync_latency_s"], "gather_broadcast_s": base_bytes / link_bytes_per_s,
+            "messages_busiest_rank": r["bucket_messages_per_rank_max"],
             "busiest_link_bytes": r["busiest_link_bytes"], "busiest_rank": r["busiest_rank"],
             "baseline_link_bytes": base_bytes, "planned_as": f"plan {tp}x{pp}x{dp // g} -> {gtp}x{reps // g} (g={g})",
             "dtype": dtype, "model_bytes": r["model_bytes"]}

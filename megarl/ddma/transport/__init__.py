@@ -4,10 +4,9 @@
   the trainers' shared memory.
 - ``cuda_ipc`` (:mod:`.cuda_ipc`): same host, CUDA: workers open the trainers' exported CUDA IPC
   handles (one per bucket) and copy device to device.
-- ``gloo`` (:mod:`.gloo`): any host, host memory: one message per (worker, parameter) over a gloo
-  group of DDMA's own.
-- ``nccl`` (:mod:`.nccl`): any host, CUDA: rounds of batched isend/irecv per planned pair under a
-  memory budget over an NCCL group of DDMA's own (the same code over gloo on CPU, for the tests).
+- ``gloo`` (:mod:`.gloo`) and ``nccl`` (:mod:`.nccl`): any host, host memory / CUDA: the bucket schedule
+  of :mod:`.buckets` (rounds of planned runs per pair under ``sync.bucket_mb``, two in flight) over a
+  gloo / NCCL group of DDMA's own (nccl's code also runs over gloo on CPU, for the tests).
 
 :func:`choose_transport` picks one (no torch import here: config validation uses it).
 """
