@@ -347,7 +347,7 @@ def test_a_node_that_stops_answering_ends_the_job_within_the_heartbeat(cluster, 
             lines = [ln for ln in _output(tmp_path, job).splitlines() if ln.strip()]
             return lines and lines[-1].startswith("megarl: ") and "Full log: " in lines[-1] and lines[-1]
 
-        line = _wait_for("the job's last line", ended, cluster, job, tmp_path, timeout_s=180)
+        line = _wait_for("last line of the job", ended, cluster, job, tmp_path, timeout_s=180)
         ended_s = time.monotonic() - t_freeze
     finally:
         for pid in frozen:

@@ -151,6 +151,15 @@ class SlurmCluster:
         # daemons a failed start did not record, then job steps (they outlive slurmd under proctrack/linuxproc)
         subprocess.run(["pkill", "-KILL", "-f", f"slurm(ctld|d) .*-f {self.conf}"], capture_output=True)
         subprocess.run(["pkill", "-KILL", "-f", f"slurmstepd.*{self.root}"], capture_output=True)
+        # a slurmstepd's command line is "slurmstepd: [JOB.STEP]" (no folder in it): find the steps and
+        # their tasks by the SLURM_CONF they inherited from this cluster's slurmd or sbatch
+        mine = {os.getpid(), os.getppid()}
+        for pid, env in _environs():
+            if env.get("SLURM_CONF") == str(self.conf) and pid not in mine:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
         state.unlink(missing_ok=True)
         munge_pid = self.root / "state" / "munged.pid"
         if munge_pid.is_file():
