@@ -281,17 +281,9 @@ def _start_time(cluster, job: int) -> float:
 def _job_pids(job: int) -> list[int]:
     """Every live process whose environment says it belongs to Slurm job ``job`` (any node: they
     all run on this host), slurmstepd excluded."""
-    out = []
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            env = (d / "environ").read_bytes().split(b"\0")
-            if f"SLURM_JOB_ID={job}".encode() in env and (d / "stat").read_text().split()[2] != "Z":
-                out.append(int(d.name))
-        except OSError:
-            continue
-    return out
+    from tools.slurm_cluster import _alive, process_environs
+
+    return [pid for pid, env in process_environs() if env.get("SLURM_JOB_ID") == str(job) and _alive(pid)]
 
 
 def test_a_lost_node_ends_the_job_naming_the_rank_and_node(cluster, tiny_llama_dir, tmp_path):

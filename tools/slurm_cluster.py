@@ -25,6 +25,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 ADDR_BASE = 10           # node nI lives at 127.0.0.(ADDR_BASE + I)
@@ -154,7 +155,7 @@ class SlurmCluster:
         # a slurmstepd's command line is "slurmstepd: [JOB.STEP]" (no folder in it): find the steps and
         # their tasks by the SLURM_CONF they inherited from this cluster's slurmd or sbatch
         mine = {os.getpid(), os.getppid()}
-        for pid, env in _environs():
+        for pid, env in process_environs():
             if env.get("SLURM_CONF") == str(self.conf) and pid not in mine:
                 try:
                     os.kill(pid, signal.SIGKILL)
@@ -227,7 +228,7 @@ class SlurmCluster:
         """What "runs on" ``node`` for ``job`` (every node is this host): the job's processes whose
         SLURMD_NODENAME is ``node`` (its tasks and their children), the slurmstepd above each, and
         the node's slurmd."""
-        tasks = [pid for pid, env in _environs() if env.get("SLURM_JOB_ID") == str(job)
+        tasks = [pid for pid, env in process_environs() if env.get("SLURM_JOB_ID") == str(job)
                  and env.get("SLURMD_NODENAME") == node]
         steps = set()
         for pid in tasks:
@@ -357,7 +358,7 @@ PartitionName={URGENT_PARTITION} Nodes={','.join(self.nodes)} MaxTime=INFINITE S
                            f"{self.log_tail()}")
 
 
-def _environs():
+def process_environs() -> Iterator[tuple[int, dict[str, str]]]:
     """(pid, environment) of every process this user can read."""
     for d in Path("/proc").iterdir():
         if not d.name.isdigit():
