@@ -319,7 +319,8 @@ def test_shipped_model_configs_are_supported(name):
     dims = ModelDims.from_hf_config(cfg)
     assert dims.family == cfg["model_type"]
     assert dims.head_dim == cfg.get("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"])
-    assert dims.qk_norm == (cfg["model_type"] == "qwen3") and dims.qkv_bias == (cfg["model_type"] == "qwen2")
+    assert dims.qk_norm == (cfg["model_type"] in ("qwen3", "qwen3_moe")) and dims.qkv_bias == (cfg["model_type"] == "qwen2")
+    assert dims.is_moe == bool(cfg.get("num_experts")) and dims.moe_topk == cfg.get("num_experts_per_tok", 0)
     scaling = (cfg.get("rope_scaling") or {}).get("rope_type") == "llama3"
     assert bool(dims.rope_scaling) == scaling
     if scaling:  # 3.1: factor 8, 3.2: factor 32; both 8192 original positions

@@ -134,3 +134,31 @@ def test_moe_trains_a_step_with_router_stats_and_resumes_exactly(tiny_qwen3_moe_
     for key in ("loss", "grad_norm", "moe/tokens_per_expert_max"):
         assert again[key] == second[key], (key, again[key], second[key])
     assert first["grad_norm"] != second["grad_norm"]  # the second step is another step (the test can fail)
+
+
+def test_vllm_expert_layouts_and_the_ep_sync_plan(tiny_qwen3_moe_dir):
+    """vLLM's stacked experts as layouts (expert e's block of w13_weight = [gate_r; up_r], of w2_weight =
+    down's TP columns, as FusedMoE's weight loader narrows them), and the DDMA plan from a dp2 x ep2
+    trainer: every expert sent by a replica that holds it, python and C++ planners alike."""
+    from megarl.ddma.layouts import GeneratorTopology, TrainerTopology, source_layouts
+    from megarl.ddma.plan import plan_sync
+    from megarl.models.layouts import vllm_param_layouts
+
+    dims = _dims(tiny_qwen3_moe_dir)
+    w13 = vllm_param_layouts(dims, 2, 1)["model.layers.0.mlp.experts.w13_weight.3"]
+    assert w13.local_shape == (64, 128)  # 2 x moe_intermediate 64 / tp 2, hidden 128
+    assert [(p.hf_name.rsplit(".", 2)[-2], p.hf_start, p.local_start, p.length) for p in w13.pieces] == [
+        ("gate_proj", 32, 0, 32), ("up_proj", 32, 32, 32)]
+    w2 = vllm_param_layouts(dims, 2, 1)["model.layers.0.mlp.experts.w2_weight.3"]
+    assert w2.local_shape == (128, 32) and w2.pieces[0].dim == 1 and w2.pieces[0].hf_start == 32
+    src = TrainerTopology(1, 1, 2, ep=2)
+    layouts = source_layouts(dims, src)
+    owners = {r.dp: {p.hf_name for lay in layouts[r].values() for p in lay.pieces if ".experts." in p.hf_name}
+              for r in src.ranks()}
+    assert owners[0].isdisjoint(owners[1]) and len(owners[0]) == len(owners[1]) == 2 * 3  # 2 experts x 3 tensors
+    for impl in ("ref", "native"):
+        plan = plan_sync(dims, src, GeneratorTopology(2, 1), impl=impl)
+        for (s, d), copies in plan.pairs.items():
+            for c in copies:
+                if ".experts." in c.hf_name:
+                    assert c.hf_name in owners[s.dp], (impl, s, c.hf_name)

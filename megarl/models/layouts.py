@@ -103,13 +103,11 @@ def vllm_param_layouts(dims: ModelDims, tp: int, tp_rank: int,
 
     out = {spec.embedding: vocab(spec.embedding)}
     for i in range(dims.num_layers):
-        rows = spec.layer_rows(i, dims.moe_layers)
-        if any(p.per_expert for p in rows):
-            raise ValueError(f"DDMA does not land {dims.family}'s routed experts into vLLM's stacked "
-                             f"w13/w2 yet: set sync.method=shm for MoE models")
-        for p in rows:
-            out[f"model.layers.{i}.{p.vllm}"] = vllm_layout(p.kind, _layer_names(p.hf, i), p.shape, dims, tp, tp_rank,
-                                                           vocab_padding)
+        for p in spec.layer_rows(i, dims.moe_layers):
+            # vLLM keeps every expert on every worker (no vLLM expert parallelism), each split over TP
+            for mcore, hf, e in _expert_rows(p, i, range(dims.num_experts)):
+                out[f"model.layers.{i}.{p.vllm.format(e=e)}"] = vllm_layout(p.kind, hf, p.shape, dims, tp, tp_rank,
+                                                                           vocab_padding)
     out[spec.final_norm] = ParamLayout((h,), (Piece(spec.final_norm, (h,), 0, 0, 0, h),))
     if not dims.tie_word_embeddings:
         out[spec.lm_head] = vocab(spec.lm_head)

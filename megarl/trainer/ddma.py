@@ -23,7 +23,8 @@ def trainer_topology(model) -> TrainerTopology:
     m = unwrap(model)
     return TrainerTopology(ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
                            ps.get_data_parallel_world_size(), norm_style=m.megarl_norm_style,
-                           vocab_divisible_by=m.megarl_vocab_divisible_by)
+                           vocab_divisible_by=m.megarl_vocab_divisible_by,
+                           ep=ps.get_expert_model_parallel_world_size() if m.megarl_dims.is_moe else 1)
 
 
 def this_rank() -> SrcRank:
