@@ -168,6 +168,7 @@ class BucketedTransport(Transport):
         self._groups: dict = {}
         self._streams: dict = {}
         self._runs: dict = {}
+        self._pool: dict = {}  # (peer, slot) -> a message buffer, reused by every round and sync (host)
         self.rounds = 0  # rounds this side took part in during the last sync (tests read it)
         self.messages = 0  # messages it sent or received then
         self.message_bytes = 0
@@ -237,10 +238,22 @@ class BucketedTransport(Transport):
     def _n_chunks(segs: list[Seg], chunk: int) -> int:
         return -(-sum(g.nbytes for g in segs) // chunk)
 
+    def _buffer(self, peer, slot: int, nbytes: int, device: torch.device) -> torch.Tensor:
+        """A message buffer for ``peer``'s round slot (round % IN_FLIGHT): on host memory one kept buffer per
+        (peer, slot), so rounds and syncs do not fault in fresh pages (at most ``bucket_bytes`` per peer,
+        held between syncs); on CUDA a new tensor (the caching allocator keeps its own)."""
+        if device.type != "cpu":
+            return torch.empty(nbytes, dtype=torch.uint8, device=device)
+        buf = self._pool.get((peer, slot))
+        if buf is None or buf.numel() < nbytes:
+            buf = self._pool[(peer, slot)] = torch.empty(max(nbytes, chunk_bytes(self.spec.bucket_bytes)),
+                                                         dtype=torch.uint8)
+        return buf[:nbytes]
+
     # -- sender ---------------------------------------------------------------------------------
-    def _pack(self, runs: _Runs, src_bytes: dict, device: torch.device) -> torch.Tensor:
+    def _pack(self, runs: _Runs, src_bytes: dict, device: torch.device, peer, slot: int) -> torch.Tensor:
         if device.type == "cpu":
-            buf = torch.empty(runs.total, dtype=torch.uint8)
+            buf = self._buffer(peer, slot, runs.total, device)
             copy_runs(runs.addresses(lambda k: src_bytes[k].data_ptr()), runs.pos + buf.data_ptr(), runs.n)
             return buf
         return torch.cat([src_bytes[runs.keys[i]][o:o + n] for i, o, n in
@@ -263,7 +276,8 @@ class BucketedTransport(Transport):
             for j in range(max(n_chunks.values(), default=0)):
                 while len(inflight) >= IN_FLIGHT:  # its buffers are free again once a round is done
                     held -= self._finish(inflight.popleft())
-                msgs = [(d, self._pack(self._chunk_runs(side.rank, d, g, j, "src"), src_bytes, device))
+                slot = self.rounds % IN_FLIGHT  # the round this one replaces in flight has completed
+                msgs = [(d, self._pack(self._chunk_runs(side.rank, d, g, j, "src"), src_bytes, device, d, slot))
                         for d in streams if j < n_chunks[d]]
                 if not msgs:
                     continue
@@ -318,8 +332,9 @@ class BucketedTransport(Transport):
             posted = chunk_held = peak_chunks = 0
             for _ in range(rounds):
                 while posted < rounds and len(pending) < IN_FLIGHT:  # post ahead, then land the oldest
-                    bufs = [(s, torch.empty(self._chunk_runs(s, side.rank, g, posted, "dst").total, dtype=torch.uint8,
-                                            device=device)) for s in streams if posted < n_chunks[s]]
+                    slot = (self.rounds + len(pending)) % IN_FLIGHT  # not the slot of a round still pending
+                    bufs = [(s, self._buffer(s, slot, self._chunk_runs(s, side.rank, g, posted, "dst").total, device))
+                            for s in streams if posted < n_chunks[s]]
                     pending.append((posted, self._post(pg, [("recv", b, side.group_rank(s)) for s, b in bufs]), bufs))
                     chunk_held += sum(b.numel() for _, b in bufs)
                     peak_chunks = max(peak_chunks, chunk_held)
