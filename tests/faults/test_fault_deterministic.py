@@ -2,7 +2,7 @@
 same trainer weights, bit for bit, as one that never stopped.
 
 The tiny async job of the kill matrix (lag 2, partial rollouts cut every 4 tokens, a checkpoint every
-step), 3 steps, deterministic: run once straight; once SIGKILLed (the controller) after step 2 is
+step, written in the background: trainer.async_save), 3 steps, deterministic: run once straight; once SIGKILLed (the controller) after step 2 is
 logged and resumed from its step-2 checkpoint; and, as the negative control that shows the
 comparison can fail, once straight with another generator.seed (these three at once, then the
 resume). The final checkpoints' tensors (model and optimizer state, read from megatron's dist
@@ -27,7 +27,11 @@ REPO = Path(__file__).resolve().parents[2]
 STEPS = 3
 COMMON = ("controller.deterministic=true", "controller.max_policy_lag=2", f"controller.steps={STEPS}",
           "controller.eval_every=0", "generator.round_token_budget=4", "trainer.checkpoint_interval=1",
-          "algorithm.entropy_coef=0.01")
+          "algorithm.entropy_coef=0.01", "trainer.async_save=true")
+# trainer.async_save: every run here writes its checkpoints in the background, so this test also shows
+# that async checkpoints resume exactly (bit for bit) like synchronous ones; the synchronous save keeps
+# its own resume tests (tests/test_checkpoint.py, tests/test_interrupt_resume.py, the kill matrix).
+LATEST_S = 120.0  # for the step-2 background write to commit after step 2 is logged (s)
 
 
 def _cmd(out_dir: Path, model_dir: Path, *extra: str) -> list[str]:
@@ -105,6 +109,14 @@ def test_a_killed_and_resumed_deterministic_run_ends_bit_identical(tiny_llama_di
             assert proc.poll() is None, f"the job ended before step 2\n{(tmp_path / 'killed' / 'job.log').read_text()}"
             assert time.monotonic() < deadline, "step 2 not logged within 300 s"
             time.sleep(0.05)
+        # The step-2 checkpoint is written in the background: kill once it is committed (`latest`),
+        # so the resume is from step 2 (a kill mid-write is the kill matrix's async point).
+        latest = run / "checkpoints" / "latest"
+        deadline = time.monotonic() + LATEST_S
+        while not (latest.is_file() and latest.read_text().strip() == "step_00000002"):
+            assert proc.poll() is None, f"the job ended before its step-2 checkpoint\n{(tmp_path / 'killed' / 'job.log').read_text()}"
+            assert time.monotonic() < deadline, f"the step-2 checkpoint not committed within {LATEST_S:.0f} s"
+            time.sleep(0.01)
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(60)
         assert not (run / "checkpoints" / f"step_{STEPS:08d}").exists(), "the job finished before the kill"
@@ -121,6 +133,9 @@ def test_a_killed_and_resumed_deterministic_run_ends_bit_identical(tiny_llama_di
     resume_log = (tmp_path / "killed" / "resume.log").read_text(errors="replace")
     assert "resuming from the step-2 checkpoint" in resume_log, resume_log[-3000:]
 
+    for r in (straight, resumed):  # the checkpoints compared were written in the background
+        meta = json.loads((r / "checkpoints" / f"step_{STEPS:08d}" / "meta.json").read_text())
+        assert meta["async_save"] is True, meta.get("async_save")
     assert _samples(resumed) == _samples(straight), "the resumed run trained other samples"
     a, b = _final_tensors(straight, tmp_path), _final_tensors(resumed, tmp_path)
     differ = _differing(a, b)
