@@ -309,6 +309,18 @@ def test_cli_refuses_unverified_models_in_one_line(tmp_path, model_dir, fields, 
     assert "supported: llama (LlamaForCausalLM)" in problems[0], problems[0]
 
 
+def test_cli_refuses_moe_training_in_one_line(tmp_path, model_dir):
+    """A valid Qwen3-MoE: megarl train cannot update the engine's experts yet (docs/moe.md)."""
+    config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps({**config, "model_type": "qwen3_moe", "architectures": [
+        "Qwen3MoeForCausalLM"], "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64}))
+    out = _megarl("train", str(write(tmp_path / "c.yaml", f"model: {{path: {model_dir}}}\n")), "--dry-run")
+    assert out.returncode == 2, out.stdout + out.stderr
+    header, *problems = [line for line in out.stderr.splitlines() if line.strip()]
+    assert "Traceback" not in out.stderr and len(problems) == 1, out.stderr
+    assert "cannot update a vLLM engine's experts yet" in problems[0], problems[0]
+
+
 @pytest.mark.parametrize("name", sorted(p.name for p in (REPO / "configs" / "models").glob("*.json")))
 def test_shipped_model_configs_are_supported(name):
     """Every published config.json in configs/models/ (what the simulator and plan-sync size) reads
