@@ -348,9 +348,15 @@ def _agree(problem: Optional[str]) -> Optional[str]:
     return next((p for p in found if p is not None), None)
 
 
-def _prune(root: Path, saved: Path, keep_last: int) -> None:
+def _prune(root: Path, saved: Path, keep_last: int, later_stages_since: Optional[float] = None) -> None:
     """Keep the newest ``keep_last`` step folders up to ``saved``; folders after it were left by a
-    run that resumed from an earlier checkpoint (a timeline that was abandoned) and go too."""
+    run that resumed from an earlier checkpoint (a timeline that was abandoned) and go too.
+
+    Staged controller states go too, except, for an asynchronous save (``later_stages_since``: the
+    wall time its snapshot was taken), a later step's staged after that time: the next save's,
+    staged while this one was written. An abandoned timeline's stages are older than the snapshot
+    (they precede the resume); the next save's is at least one training step newer, so a clock
+    skew between the controller's and this host below a step's time cannot confuse the two."""
     mine = _step_of(saved.name)
     steps = sorted((p for p in root.glob(f"{STEP_PREFIX}*") if p.is_dir() and _step_of(p.name) is not None),
                    key=lambda p: _step_of(p.name))
@@ -363,7 +369,12 @@ def _prune(root: Path, saved: Path, keep_last: int) -> None:
         shutil.rmtree(old, ignore_errors=True)
     for d in root.glob(f"{STAGE_PREFIX}{STEP_PREFIX}*"):  # staged for a save that never happened
         staged = _step_of(d.name[len(STAGE_PREFIX):])
-        if staged is None or staged < mine:  # a later step's (staged while this one was written) stays
+        try:
+            next_save = (later_stages_since is not None and staged is not None and staged > mine
+                         and d.stat().st_mtime >= later_stages_since)
+        except FileNotFoundError:
+            continue  # adopted or removed meanwhile
+        if not next_save:
             shutil.rmtree(d, ignore_errors=True)
 
 
@@ -394,6 +405,7 @@ def save_checkpoint(checkpoint_dir: str | Path, *, model: list, optimizer: Any =
     # This step's progress, taken now: the caller's object moves on while an async write is in flight
     # (the commit below runs steps later; with the live value it adopted a later step's staged state).
     step, consumed, extra = progress.step, progress.consumed_samples, dict(progress.extra)
+    snapshot_at = time.time()  # a stage newer than this is the next save's (_prune)
     if writer is not None:
         writer.wait(f"saving step {step}")  # one write in flight: the previous one commits first
     root = Path(checkpoint_dir)
@@ -498,7 +510,7 @@ def save_checkpoint(checkpoint_dir: str | Path, *, model: list, optimizer: Any =
             os.replace(tmp, final)
             _fsync_dir(root)
             write_text_atomic(root / LATEST, name)  # last: `latest` only ever names a complete one
-            _prune(root, final, keep_last)
+            _prune(root, final, keep_last, later_stages_since=snapshot_at if writer is not None else None)
             log.info("checkpoint: saved step %d to %s in %.1fs (%.1f MiB)", step, final,
                      time.monotonic() - t0, _tree_bytes(final) / 2**20)
         _barrier("checkpoint committed")
