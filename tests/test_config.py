@@ -310,7 +310,8 @@ def test_cli_refuses_unverified_models_in_one_line(tmp_path, model_dir, fields, 
 
 
 def test_cli_refuses_moe_training_in_one_line(tmp_path, model_dir):
-    """A valid Qwen3-MoE: megarl train cannot update the engine's experts yet (docs/moe.md)."""
+    """A valid Qwen3-MoE under the default DDMA sync: refused in one line naming sync.method=shm,
+    the one sync that lands experts today (docs/moe.md); with it the dry run passes."""
     config = json.loads((model_dir / "config.json").read_text())
     (model_dir / "config.json").write_text(json.dumps({**config, "model_type": "qwen3_moe", "architectures": [
         "Qwen3MoeForCausalLM"], "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64}))
@@ -318,7 +319,9 @@ def test_cli_refuses_moe_training_in_one_line(tmp_path, model_dir):
     assert out.returncode == 2, out.stdout + out.stderr
     header, *problems = [line for line in out.stderr.splitlines() if line.strip()]
     assert "Traceback" not in out.stderr and len(problems) == 1, out.stderr
-    assert "cannot update a vLLM engine's experts yet" in problems[0], problems[0]
+    assert "DDMA cannot land experts" in problems[0] and "set sync.method=shm" in problems[0], problems[0]
+    out = _megarl("train", str(tmp_path / "c.yaml"), "sync.method=shm", "--dry-run")
+    assert out.returncode == 0, out.stdout + out.stderr
 
 
 @pytest.mark.parametrize("name", sorted(p.name for p in (REPO / "configs" / "models").glob("*.json")))

