@@ -26,12 +26,13 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_step import run_train_job  # noqa: E402 - one job runner for both benches (a sibling script)
 
 
 def run_once(a: argparse.Namespace, mode: str, trial: int) -> dict:
@@ -40,21 +41,8 @@ def run_once(a: argparse.Namespace, mode: str, trial: int) -> dict:
     cmd = [sys.executable, "-m", "megarl", "train", "--overwrite", a.config, f"name={name}", f"logging.out_dir={out}",
            f"trainer.checkpoint_interval={a.interval}", f"trainer.async_save={'true' if mode == 'async' else 'false'}",
            *a.overrides]  # --overwrite: a rerun of the bench starts each job over
-    out.mkdir(parents=True, exist_ok=True)
-    log_path = out / f"{name}.log"
     print(f"[{time.strftime('%H:%M:%S')}] {mode} run {trial + 1}/{a.trials}: {' '.join(cmd[4:])}", flush=True)
-    t0 = time.monotonic()
-    with open(log_path, "w") as fh:
-        code = subprocess.call(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=REPO,
-                               env=dict(os.environ, PYTHONUNBUFFERED="1"))
-    if code != 0:
-        tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-30:])
-        raise SystemExit(f"bench_checkpoint: the {mode} run failed (exit {code}); last lines of {log_path}:\n{tail}")
-    rows = [json.loads(line) for line in (out / name / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    rows = [r for r in rows if "time/step" in r]
-    wall = time.monotonic() - t0
-    print(f"    {len(rows)} steps in {wall:.0f}s (job wall, start-up included)", flush=True)
-    return {"rows": rows, "wall_s": wall, "log": str(log_path)}
+    return run_train_job(cmd, out, name, f"bench_checkpoint: the {mode} run")
 
 
 def mode_stats(runs: list[dict]) -> dict:

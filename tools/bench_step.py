@@ -63,20 +63,28 @@ def run_once(a: argparse.Namespace, mode: str, trial: int, extra: list[str]) -> 
     out = Path(a.out) / "bench_step_runs"
     cmd = [sys.executable, "-m", "megarl", "train", a.config, f"name={name}", f"logging.out_dir={out}",
            *extra, *mode_overrides(mode, a), *a.overrides]
+    print(f"[{time.strftime('%H:%M:%S')}] {mode} run {trial + 1}/{a.trials}: {' '.join(cmd[3:])}", flush=True)
+    return run_train_job(cmd, out, name, f"bench_step: the {mode} run")
+
+
+def run_train_job(cmd: list[str], out: Path, name: str, what: str) -> dict:
+    """Run one ``megarl train`` job (``cmd``, whose run folder is ``out/name``) with its log in
+    ``out/name.log``; its metrics rows that timed a step, the job's wall (s, start-up included) and
+    the log path. A failed job ends the bench naming ``what`` and the log's last lines."""
     log_path = out / f"{name}.log"
     out.mkdir(parents=True, exist_ok=True)
-    print(f"[{time.strftime('%H:%M:%S')}] {mode} run {trial + 1}/{a.trials}: {' '.join(cmd[3:])}", flush=True)
     t0 = time.monotonic()
     with open(log_path, "w") as fh:
         code = subprocess.call(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=REPO,
                                env=dict(os.environ, PYTHONUNBUFFERED="1"))
     if code != 0:
         tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-30:])
-        raise SystemExit(f"bench_step: the {mode} run failed (exit {code}); last lines of {log_path}:\n{tail}")
+        raise SystemExit(f"{what} failed (exit {code}); last lines of {log_path}:\n{tail}")
     rows = [json.loads(line) for line in (out / name / "metrics.jsonl").read_text().splitlines() if line.strip()]
     rows = [r for r in rows if "time/step" in r]
-    print(f"    {len(rows)} steps in {time.monotonic() - t0:.0f}s (job wall, start-up included)", flush=True)
-    return {"rows": rows, "wall_s": time.monotonic() - t0, "log": str(log_path)}
+    wall = time.monotonic() - t0
+    print(f"    {len(rows)} steps in {wall:.0f}s (job wall, start-up included)", flush=True)
+    return {"rows": rows, "wall_s": wall, "log": str(log_path)}
 
 
 def mode_stats(runs: list[dict], target: float) -> dict:
