@@ -110,6 +110,7 @@ def exercise_trainer(impl, gen, dims, abandon_fails: bool) -> None:
     metrics = t.step(batch)
     assert math.isfinite(metrics["loss"]) and t.step_count == 1
     assert t.save().is_dir()
+    t.wait_saves()  # no write in flight (trainer.async_save off): returns at once
 
     t.start_sync(spec, 1)
     t.raise_if_dead()  # nothing died: a no-op while the sync is in flight
