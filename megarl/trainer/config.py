@@ -87,7 +87,7 @@ class TrainerConfig:
                             "waits only if that write has not finished (and logs how long), a preemption "
                             "and the end of the run wait for it. The checkpoint counts (manifest, `latest`) "
                             "only once written. Default false. Known to hang at the quickstart's size (SmolLM2-135M): the "
-                            "forked writer deadlocks on a lock its parent's threads held (docs/checkpoints.md); "
+                            "forked writer waits on a futex with no CPU, likely a lock its parent's threads held at the fork (docs/checkpoints.md); "
                             "the save then times out after trainer.save_timeout_s.")
     keep_checkpoints: int = knob(2, help="Step folders kept on disk; older ones are deleted after a "
                                  "save succeeds. Keep >= 2 so a damaged newest checkpoint can fall back to "
