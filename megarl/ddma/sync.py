@@ -141,7 +141,7 @@ class DdmaSender(_Side):
                 raise ValueError(f"ddma: trainer rank {rank} {name} has shape {tuple(params[name].shape)}, "
                                  f"the layout says {tuple(shape)}")
         self.params = {n: params[n] for n in shapes}
-        self.layouts = source_rank_layouts(spec.dims, spec.src, rank.tp, rank.pp)
+        self.layouts = source_rank_layouts(spec.dims, spec.src, rank.tp, rank.pp, rank.dp % spec.src.ep)  # EP rank: its experts
         dst_order = {r: list(vllm_param_layouts(spec.dims, spec.dst.tp, r.tp, spec.dst.vocab_padding))
                      for r in self.dst_ranks}
         # Outgoing messages in one global order: destination rank, then its parameter order.

@@ -20,12 +20,12 @@ overwritten before Qwen2's ``qkv_proj`` weight was copied, while every checksum 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 
-from megarl.generator.landing import watch_landing
+from megarl.generator.landing import OnParam, watch_landing
 from megarl.generator.weight_source import WeightSource, register_weight_source
 
 _MISSING = object()
@@ -43,6 +43,56 @@ def _copy_local(param: torch.Tensor, loaded_weight: torch.Tensor, shard_id: Any 
     param.data.copy_(loaded_weight)
 
 
+# vLLM's stacked FusedMoE parameters ([E, ...], every expert on every worker: no vLLM expert
+# parallelism here). DDMA sends expert e's local block as its own parameter ``<param>.<e>``
+# (megarl.models.families.spec: EXPERT_GATE_UP / EXPERT_DOWN rows); the landing below hands it to
+# FusedMoE's loader under a per-expert checkpoint name, which calls the parameter's loader with
+# ``expert_id`` / ``shard_id`` (w1 = gate, w3 = up: w13_weight[e] = [gate_r; up_r]; w2 = down).
+EXPERT_PARAMS = {"w13_weight": "gate_up_proj", "w2_weight": "down_proj"}
+
+
+def expert_checkpoint_name(dparam: str) -> str:
+    """The name FusedMoE's ``load_weights`` takes for DDMA's per-expert block ``dparam``
+    (``...mlp.experts.w13_weight.3`` -> ``...mlp.experts.3.gate_up_proj.weight``: one expert's
+    fused gate+up, which vLLM splits into halves w1 / w3); other names unchanged."""
+    head, _, tail = dparam.rpartition(".")
+    prefix, _, param = head.rpartition(".")
+    if param not in EXPERT_PARAMS or not tail.isdecimal() or not prefix.endswith(".experts"):
+        return dparam
+    return f"{prefix}.{tail}.{EXPERT_PARAMS[param]}.weight"
+
+
+def _copy_local_expert(param: torch.Tensor, loaded_weight: torch.Tensor, weight_name: str = "",
+                       shard_id: str | None = None, expert_id: int | None = None,
+                       return_success: bool = False) -> bool | None:
+    """FusedMoE's loader call (same keywords) for a tensor already in the worker's local layout:
+    expert ``expert_id``'s half ``w1`` / ``w3`` of ``w13_weight[e]``, or all of ``w2_weight[e]``."""
+    if shard_id not in ("w1", "w3", "w2") or expert_id is None:
+        raise ValueError(f"ddma landing of {weight_name!r}: expected an expert shard w1/w3/w2 with an "
+                         f"expert_id, got shard {shard_id!r}, expert {expert_id!r}")
+    block = param.data[int(expert_id)]
+    if shard_id != "w2":
+        half = block.shape[0] // 2
+        block = block.narrow(0, 0 if shard_id == "w1" else half, half)
+    if tuple(block.shape) != tuple(loaded_weight.shape):
+        raise ValueError(f"ddma landing: expert {expert_id} {shard_id} staging {tuple(loaded_weight.shape)} does "
+                         f"not match the worker's block {tuple(block.shape)} of {weight_name}")
+    block.copy_(loaded_weight)
+    return True if return_success else None
+
+
+def expert_blocks(on_param: OnParam, layouts: Mapping[str, object]) -> OnParam:
+    """Wrap a landing report so a stacked expert parameter (``w13_weight`` [E, ...]) is reported as
+    its experts' blocks ``<name>.<e>``, the names DDMA's layouts and checksums use."""
+    def report(name: str, t: torch.Tensor) -> None:
+        if name not in layouts and f"{name}.0" in layouts and t.dim() == 3:
+            for e in range(t.shape[0]):
+                on_param(f"{name}.{e}", t[e])
+        else:
+            on_param(name, t)
+    return report
+
+
 @contextlib.contextmanager
 def local_layout_loading(model: torch.nn.Module) -> Iterator[None]:
     """Within this context every parameter of ``model`` loads a local-layout tensor by plain copy.
@@ -55,19 +105,19 @@ def local_layout_loading(model: torch.nn.Module) -> Iterator[None]:
 
     saved: list[tuple[dict, str, Any]] = []
 
-    def override(t: torch.Tensor) -> None:
+    def override(t: torch.Tensor, name: str) -> None:
         d = t.__dict__
         key = "_weight_loader" if "_weight_loader" in d else "weight_loader"
         saved.append((d, key, d.get(key, _MISSING)))
-        d[key] = _copy_local
+        d[key] = _copy_local_expert if name in EXPERT_PARAMS and t.dim() == 3 else _copy_local
 
     for layer in model.modules():
         info = LAYERWISE_INFO.get(layer)
         if info is not None:
-            for meta in info.restore_metadata[0].values():
-                override(meta)
-        for p in layer.parameters(recurse=False):
-            override(p)
+            for name, meta in info.restore_metadata[0].items():
+                override(meta, name)
+        for name, p in layer.named_parameters(recurse=False):
+            override(p, name)
     try:
         yield
     finally:
@@ -99,14 +149,15 @@ class DdmaSource(WeightSource):
         self.version = int(source["version"])
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        return self.receiver.stream(self.version)
+        return ((expert_checkpoint_name(n), t) for n, t in self.receiver.stream(self.version))
 
     @contextlib.contextmanager
     def landing(self, model: torch.nn.Module) -> Iterator[None]:
         with contextlib.ExitStack() as stack:
             stack.enter_context(local_layout_loading(model))
             if self.receiver.spec.verifies(self.version):
-                stack.enter_context(watch_landing(model, self.receiver.check_landed))
+                stack.enter_context(watch_landing(model, expert_blocks(self.receiver.check_landed,
+                                                                       self.receiver.layouts)))
             yield
 
     def after_landing(self) -> None:
@@ -116,4 +167,4 @@ class DdmaSource(WeightSource):
 
 register_weight_source("ddma", DdmaSource)
 
-__all__ = ["DdmaSource", "local_layout_loading"]
+__all__ = ["DdmaSource", "local_layout_loading", "expert_checkpoint_name", "expert_blocks", "EXPERT_PARAMS"]
