@@ -52,4 +52,10 @@ def _here(source: str) -> bool:
 
 def instruction_for(cfg, schema) -> str:
     """What a text prompt of ``schema`` gets appended: data.instruction, or the schema's own when auto."""
-    return schema.instruction if cfg.data.instruction == "auto" else cfg.data.instruction
+    if cfg.data.instruction != "auto":
+        return cfg.data.instruction
+    if cfg.reward.env:  # reward.env: the environment says how to call its tool (megarl/reward/environment.py)
+        from megarl.reward.environment import environment_instruction
+
+        return environment_instruction(cfg.reward.env) or schema.instruction
+    return schema.instruction

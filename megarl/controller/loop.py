@@ -38,6 +38,7 @@ from megarl.utils.metrics import PhaseTimer
 from megarl.utils.procs import Preempted, Preemption, parse_cpu_list, signals_raise
 
 if TYPE_CHECKING:  # these import (or may import) torch, which must wait until _select_device has run
+    from megarl.controller.turns import EnvironmentTurns
     from megarl.controller.weight_sync import WeightSync
     from megarl.generator.executor import GeneratorExecutor
     from megarl.models.layouts import ModelDims
@@ -107,6 +108,7 @@ def train(cfg: MegaRLConfig, run: RunFolder, prompts: PromptSource, trainer: Tra
                             last_step=steps, deterministic=cfg.controller.deterministic)
     resume_controller(cfg, run, trainer.step_count, rollouts)
     activity = ExecutorActivity(generator)
+    turns = environment_turns(cfg, generator, prompts)  # None: single turn, each reply scored by reward.fn
     preempt = preempt or Preemption()
     with checkpoint_on_preemption(cfg, trainer, rollouts, preempt, saved=trainer.step_count):
         for step in range(trainer.step_count + 1, steps + 1):
@@ -116,9 +118,13 @@ def train(cfg: MegaRLConfig, run: RunFolder, prompts: PromptSource, trainer: Tra
             rollouts.fill(step)  # up to max_policy_lag later batches generate while this one trains
             with timer.phase("generate"):  # waiting for this step's rollouts
                 tasks, prompt_ids, samples, lag_metrics = rollouts.take(step, trainer.step_count)
-            with preempt.deferred():  # reward, train, sync, log and save finish before a preemption
-                with timer.phase("reward"):
-                    reward_counts = reward.score(samples, [t.answer for t in tasks], prompts.decode) or {}
+            with preempt.deferred():  # later turns, reward, train, sync, log and save finish before a preemption
+                if turns:  # reward.env: the environment answers each reply and scores the last (controller/turns.py)
+                    with timer.phase("generate"):
+                        samples, reward_counts = turns.play(tasks, samples)
+                else:
+                    with timer.phase("reward"):
+                        reward_counts = reward.score(samples, [t.answer for t in tasks], prompts.decode) or {}
                 advantages = group_advantages(cfg, samples, [s.reward for s in samples])
                 with timer.phase("train"):
                     train_metrics = trainer.step(RolloutBatch.from_samples(samples, advantages, pad_id=prompts.pad_id))
@@ -202,6 +208,25 @@ def start_executors(cfg: MegaRLConfig, stack: ExitStack, model_dir: Path, device
                                                       deterministic=cfg.controller.deterministic).start())
     reward = stack.enter_context(RewardPool(cfg.reward, cfg.generator.max_new_tokens))
     return trainer, generator, reward
+
+
+def environment_turns(cfg: MegaRLConfig, generator: Generator, prompts: PromptSource) -> EnvironmentTurns | None:
+    """The environment ``reward.env`` names, driven turn by turn on ``generator`` (controller/turns.py),
+    with the reward's scores; None when it is empty (a single-turn reward, scored by the pool)."""
+    r, g = cfg.reward, cfg.generator
+    if not r.env:
+        return None
+    from megarl.controller.turns import EnvironmentTurns
+    from megarl.reward.environment import get_environment
+
+    try:
+        env = get_environment(r.env, tokenizer=prompts.tokenizer, strict=r.strict, correct=r.correct, wrong=r.wrong)
+    except (ValueError, TypeError) as e:
+        raise ConfigError([f"reward.env={r.env!r}: {e}"]) from None
+    log.info("environment %s: up to generator.max_turns=%d replies per rollout, observations masked out of the loss",
+             r.env, g.max_turns)
+    return EnvironmentTurns(generator, env, max_turns=g.max_turns, max_new_tokens=g.max_new_tokens,
+                            max_model_len=g.max_model_len, truncated_score=r.wrong if r.truncated is None else r.truncated)
 
 
 def step_metrics(train: dict[str, float], times: dict[str, float], busy: dict[str, float], sync: dict[str, float],

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from megarl.rollout import Sample
 
@@ -47,6 +47,7 @@ class _Rollout:
     stop_reason: Any = None
     reward: Optional[float] = None
     correct: Optional[bool] = None
+    formatted: Optional[bool] = None
 
     @property
     def context(self) -> List[int]:
@@ -62,7 +63,62 @@ def multi_turn(generator, env, tasks: Sequence[Any], prompts: Sequence[Sequence[
     if max_turns < 1:
         raise ValueError(f"generator.max_turns={max_turns}: must be >= 1")
     runs = [_Rollout(env.reset(task), [int(t) for t in prompt]) for task, prompt in zip(tasks, prompts)]
-    for turn in range(max_turns):
+    _play(generator, env, runs, turns=range(max_turns), max_turns=max_turns, max_new_tokens=max_new_tokens,
+          max_model_len=max_model_len, sampling=sampling)
+    return [_sample(r, Sample(r.prompt, [], [], [], "stop", group_id=i, prompt_index=i), truncated_score)
+            for i, r in enumerate(runs)]
+
+
+def continue_rollouts(generator, env, tasks: Sequence[Any], firsts: Sequence[Sample], *, max_turns: int,
+                      max_new_tokens: int, max_model_len: int, truncated_score: float = 0.0,
+                      sampling: Optional[dict] = None) -> List[Sample]:
+    """The rollouts whose first reply the generator already sampled (``firsts``, e.g. a step's samples
+    from the rollout queue, admitted and lag-checked as in single turn; ``tasks[s.prompt_index]`` is
+    each one's task), carried on turn by turn as :func:`multi_turn` does. Each returned Sample keeps
+    its first's ids (group, prompt, sample index, uid). Later turns run on the weights the engines hold
+    now: a turn sampled after a weight update carries the new version on its tokens."""
+    if max_turns < 1:
+        raise ValueError(f"generator.max_turns={max_turns}: must be >= 1")
+    runs = []
+    for s in firsts:
+        r = _Rollout(env.reset(tasks[s.prompt_index]), [int(t) for t in s.prompt_ids])
+        _take_reply(r, s)
+        _step(env, r, last_turn=max_turns == 1, max_model_len=max_model_len)
+        runs.append(r)
+    _play(generator, env, runs, turns=range(1, max_turns), max_turns=max_turns, max_new_tokens=max_new_tokens,
+          max_model_len=max_model_len, sampling=sampling)
+    return [_sample(r, s, truncated_score) for r, s in zip(runs, firsts)]
+
+
+def turn_metrics(samples: Sequence[Sample]) -> Dict[str, float]:
+    """How many turns the step's rollouts took: mean and most replies per sample, the share with more
+    than one, and the observation tokens (masked out of the loss) in the batch."""
+    n = max(len(samples), 1)
+    return {"gen/turns_mean": sum(s.turns for s in samples) / n,
+            "gen/turns_max": float(max((s.turns for s in samples), default=0)),
+            "gen/multi_turn_frac": sum(s.turns > 1 for s in samples) / n,
+            "gen/observation_tokens": float(sum(len(s.loss_mask or []) - sum(s.loss_mask or []) for s in samples))}
+
+
+class EnvironmentTurns:
+    """``reward.env`` in the RL loop: :meth:`play` carries a step's first replies on with the
+    environment (the generator and the environment are passed in; the controller owns both)."""
+
+    def __init__(self, generator, env, *, max_turns: int, max_new_tokens: int, max_model_len: int,
+                 truncated_score: float):
+        self.generator, self.env = generator, env
+        self.limits = dict(max_turns=max_turns, max_new_tokens=max_new_tokens, max_model_len=max_model_len,
+                           truncated_score=truncated_score)
+
+    def play(self, tasks: Sequence[Any], samples: Sequence[Sample]) -> Tuple[List[Sample], Dict[str, float]]:
+        """(the finished, scored rollouts in the order of ``samples``, the step's turn metrics)."""
+        out = continue_rollouts(self.generator, self.env, tasks, samples, **self.limits)
+        return out, turn_metrics(out)
+
+
+def _play(generator, env, runs: List[_Rollout], *, turns: range, max_turns: int, max_new_tokens: int,
+          max_model_len: int, sampling: Optional[dict]) -> None:
+    for turn in turns:
         live = [r for r in runs if not r.done]
         if not live:
             break
@@ -79,14 +135,16 @@ def multi_turn(generator, env, tasks: Sequence[Any], prompts: Sequence[Sequence[
             for r, s in zip(group, samples):
                 _take_reply(r, s)
                 _step(env, r, last_turn=turn == max_turns - 1, max_model_len=max_model_len)
-    out = []
-    for i, r in enumerate(runs):
-        reward = truncated_score if r.finish == "length" else r.reward
-        out.append(Sample(prompt_ids=r.prompt, completion_ids=r.ids, behav_logprobs=r.logprobs, versions=r.versions,
-                          finish_reason=r.finish or "stop", prompt_index=i, group_id=i, stop_reason=r.stop_reason,
-                          num_rounds=r.rounds, reward=reward,
-                          correct=bool(r.correct) and r.finish != "length", loss_mask=r.mask, turns=r.turns))
-    return out
+
+
+def _sample(r: _Rollout, base: Sample, truncated_score: float) -> Sample:
+    """``base`` (its ids) with the rollout's tokens, mask, versions, turns and verdict."""
+    truncated = r.finish == "length"
+    return dataclasses.replace(base, completion_ids=r.ids, behav_logprobs=r.logprobs, versions=r.versions,
+                               finish_reason=r.finish or "stop", stop_reason=r.stop_reason, num_rounds=r.rounds,
+                               reward=truncated_score if truncated else r.reward,
+                               correct=bool(r.correct) and not truncated,
+                               formatted=bool(r.formatted) and not truncated, loss_mask=r.mask, turns=r.turns)
 
 
 def _take_reply(r: _Rollout, s: Sample) -> None:
@@ -111,6 +169,7 @@ def _step(env, r: _Rollout, *, last_turn: bool, max_model_len: int) -> None:
     if step.done:
         r.done, r.finish = True, "stop"
         r.reward, r.correct = step.reward, step.info.get("correct")
+        r.formatted = step.info.get("formatted", r.correct)  # an answer could be read (reward/format_rate)
         return
     if last_turn:
         r.done, r.finish = True, "length"  # generator.max_turns replies and the environment still wants more

@@ -27,6 +27,15 @@ class RewardConfig:
                    "line's 'Answer: ...' or else the last \\boxed{}; code: the reply's Python passes the task's tests in the "
                    "sandbox, auto for code rows such as HumanEval) or a 'package.module:function' path to "
                    "fn(completion, gold, *, strict) -> bool; an explicit value always wins; default auto")
+    env: str = knob("", help="environment the rollouts talk to (docs/environments.md): '' = none, each reply "
+                    "is scored once by reward.fn (single turn, as before); a registered environment's name "
+                    "(calculator: the policy writes <calc>EXPR</calc>, the tool's <result>VALUE</result> comes back "
+                    "in a user turn, a reply without a call is scored by arithmetic) or a 'package.module:Class' "
+                    "path. The environment answers each reply with observation tokens (masked out of the loss) "
+                    "until it is done, for at most generator.max_turns replies; its last step's verdict scores the "
+                    "sample with reward.correct / reward.wrong, a truncated rollout gets reward.truncated. A "
+                    "reward's name is refused here: a reward is the one-step environment, set it as reward.fn. "
+                    "Default ''")
     strict: bool = knob(False, help="strict answer format: arithmetic: the reply is only the number; gsm8k: "
                         "only the number after '####'; math: the last \\boxed{} ends the reply; dapo: only the last line's "
                         "'Answer: ...'; default False")
@@ -67,6 +76,9 @@ class RewardConfig:
         fn_problem = _fn_problem(self.fn_name())
         if fn_problem:
             found.append(f"reward.fn={self.fn!r}: {fn_problem}")
+        env_problem = _env_problem(self.env)
+        if env_problem:
+            found.append(f"reward.env={self.env!r}: {env_problem}")
         helps = {f.name: f.metadata.get("help", "") for f in dataclasses.fields(self)}
         checks = [("timeout_s", self.timeout_s > 0), ("overlong_buffer", self.overlong_buffer >= 0),
                   ("overlong_penalty", self.overlong_penalty >= 0),
@@ -81,6 +93,27 @@ class RewardConfig:
                          f"{max_new_tokens}: the ramp starts at max_new_tokens - overlong_buffer tokens; "
                          f"use at most {max_new_tokens}")
         return found
+
+
+def _env_problem(spec: object) -> Optional[str]:
+    """Why ``spec`` names no multi-step environment ('' is none: single turn), found without importing
+    an import path's module (as for reward.fn)."""
+    from megarl.reward.environment import multi_step_environments  # torch-free
+    from megarl.reward.registry import known_rewards
+
+    if spec == "":
+        return None
+    if not isinstance(spec, str):
+        return "must be a string: an environment's name or a 'package.module:Class' path"
+    if ":" in spec:
+        return _fn_problem(spec)
+    if spec in multi_step_environments():
+        return None
+    if spec in known_rewards():
+        return (f"{spec!r} is a reward (the one-step environment): set reward.fn={spec} and leave reward.env "
+                f"empty")
+    return (f"unknown environment; known: {', '.join(multi_step_environments())}, or a 'package.module:Class' "
+            f"path")
 
 
 def _fn_problem(spec: object) -> Optional[str]:

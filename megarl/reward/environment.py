@@ -112,6 +112,21 @@ def register_environment(name: str) -> Callable:
     return decorator
 
 
+def multi_step_environments() -> List[str]:
+    """The registered environments of more than one step (what ``reward.env`` takes by name)."""
+    return sorted(_ENVIRONMENTS)
+
+
+def environment_instruction(spec: str) -> Optional[str]:
+    """What an environment asks the prompt to say (its factory's ``instruction`` attribute: how to call
+    its tool), or None; ``data.instruction: auto`` uses it in place of the data's own."""
+    factory: Any = _ENVIRONMENTS.get(spec)
+    if factory is None and ":" in spec:
+        module, _, attr = spec.partition(":")
+        factory = getattr(importlib.import_module(module), attr, None)
+    return getattr(factory, "instruction", None)
+
+
 def known_environments() -> List[str]:
     """Every name ``get_environment`` takes: the registered environments and every reward."""
     return sorted(set(_ENVIRONMENTS) | set(known_rewards()))

@@ -76,6 +76,7 @@ class Calculator:
     """The ``calculator`` environment (see the module doc); ``max_calls`` per rollout."""
 
     name = "calculator"
+    instruction = INSTRUCTION  # what the prompt says (data.instruction: auto takes it)
 
     def __init__(self, *, tokenizer: Any = None, strict: bool = False, correct: float = 1.0, wrong: float = 0.0,
                  max_calls: int = 4):
@@ -85,20 +86,26 @@ class Calculator:
 
     def reset(self, task: Any) -> EnvState:
         messages = task_messages(task)
-        messages[-1] = {**messages[-1], "content": f"{messages[-1]['content']}\n{INSTRUCTION}"}
+        messages[-1] = {**messages[-1], "content": f"{messages[-1]['content']} {self.instruction}"}
         return EnvState(task, messages)
+
+    def call_in(self, state: EnvState, text: str) -> Optional[str]:
+        """The expression the reply calls the calculator with (it ends in ``<calc>EXPR</calc>``), or None
+        when it calls nothing or ``max_calls`` were made."""
+        call = CALL.search(text)
+        return call.group(1) if call and state.extra.get("calls", 0) < self.max_calls else None
 
     def step(self, state: EnvState, reply_ids: Sequence[int]) -> StepResult:
         text = self.tokenizer.decode(list(reply_ids), skip_special_tokens=True)
-        call = CALL.search(text)
-        if call is None or state.extra.get("calls", 0) >= self.max_calls:
+        expr = self.call_in(state, text)
+        if expr is None:
             return self.final.score_text(state, text)
         state.turn += 1
         state.extra["calls"] = state.extra.get("calls", 0) + 1
-        result = f"<result>{_fmt(calculate(call.group(1)))}</result>"
+        result = f"<result>{_fmt(calculate(expr))}</result>"
         obs = turn_ids(self.tokenizer, state.messages, result, reply_ids)
         state.messages += [{"role": "assistant", "content": text}, {"role": "user", "content": result}]
-        return StepResult(obs, False, None, {"call": call.group(1), "result": result})
+        return StepResult(obs, False, None, {"call": expr, "result": result})
 
 
 register_environment("calculator")(Calculator)
