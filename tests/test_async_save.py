@@ -142,3 +142,37 @@ def test_a_kill_mid_write_leaves_the_previous_checkpoint_complete(job):
     assert not (ckpt / "step_00000003").exists()
     assert (ckpt / ".tmp_step_00000003" / "dist").is_dir()  # the shards were on disk, uncommitted
     assert newest_complete(ckpt) == ckpt / "step_00000002"
+
+
+class _CloneRequest:
+    """megatron's AsyncRequest shape, with an async_fn that does what its writers do to a real model's
+    tensors: a copy of one over ATen's parallel grain size (32768 elements, at::internal::GRAIN_SIZE)."""
+
+    def __init__(self, tensor: torch.Tensor, out: Path) -> None:
+        self.async_fn, self.async_fn_args, self.async_fn_kwargs = self._write, [tensor, str(out)], {}
+        self.preload_fn, self.finalize_fns = None, []
+
+    @staticmethod
+    def _write(tensor: torch.Tensor, out: str) -> None:
+        torch.save(tensor.clone() * 2, out)
+
+
+def _big_tensor_job(rank: int, world_size: int, root: str) -> None:
+    from megarl.trainer.async_save import AsyncWriter
+
+    torch.set_num_threads(2)  # the trainer's OpenMP pool, up (as on any machine with 2+ cores)
+    big = torch.randn(1 << 20)
+    _ = (big * 3).sum()  # a parallel op: the pool's threads now exist in this process, not in a fork
+    writer = AsyncWriter(timeout_s=30)  # the fixed writer takes ~0.1 s; a hung one never ends
+    committed = []
+    writer.start(_CloneRequest(big, Path(root) / "big.pt"), lambda failed: committed.append(failed) or Path(root), 1)
+    writer.wait("the test")
+    assert committed == [None]
+    assert torch.equal(torch.load(Path(root) / "big.pt"), big * 2)
+
+
+def test_the_writer_survives_a_fork_of_a_threaded_trainer(tmp_path):
+    """The quickstart-size hang: the forked writer's first parallel op on a real model's tensors waited
+    forever on the parent's OpenMP threads (tiny test models stay under the grain size, so they never
+    showed it). Without `torch.set_num_threads(1)` in the writer this times out after 30 s."""
+    run_multiprocess(_big_tensor_job, 1, str(tmp_path), timeout_s=120)

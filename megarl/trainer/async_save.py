@@ -40,6 +40,11 @@ def _write(async_fn: Optional[Callable], args: tuple, kwargs: dict, step: int, p
     from megarl.utils.procs import watch_parent
 
     watch_parent(parent)  # a killed rank takes its writer with it
+    # A fork keeps the parent's OpenMP pool state but not its threads: the first parallel torch op
+    # here (a clone or copy of a tensor over ATen's grain size, 32768 elements: every real model)
+    # would wait forever on those threads (a futex, 0 CPU). One thread, as torch's DataLoader
+    # workers do; megatron's own per-bucket writers, forked from here, inherit it.
+    torch.set_num_threads(1)
     if async_fn is not None:
         async_fn(*args, **kwargs)
     log.info("checkpoint: async writer (pid %d) wrote the step-%d shards", os.getpid(), step)
