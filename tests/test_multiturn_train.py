@@ -1,0 +1,125 @@
+"""`megarl train` with a multi-turn environment (reward.env), end to end on the tiny model: real vLLM
+engine, real Megatron trainer, the calculator tool answering in user turns through the model's chat
+template. Checked on what the trainer was given, token by token: every trained sequence is the prompt,
+each reply as the engine sampled it and each observation as the environment tokenized it; the loss
+mask is 0 exactly at the observation tokens (and the prompt); and, with max_policy_lag 1, a turn
+sampled after the step-1 weight update carries version 1 while its first reply was sampled at 0.
+
+The controller runs in this process (its executors in their own, as always), so the test can watch the
+samples the engines returned (GeneratorExecutor.collect/poll) and the batches the trainer trained
+(TrainerExecutor.step) without changing either."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from megarl.reward.environment import EnvState
+from megarl.reward.tools import Calculator
+
+REPO = Path(__file__).resolve().parents[1]
+OBSERVATIONS: dict[tuple[int, ...], list[list[int]]] = {}  # reply ids -> observation ids the env answered
+
+
+class CallsOnce(Calculator):
+    """The calculator, with a random policy's first reply of each rollout read as a call of ``6*7`` (a
+    random tiny model never writes ``<calc>...</calc>``); everything else is the calculator's: the
+    ``<result>42</result>`` user turn tokenized through the chat template, the final reply scored by
+    ``arithmetic``."""
+
+    def call_in(self, state: EnvState, text: str):
+        return super().call_in(state, text) or (None if state.extra.get("calls") else "6*7")
+
+    def step(self, state, reply_ids):
+        result = super().step(state, reply_ids)
+        if result.observation is not None:
+            OBSERVATIONS.setdefault(tuple(reply_ids), []).append(list(result.observation))
+        return result
+
+
+def _spy(monkeypatch, cls, name: str, record) -> None:
+    real = getattr(cls, name)
+
+    def wrapper(self, *args, **kwargs):
+        out = real(self, *args, **kwargs)
+        record(args, out)
+        return out
+
+    monkeypatch.setattr(cls, name, wrapper)
+
+
+def test_train_with_the_calculator_masks_observations_and_versions_turns(tiny_llama_dir, tmp_path, monkeypatch):
+    from megarl.config import load_config
+    from megarl.controller import run_job
+    from megarl.generator.executor import GeneratorExecutor
+    from megarl.trainer.executor import TrainerExecutor
+
+    engine_samples: dict[tuple[int, ...], list] = {}  # prompt ids -> samples the engine returned for them
+    batches: list = []
+    keep = lambda _args, out: [engine_samples.setdefault(tuple(s.prompt_ids), []).append(s) for s in out]  # noqa: E731
+    _spy(monkeypatch, GeneratorExecutor, "collect", keep)
+    _spy(monkeypatch, GeneratorExecutor, "poll", keep)
+    _spy(monkeypatch, TrainerExecutor, "step", lambda args, _out: batches.append(args[0]))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # the job hides CUDA; restored after the test
+    OBSERVATIONS.clear()
+    cfg = load_config(REPO / "configs" / "tiny_test.yaml", [
+        f"model.path={tiny_llama_dir}", f"logging.out_dir={tmp_path}", "controller.eval_every=0",
+        f"reward.env={__name__}:CallsOnce", "generator.max_turns=3", "generator.max_new_tokens=8",
+        # A random model seldom samples EOS; a stop string of common letters ends its replies within a
+        # few tokens, so a reply finishes ('stop') and the environment answers it.
+        "generator.stop=[e, a, o, i]", "controller.max_policy_lag=1", "trainer.checkpoint_interval=0",
+        "algorithm.entropy_coef=0.01"])
+    assert run_job(cfg) == 0
+
+    rows = [json.loads(line) for line in (tmp_path / "tiny-test" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2] and len(batches) == 2
+    multi = 0
+    for step, (batch, row) in enumerate(zip(batches, rows), start=1):
+        turns_seen, observed = [], 0
+        for b in range(batch.batch_size):
+            tokens = batch.input_ids[b, :int(batch.lengths[b])].tolist()
+            expect_mask, turn_versions, n_obs = _walk(tokens, engine_samples)
+            # 0 exactly at the prompt and the observations, 1 at every reply token
+            assert batch.loss_mask[b, :len(tokens)].tolist() == expect_mask
+            turns_seen.append(len(turn_versions))
+            observed += n_obs
+            if len(turn_versions) > 1 and step == 2:
+                # The first reply was generated ahead (lag 1) at weights v0; the later turns ran after the
+                # step-1 update landed: every token of them carries version 1.
+                assert turn_versions[0] == {0} and all(v == {1} for v in turn_versions[1:]), turn_versions
+        multi += sum(t > 1 for t in turns_seen)
+        assert row["gen/turns_mean"] == sum(turns_seen) / len(turns_seen)
+        assert row["gen/turns_max"] == max(turns_seen)
+        assert row["gen/multi_turn_frac"] == sum(t > 1 for t in turns_seen) / len(turns_seen)
+        assert row["gen/observation_tokens"] == observed
+    assert multi >= 1  # at least one trained sample took more than one turn
+
+
+def _walk(tokens: list[int], engine_samples: dict) -> tuple[list[float], list[set[int]], int]:
+    """Reads ``tokens`` as prompt, reply (a sample the engine returned for exactly the tokens before
+    it), observation (what the environment answered that reply), reply, ...; fails unless every
+    token is accounted for. Returns the loss mask that sequence must have, each reply's versions and
+    the number of observation tokens."""
+    pos = _first_prompt_len(tokens, engine_samples)
+    mask, versions, n_obs = [0.0] * pos, [], 0
+    while pos < len(tokens):
+        reply = next((s for s in engine_samples.get(tuple(tokens[:pos]), [])
+                      if tokens[pos:pos + len(s.completion_ids)] == s.completion_ids), None)
+        assert reply is not None, f"tokens {pos}.. are no reply the engine sampled after the tokens before them"
+        pos += len(reply.completion_ids)
+        mask += [1.0] * len(reply.completion_ids)
+        versions.append(set(reply.versions))
+        if pos == len(tokens):
+            break
+        obs = next((o for o in OBSERVATIONS.get(tuple(reply.completion_ids), [])
+                    if tokens[pos:pos + len(o)] == o), None)
+        assert obs is not None, f"tokens {pos}.. follow a reply but are not the environment's observation"
+        pos += len(obs)
+        n_obs += len(obs)
+        mask += [0.0] * len(obs)
+    return mask, versions, n_obs
+
+
+def _first_prompt_len(tokens: list[int], engine_samples: dict) -> int:
+    return min(len(p) for p in engine_samples if list(p) == tokens[:len(p)])
