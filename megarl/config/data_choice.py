@@ -30,11 +30,13 @@ def apply_data_choice(cfg, *, missing_ok: bool = False) -> None:
         parts.append(f"data.eval_path: {held.describe()}, recognised from {held_where}")
     if cfg.reward.fn == AUTO:
         cfg.reward.fn = train.reward
-        parts.append(f"reward.fn={train.reward} (auto: the {train.label} schema's reward)")
+        parts.append(f"reward.fn={train.reward} (auto: the {train.label} schema's reward"
+                     f"{'; reward.env scores instead' if cfg.reward.env else ''})")
     else:
         parts.append(f"reward.fn={cfg.reward.fn} (set in the config)")
     if d.instruction == "auto":
-        parts.append(f"text prompts get {train.instruction!r} (data.instruction auto)")
+        parts.append(f"text prompts get {instruction_for(cfg, train)!r} (data.instruction auto"
+                     f"{f', reward.env={cfg.reward.env}' if cfg.reward.env else ''})")
     d.choice = "; ".join(parts)
 
 
