@@ -11,7 +11,8 @@ that is the reference. fp32 on both sides and pure copies on both paths, so equa
 The cases cover each axis at least twice: family (Llama, Qwen2 with q/k/v biases, Qwen3 with q/k
 norms and a decoupled head_dim; Mistral and Llama 3.2-style rope scaling once each), tied and
 untied embeddings, KV heads below / equal to / above the generator's TP (below: vLLM replicates KV
-heads), trainer TP, PP and DP of 1 and 2, generator TP 1 and 2.
+heads), trainer TP, PP and DP of 1 and 2, generator TP 1 and 2. MoE rows (Qwen3-MoE): the router and
+every expert's block of vLLM's stacked ``w13_weight`` / ``w2_weight``, trainer EP 1 and 2, generator TP 1 and 2.
 """
 
 from __future__ import annotations
@@ -75,17 +76,42 @@ def _checkpoints(root: Path, family: str, tied: bool, kvh: int) -> tuple[Path, P
 @pytest.mark.parametrize("case", CASES, ids=_case_id)
 def test_ddma_lands_what_vllms_loader_lands(case, tmp_path):
     family, tied, kvh, ttp, tpp, tdp, gtp = case
-    ckpt_a, ckpt_b = _checkpoints(tmp_path, family, tied, kvh)
+    _assert_lands_like_vllms_loader(tmp_path, *_checkpoints(tmp_path, family, tied, kvh), ttp, tpp, tdp, gtp)
+
+
+# MoE rows (Qwen3-MoE, 4 experts, top-2; layer 0 sparse, layer 1 dense): (trainer ep, dp, generator tp).
+# Trainer EP 1 and 2 (DP replica d holds EP rank d % ep's experts), generator TP 1 and 2 (vLLM splits
+# each expert's intermediate dim: w13_weight[e] = [gate_r; up_r], w2_weight[e] = down's columns).
+# The default row is the one that has both (EP2 into TP2, ~40-65 s here); the others are slow (~35-80 s).
+MOE_CASES = [pytest.param((1, 1, 2), marks=pytest.mark.slow), pytest.param((2, 2, 1), marks=pytest.mark.slow),
+             (2, 2, 2)]
+
+
+def _moe_id(c) -> str:
+    ep, tdp, gtp = c
+    return f"qwen3_moe-ep{ep}-t1x1x{tdp}-g{gtp}"
+
+
+@pytest.mark.parametrize("case", MOE_CASES, ids=_moe_id)
+def test_ddma_lands_experts_like_vllms_loader(case, tmp_path):
+    ep, tdp, gtp = case
+    ckpts = tuple(make_tiny_hf_checkpoint(tmp_path / n, "qwen3_moe", head_dim=64, seed=seed,
+                                          extra_config={"mlp_only_layers": [1]}) for n, seed in (("a", 21), ("b", 22)))
+    _assert_lands_like_vllms_loader(tmp_path, *ckpts, 1, 1, tdp, gtp, ep=ep)
+
+
+def _assert_lands_like_vllms_loader(tmp_path: Path, ckpt_a: Path, ckpt_b: Path, ttp: int, tpp: int, tdp: int,
+                                    gtp: int, ep: int = 1) -> None:
     overrides = [f"model.path={ckpt_a}", "generator.dtype=float32", f"generator.tp={gtp}"]
     if gtp == 2:
         overrides.append("generator.threads_bind=0|1")
     cfg = load_config(REPO / "configs" / "tiny_test.yaml", overrides)
     dims = ModelDims.from_hf_config(read_hf_config(ckpt_b))
     store = host_store()
-    spec = SyncSpec(dims, TrainerTopology(ttp, tpp, tdp), GeneratorTopology(gtp, 1), "127.0.0.1", store.port,
-                    engine_dtype="float32", timeout_s=120)
+    spec = SyncSpec(dims, TrainerTopology(ttp, tpp, tdp, ep=ep), GeneratorTopology(gtp, 1), "127.0.0.1", store.port,
+                    engine_dtype="float32", timeout_s=120,)
     cpus = [0, 1] if len(os.sched_getaffinity(0)) >= 2 else None
-    with TrainerExecutor(TrainerConfig(tp=ttp, pp=tpp, dp=tdp), AlgorithmConfig(), ckpt_b, total_steps=1,
+    with TrainerExecutor(TrainerConfig(tp=ttp, pp=tpp, dp=tdp, ep=ep), AlgorithmConfig(), ckpt_b, total_steps=1,
                          run_dir=tmp_path, cpus=cpus) as trainer, GeneratorExecutor(cfg.generator, ckpt_a) as gen:
         trainer.start_sync(spec, 0)
         gen.update_weights_from_source({**spec.weight_source(0), "capture": True}, 0)

@@ -145,11 +145,11 @@ def test_vllm_expert_layouts_and_the_ep_sync_plan(tiny_qwen3_moe_dir):
     from megarl.models.layouts import vllm_param_layouts
 
     dims = _dims(tiny_qwen3_moe_dir)
-    w13 = vllm_param_layouts(dims, 2, 1)["model.layers.0.mlp.experts.w13_weight.3"]
+    w13 = vllm_param_layouts(dims, 2, 1)["model.layers.0.mlp.experts.routed_experts.w13_weight.3"]
     assert w13.local_shape == (64, 128)  # 2 x moe_intermediate 64 / tp 2, hidden 128
     assert [(p.hf_name.rsplit(".", 2)[-2], p.hf_start, p.local_start, p.length) for p in w13.pieces] == [
         ("gate_proj", 32, 0, 32), ("up_proj", 32, 32, 32)]
-    w2 = vllm_param_layouts(dims, 2, 1)["model.layers.0.mlp.experts.w2_weight.3"]
+    w2 = vllm_param_layouts(dims, 2, 1)["model.layers.0.mlp.experts.routed_experts.w2_weight.3"]
     assert w2.local_shape == (128, 32) and w2.pieces[0].dim == 1 and w2.pieces[0].hf_start == 32
     src = TrainerTopology(1, 1, 2, ep=2)
     layouts = source_layouts(dims, src)

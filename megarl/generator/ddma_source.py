@@ -53,10 +53,11 @@ EXPERT_PARAMS = {"w13_weight": "gate_up_proj", "w2_weight": "down_proj"}
 
 def expert_checkpoint_name(dparam: str) -> str:
     """The name FusedMoE's ``load_weights`` takes for DDMA's per-expert block ``dparam``
-    (``...mlp.experts.w13_weight.3`` -> ``...mlp.experts.3.gate_up_proj.weight``: one expert's
+    (``...mlp.experts.routed_experts.w13_weight.3`` -> ``...mlp.experts.3.gate_up_proj.weight``: one expert's
     fused gate+up, which vLLM splits into halves w1 / w3); other names unchanged."""
     head, _, tail = dparam.rpartition(".")
     prefix, _, param = head.rpartition(".")
+    prefix = prefix.removesuffix(".routed_experts")  # vllm 0.32: mlp.experts (MoERunner).routed_experts
     if param not in EXPERT_PARAMS or not tail.isdecimal() or not prefix.endswith(".experts"):
         return dparam
     return f"{prefix}.{tail}.{EXPERT_PARAMS[param]}.weight"

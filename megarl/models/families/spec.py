@@ -36,7 +36,8 @@ class LayerParam:
     mcore_te: str = ""
     # MoE: one row per routed expert. ``{e}`` in ``mcore`` is the expert's index on its expert-parallel
     # rank (Megatron's ``local_experts.<j>``), in ``hf`` its global index (``experts.<e>``), in ``vllm``
-    # also global: ``experts.w13_weight.<e>`` is expert e's block ``w13_weight[e]`` of vLLM's stacked
+    # also global: ``experts.routed_experts.w13_weight.<e>`` (vllm 0.32's parameter name: a MoERunner
+    # ``experts`` around its RoutedExperts) is expert e's block ``w13_weight[e]`` of vLLM's stacked
     # FusedMoE parameter ([E, 2 * moe_ffn / tp, hidden]: [gate_r; up_r] per expert, as GATE_UP; w2:
     # [E, hidden, moe_ffn / tp], as ROW), one contiguous block since the expert dim is outermost.
     per_expert: bool = False
@@ -73,9 +74,9 @@ ROUTER = LayerParam(Kind.REPLICATED, "mlp.router.weight", ("mlp.gate.weight",), 
                     ("experts", "hidden"))
 EXPERT_GATE_UP = LayerParam(Kind.GATE_UP, "mlp.experts.local_experts.{e}.linear_fc1.weight",
                             ("mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight"),
-                            "mlp.experts.w13_weight.{e}", ("moe_ffn", "hidden"), per_expert=True)
+                            "mlp.experts.routed_experts.w13_weight.{e}", ("moe_ffn", "hidden"), per_expert=True)
 EXPERT_DOWN = LayerParam(Kind.ROW, "mlp.experts.local_experts.{e}.linear_fc2.weight",
-                         ("mlp.experts.{e}.down_proj.weight",), "mlp.experts.w2_weight.{e}", ("hidden", "moe_ffn"),
+                         ("mlp.experts.{e}.down_proj.weight",), "mlp.experts.routed_experts.w2_weight.{e}", ("hidden", "moe_ffn"),
                          per_expert=True)
 # Transformer Engine fuses a dense MLP's norm into linear_fc1; an MoE layer keeps pre_mlp_layernorm
 MOE_MLP_NORM = dataclasses.replace(MLP_NORM, mcore_te="")
