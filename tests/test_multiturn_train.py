@@ -123,3 +123,25 @@ def _walk(tokens: list[int], engine_samples: dict) -> tuple[list[float], list[se
 
 def _first_prompt_len(tokens: list[int], engine_samples: dict) -> int:
     return min(len(p) for p in engine_samples if list(p) == tokens[:len(p)])
+
+
+def test_reward_env_names_an_environment_or_says_what_to_change():
+    """reward.env is checked when the config loads (no torch, no engine): each bad value is one line
+    naming the key and what to write instead; empty (the default) is the single-turn job of before."""
+    import pytest
+
+    from megarl.config import ConfigError, load_config
+
+    base = REPO / "configs" / "tiny_test.yaml"
+    assert load_config(base, []).reward.env == ""
+    assert load_config(base, ["reward.env=calculator"]).reward.env == "calculator"
+    assert load_config(base, [f"reward.env={__name__}:CallsOnce"]).reward.env.endswith(":CallsOnce")
+    for value, says in (("calcu", "unknown environment; known: calculator, or a 'package.module:Class' path"),
+                        ("gsm8k", "'gsm8k' is a reward (the one-step environment): set reward.fn=gsm8k and "
+                                  "leave reward.env empty"),
+                        ("no_such_module:Env", "cannot find module 'no_such_module'"),
+                        (f"{__name__}:NoSuchEnv", "defines no top-level 'NoSuchEnv'")):
+        with pytest.raises(ConfigError) as err:
+            load_config(base, [f"reward.env={value}"])
+        problems = [line for line in str(err.value).splitlines() if "reward.env" in line]
+        assert len(problems) == 1 and says in problems[0], str(err.value)
