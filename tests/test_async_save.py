@@ -113,8 +113,16 @@ def test_nothing_counts_before_the_commit_and_the_step_goes_on(job):
 def test_the_checkpoint_is_the_snapshot_and_resumes_bit_exact(job):
     _, written, resumed = job
     root = job[0] / "ckpt"
+    from megarl.trainer.checkpoint_index import file_crc32
+
     for step in (1, 2):  # each its own step's staged file
-        assert (root / f"step_{step:08d}" / "controller_state.json").read_text() == f"step {step}"
+        folder = root / f"step_{step:08d}"
+        assert (folder / "controller_state.json").read_text() == f"step {step}"
+        # the writers' CRCs of their own shards are the manifest's, and their record files are gone
+        meta = json.loads((folder / "meta.json").read_text())
+        shards = sorted(p.relative_to(folder).as_posix() for p in (folder / "dist").glob("__*.distcp"))
+        assert len(shards) >= 2 and all(meta["crc32"][s] == file_crc32(folder / s) for s in shards)
+        assert not list(folder.glob(".shard_crc_rank_*"))
     for w, r in zip(written, resumed):
         assert r["step"] == 1
         for n in w["w1"]:
@@ -176,3 +184,18 @@ def test_the_writer_survives_a_fork_of_a_threaded_trainer(tmp_path):
     forever on the parent's OpenMP threads (tiny test models stay under the grain size, so they never
     showed it). Without `torch.set_num_threads(1)` in the writer this times out after 30 s."""
     run_multiprocess(_big_tensor_job, 1, str(tmp_path), timeout_s=120)
+
+
+def test_a_recorded_crc_is_used_only_while_the_file_size_matches(tmp_path):
+    from megarl.trainer.checkpoint_files import known_shard_crcs, record_shard_crcs
+    from megarl.trainer.checkpoint_index import _manifest, file_crc32
+
+    (tmp_path / "dist").mkdir()
+    shard = tmp_path / "dist" / "__0_0.distcp"
+    shard.write_bytes(b"x" * 1000)
+    record_shard_crcs(tmp_path, 0)
+    assert _manifest(tmp_path, known_shard_crcs(tmp_path))[1] == {"dist/__0_0.distcp": file_crc32(shard)}
+    assert not list(tmp_path.glob(".shard_crc_rank_*"))  # not part of the checkpoint
+    # a record that no longer fits its file (size changed) is read again, not trusted
+    assert _manifest(tmp_path, {"dist/__0_0.distcp": (999, 12345)})[1]["dist/__0_0.distcp"] == file_crc32(shard)
+    assert _manifest(tmp_path, {"dist/__0_0.distcp": (1000, 12345)})[1]["dist/__0_0.distcp"] == 12345

@@ -35,7 +35,8 @@ PAUSE = "checkpoint_async_write"  # fault tests hold the writer here (every writ
 _POLL_S = 0.05  # how often a blocking wait looks at the writer process (s)
 
 
-def _write(async_fn: Optional[Callable], args: tuple, kwargs: dict, step: int, parent: int) -> None:
+def _write(async_fn: Optional[Callable], args: tuple, kwargs: dict, step: int, parent: int,
+           after_write: Optional[Callable[[], Any]]) -> None:
     """The writer process: this rank's shard files, then exit (its result goes back by the queue)."""
     from megarl.utils.procs import watch_parent
 
@@ -47,6 +48,8 @@ def _write(async_fn: Optional[Callable], args: tuple, kwargs: dict, step: int, p
     torch.set_num_threads(1)
     if async_fn is not None:
         async_fn(*args, **kwargs)
+    if after_write is not None:
+        after_write()  # e.g. the shards' CRCs, here rather than on the trainer's step
     log.info("checkpoint: async writer (pid %d) wrote the step-%d shards", os.getpid(), step)
     pause_point(PAUSE)
     pause_point(f"{PAUSE}@{step}")  # this step's write only (the kill matrix holds one)
@@ -76,9 +79,11 @@ class AsyncWriter:
         (megatron's writer defaults to a Manager server process per rank)."""
         return mp.get_context("fork").Queue()
 
-    def start(self, request: Any, commit: Callable[[Optional[BaseException]], Path], step: int) -> None:
+    def start(self, request: Any, commit: Callable[[Optional[BaseException]], Path], step: int,
+              after_write: Optional[Callable[[], Any]] = None) -> None:
         """Fork the writer for megatron's ``request`` (None: nothing to write on this rank);
-        ``commit(failed)`` runs once every rank's write is done (``failed``: how it failed, else None)."""
+        ``after_write()`` runs in the writer once its files are written; ``commit(failed)`` runs once
+        every rank's write is done (``failed``: how it failed, else None)."""
         if self._commit is not None:
             raise RuntimeError(f"checkpoint: step {step} started while step {self._step} is being written")
         self._request, self._commit, self._step, self._t0 = request, commit, int(step), time.monotonic()
@@ -87,7 +92,7 @@ class AsyncWriter:
             fn, args, kwargs = request.async_fn, list(request.async_fn_args), dict(request.async_fn_kwargs)
             if request.preload_fn is not None and torch.cuda.is_available():
                 args[1] = request.preload_fn()  # device tensors -> host memory (the snapshot)
-        self._proc = mp.get_context("fork").Process(target=_write, args=(fn, tuple(args), kwargs, step, os.getpid()),
+        self._proc = mp.get_context("fork").Process(target=_write, args=(fn, tuple(args), kwargs, step, os.getpid(), after_write),
                                                     name=f"megarl-ckpt-writer-{step}")  # not a daemon: it forks megatron's file writers
         self._proc.start()
         log.info("checkpoint: step %d snapshot taken in %.2fs; writing in the background (pid %d)",

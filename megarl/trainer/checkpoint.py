@@ -53,6 +53,8 @@ from megarl.trainer.checkpoint_index import (FORMAT, LATEST, META, STEP_PREFIX, 
                                              latest_checkpoint, list_checkpoints, newest_complete,
                                              resolve_checkpoint, resume_path, should_save, step_dir_name)
 from megarl.trainer.async_save import AsyncWriter
+from megarl.trainer.checkpoint_files import (_fsync_dir, _fsync_tree, _no_space, _tree_bytes,  # noqa: F401
+                                             copy_hf_extra, known_shard_crcs, record_shard_crcs, write_text_atomic)
 from megarl.trainer.model import unwrap
 
 log = logging.getLogger(__name__)
@@ -60,8 +62,6 @@ log = logging.getLogger(__name__)
 STAGE_PREFIX = ".stage_"  # files a save adopts into the step folder (the controller's state)
 _SPACE_MARGIN = 1.10  # a save needs this much more than the previous checkpoint's size (ratio)
 EXTRA_DIR = "hf_extra"  # the source HF folder's tokenizer files, in step folders and model checkpoints
-_HF_EXTRA_SUFFIXES = (".json", ".txt", ".model", ".jinja", ".tiktoken")
-_NOT_EXTRA = {"config.json", "model.safetensors.index.json"}
 # The DistributedOptimizer's state in model space (a tensor per parameter, like a plain optimizer's):
 # it reshards at load to any TP / PP / DP. megatron-core 0.16.1 builds it by all-gathering the state
 # of each model-parallel shard within its DP group at save (its "fully_reshardable"; its
@@ -227,67 +227,6 @@ def use_in_process_write_queue() -> None:
     from megatron.core.dist_checkpointing.strategies import filesystem_async
     if getattr(filesystem_async, "_results_queue", "absent") is None:
         filesystem_async._results_queue = queue.Queue()
-
-
-# ----------------------------------------------------------------------------- files
-
-def _fsync_tree(root: Path) -> None:
-    for dirpath, _, filenames in os.walk(root):
-        for name in filenames:
-            with open(os.path.join(dirpath, name), "rb") as f:
-                os.fsync(f.fileno())
-        _fsync_dir(Path(dirpath))
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _tree_bytes(root: Path) -> int:
-    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
-
-
-def _no_space(e: Optional[BaseException], _depth: int = 0) -> bool:
-    """A full disk (ENOSPC, EDQUOT), also when megatron / torch DCP wrap it: their writer reports a
-    worker's OSError as text inside a CheckpointException (its ``failures``, rank -> exception)."""
-    if e is None or _depth > 8:
-        return False
-    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
-        return True
-    if any(os.strerror(code) in str(e) for code in (errno.ENOSPC, errno.EDQUOT)):
-        return True
-    failures = getattr(e, "failures", None)
-    if isinstance(failures, dict) and any(_no_space(f, _depth + 1) for f in failures.values()
-                                          if isinstance(f, BaseException)):
-        return True
-    return _no_space(e.__cause__ or e.__context__, _depth + 1)
-
-
-def copy_hf_extra(src_dir: str | Path, dst_dir: str | Path) -> list[str]:
-    """Copy an HF folder's tokenizer / generation-config / chat-template files (not config.json,
-    not weights) into dst_dir; returns the names copied."""
-    dst = Path(dst_dir)
-    dst.mkdir(parents=True, exist_ok=True)
-    names = []
-    for f in sorted(Path(src_dir).iterdir()):
-        if f.is_file() and f.suffix in _HF_EXTRA_SUFFIXES and f.name not in _NOT_EXTRA:
-            shutil.copy2(f, dst / f.name)
-            names.append(f.name)
-    return names
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
 
 
 def _barrier(what: str) -> None:
@@ -485,7 +424,7 @@ def save_checkpoint(checkpoint_dir: str | Path, *, model: list, optimizer: Any =
                         os.replace(f, tmp / f.name)
                 if hf_extra_from is not None:
                     copy_hf_extra(hf_extra_from, tmp / EXTRA_DIR)
-                files, crcs = _manifest(tmp)
+                files, crcs = _manifest(tmp, known_shard_crcs(tmp))  # an async writer CRCed its own shards
                 _fsync_tree(tmp)
                 write_text_atomic(tmp / META, json.dumps({**meta, "saved_at": time.time(), "files": files,
                                                           "crc32": crcs}, indent=1, default=str))  # the manifest: last
@@ -518,7 +457,7 @@ def save_checkpoint(checkpoint_dir: str | Path, *, model: list, optimizer: Any =
 
     if writer is None or _agree(written) is not None:
         return commit(None)
-    writer.start(request, commit, step)
+    writer.start(request, commit, step, after_write=lambda: record_shard_crcs(tmp, rank))
     return final
 
 

@@ -39,11 +39,18 @@ def file_crc32(path: Path) -> int:
     return crc
 
 
-def _manifest(root: Path) -> tuple[dict, dict]:
-    """(size, crc32) of every file under ``root`` but meta.json, by relative path."""
-    files = [p for p in sorted(root.rglob("*")) if p.is_file() and p.relative_to(root).as_posix() != META]
-    return ({p.relative_to(root).as_posix(): p.stat().st_size for p in files},
-            {p.relative_to(root).as_posix(): file_crc32(p) for p in files})
+def _manifest(root: Path, known: Optional[dict[str, tuple[int, int]]] = None) -> tuple[dict, dict]:
+    """(size, crc32) of every file under ``root`` but meta.json, by relative path. ``known``: CRCs
+    taken already (an async writer's, of its own shards), used where the size still matches."""
+    known = known or {}
+    sizes, crcs = {}, {}
+    for p in sorted(root.rglob("*")):
+        rel = p.relative_to(root).as_posix()
+        if not p.is_file() or rel == META:
+            continue
+        sizes[rel] = p.stat().st_size
+        crcs[rel] = known[rel][1] if rel in known and known[rel][0] == sizes[rel] else file_crc32(p)
+    return sizes, crcs
 
 
 def step_dir_name(step: int) -> str:
