@@ -19,6 +19,11 @@ observation as given. In the resulting :class:`~megarl.rollout.Sample`:
 
 The environment's reward (``StepResult.reward``) and verdict are set on the sample; a truncated
 rollout gets ``truncated_score``.
+
+:func:`multi_turn` drives rollouts from their prompts; :func:`continue_rollouts` from first replies
+sampled elsewhere (in ``megarl train``: the rollout queue's, admitted and lag-checked as in single
+turn), which :class:`EnvironmentTurns` does for the loop when ``reward.env`` is set
+(docs/environments.md).
 """
 
 from __future__ import annotations
