@@ -3,7 +3,8 @@ sequence, the KL penalty to the reference, the entropy bonus): real vLLM generat
 real Megatron trainer, then the saved checkpoint's weights are compared with the initial model.
 
 One subprocess per loss (each starts vLLM: ~40 s on 2 cores), the options spread over them, so
-every loss and every option runs once in ~4 min. The random tiny model earns no reward, so every
+every loss and every option runs once in ~4 min (three of the jobs only with `-m slow`: _OWN_PATH).
+The random tiny model earns no reward, so every
 advantage is 0 and a policy-gradient loss alone has an exactly zero gradient; the entropy bonus
 (on in every run) is what gives each run a gradient, so each run can prove that its step changed
 the weights. tests/test_trainer_every_loss.py checks every loss and option alone, with non-zero
@@ -63,7 +64,15 @@ def _checkpoint_tensor(step_dir: Path, name: str, tmp_path: Path) -> torch.Tenso
     return torch.load(tmp_path / "ckpt.pt", weights_only=False)[name]
 
 
-@pytest.mark.parametrize("loss", list(OPTIONS))
+# In the default suite: the three jobs whose inputs take a path of their own through the loop (the
+# reference model for the KL penalty, TIS token and sequence, the behaviour logprobs); the other
+# losses differ only in their math, which tests/test_trainer_every_loss.py checks against hand-computed
+# values without vLLM, so their jobs (~35 s each on 2 cores) run with `-m slow`.
+_OWN_PATH = ("aipo", "ppo", "decoupled_ppo")
+
+
+@pytest.mark.parametrize("loss", [loss if loss in _OWN_PATH else pytest.param(loss, marks=pytest.mark.slow)
+                                  for loss in OPTIONS])
 def test_train_one_step(loss, tiny_llama_dir, tmp_path):
     options = {**OPTIONS[loss], "entropy_coef": 0.01}
     cmd = [sys.executable, "-m", "megarl", "train", str(REPO / "configs" / "tiny_test.yaml"),
