@@ -310,18 +310,19 @@ def test_cli_refuses_unverified_models_in_one_line(tmp_path, model_dir, fields, 
 
 
 def test_cli_refuses_moe_training_in_one_line(tmp_path, model_dir):
-    """A valid Qwen3-MoE under the default DDMA sync: refused in one line naming sync.method=shm,
-    the one sync that lands experts today (docs/moe.md); with it the dry run passes."""
+    """A valid Qwen3-MoE: the default DDMA sync passes the dry run (it lands experts: docs/moe.md),
+    and FP8 on the wire, not verified for experts, is refused in one line naming sync.wire=engine."""
     config = json.loads((model_dir / "config.json").read_text())
     (model_dir / "config.json").write_text(json.dumps({**config, "model_type": "qwen3_moe", "architectures": [
         "Qwen3MoeForCausalLM"], "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64}))
-    out = _megarl("train", str(write(tmp_path / "c.yaml", f"model: {{path: {model_dir}}}\n")), "--dry-run")
+    cfg = write(tmp_path / "c.yaml", f"model: {{path: {model_dir}}}\n")
+    out = _megarl("train", str(cfg), "--dry-run")
+    assert out.returncode == 0, out.stdout + out.stderr
+    out = _megarl("train", str(cfg), "sync.wire=fp8", "--dry-run")
     assert out.returncode == 2, out.stdout + out.stderr
     header, *problems = [line for line in out.stderr.splitlines() if line.strip()]
     assert "Traceback" not in out.stderr and len(problems) == 1, out.stderr
-    assert "DDMA cannot land experts" in problems[0] and "set sync.method=shm" in problems[0], problems[0]
-    out = _megarl("train", str(tmp_path / "c.yaml"), "sync.method=shm", "--dry-run")
-    assert out.returncode == 0, out.stdout + out.stderr
+    assert "not verified for experts" in problems[0] and "set sync.wire=engine" in problems[0], problems[0]
 
 
 @pytest.mark.parametrize("name", sorted(p.name for p in (REPO / "configs" / "models").glob("*.json")))
