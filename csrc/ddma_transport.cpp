@@ -7,6 +7,8 @@
 // weighted_checksum_segments: the verification checksum of megarl/ddma/verify.py over segments
 // whose HF indices are affine (hf_start + k), in one pass at memory speed (AVX2 where the CPU has
 // it, chosen at run time; a scalar loop otherwise; both give the torch reference's sum).
+// copy_checksum_runs: copy_runs and that checksum fused, one pass over the bytes (the zero_copy
+// receiver landing straight into engine tensors).
 //
 // The kernel allows it when the reader may ptrace the sender: same uid, and under Yama
 // ptrace_scope=1 only if the sender opted in with prctl(PR_SET_PTRACER) (allow_zero_copy_readers).
@@ -264,6 +266,128 @@ uint64_t weighted_checksum_segments(const at::Tensor& flat, const at::Tensor& of
   return 0;
 }
 
+
+// --- copy + digest in one pass ----------------------------------------------------------------
+// The zero_copy receiver's copy is ours: it reads each run once, stores it into the engine's tensor and
+// folds the same bits into the digest on the way (no second pass over what landed). The digest is the
+// one of weighted_checksum_segments over the destination's segments: the same sum for the same bytes.
+
+// Scalar: memcpy, then the scalar sum of the copied bytes (any CPU).
+template <typename T>
+uint64_t copy_sum_scalar(const T* p, T* q, int64_t n, uint32_t w) {
+  std::memcpy(q, p, static_cast<size_t>(n) * sizeof(T));
+  return segment_sum_scalar(q, n, w);
+}
+
+#ifdef MEGARL_CHECKSUM_AVX2
+// Adds the digest of 8 u32 lanes of bits ``b`` at weights ``wv`` to (even, odd) accumulators.
+__attribute__((target("avx2"))) inline void digest8(__m256i b, __m256i wv, __m256i& even, __m256i& odd) {
+  even = _mm256_add_epi64(even, _mm256_mul_epu32(b, wv));
+  odd = _mm256_add_epi64(odd, _mm256_mul_epu32(_mm256_srli_epi64(b, 32), _mm256_srli_epi64(wv, 32)));
+}
+
+// AVX2: 32 bytes per step, loaded once, stored to q, widened to u32 lanes (8 per digest8 call, 32/8/sizeof(T)
+// calls per step) and summed with the weights, in two accumulator pairs. Tail: copy_sum_scalar.
+template <typename T>
+__attribute__((target("avx2"))) uint64_t copy_sum_avx2(const T* p, T* q, int64_t n, uint32_t w) {
+  constexpr int64_t kPerVec = 32 / sizeof(T);  // elements per 32-byte vector
+  const uint32_t m = static_cast<uint32_t>(kWMul);
+  __m256i wv = _mm256_setr_epi32(static_cast<int>(w), static_cast<int>(w + m), static_cast<int>(w + 2 * m),
+                                 static_cast<int>(w + 3 * m), static_cast<int>(w + 4 * m),
+                                 static_cast<int>(w + 5 * m), static_cast<int>(w + 6 * m),
+                                 static_cast<int>(w + 7 * m));
+  const __m256i step8 = _mm256_set1_epi32(static_cast<int>(8 * m));
+  __m256i e0 = _mm256_setzero_si256(), o0 = _mm256_setzero_si256();
+  __m256i e1 = _mm256_setzero_si256(), o1 = _mm256_setzero_si256();
+  int64_t k = 0;
+  for (; k + kPerVec <= n; k += kPerVec) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + k));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + k), v);
+    if constexpr (sizeof(T) == 4) {
+      digest8(v, wv, e0, o0);
+      wv = _mm256_add_epi32(wv, step8);
+    } else if constexpr (sizeof(T) == 2) {
+      const __m256i wv2 = _mm256_add_epi32(wv, step8);
+      digest8(_mm256_cvtepu16_epi32(_mm256_castsi256_si128(v)), wv, e0, o0);
+      digest8(_mm256_cvtepu16_epi32(_mm256_extracti128_si256(v, 1)), wv2, e1, o1);
+      wv = _mm256_add_epi32(wv2, step8);
+    } else {
+      const __m128i lo = _mm256_castsi256_si128(v), hi = _mm256_extracti128_si256(v, 1);
+      const __m256i w1 = _mm256_add_epi32(wv, step8), w2 = _mm256_add_epi32(w1, step8);
+      const __m256i w3 = _mm256_add_epi32(w2, step8);
+      digest8(_mm256_cvtepu8_epi32(lo), wv, e0, o0);
+      digest8(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)), w1, e1, o1);
+      digest8(_mm256_cvtepu8_epi32(hi), w2, e0, o0);
+      digest8(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)), w3, e1, o1);
+      wv = _mm256_add_epi32(w3, step8);
+    }
+  }
+  const __m256i acc = _mm256_add_epi64(_mm256_add_epi64(e0, o0), _mm256_add_epi64(e1, o1));
+  alignas(32) uint64_t lanes[4];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), acc);
+  const uint32_t w_tail = static_cast<uint32_t>(_mm256_cvtsi256_si32(wv));  // lane 0: the weight of element k
+  return lanes[0] + lanes[1] + lanes[2] + lanes[3] + copy_sum_scalar(p + k, q + k, n - k, w_tail);
+}
+#endif
+
+template <typename T>
+void copy_checksum_typed(const int64_t* sp, const int64_t* dp, const int64_t* np, const int64_t* hf,
+                         const int64_t* gp, int64_t n, bool vector, uint64_t* out) {
+  for (int64_t i = 0; i < n; ++i) {
+    const T* p = reinterpret_cast<const T*>(sp[i]);
+    T* q = reinterpret_cast<T*>(dp[i]);
+#ifdef MEGARL_CHECKSUM_AVX2
+    if (vector) {
+      out[gp[i]] += copy_sum_avx2(p, q, np[i], weight_at(hf[i]));
+      continue;
+    }
+#endif
+    out[gp[i]] += copy_sum_scalar(p, q, np[i], weight_at(hf[i]));
+  }
+}
+
+// For every run i: copy numel[i] elements of elem_size bytes from address src[i] to dst[i] (this
+// process's addresses, non-overlapping) and add sum_k bits(src[i][k]) * w(hf_starts[i] + k) mod 2^64
+// to digest group groups[i]. Returns the n_groups digests (int64 holding the uint64 bits): each is
+// weighted_checksum_segments of the copied bytes over the same segments.
+at::Tensor copy_checksum_runs(const at::Tensor& src, const at::Tensor& dst, const at::Tensor& numel,
+                              const at::Tensor& hf_starts, const at::Tensor& groups, int64_t n_groups,
+                              int64_t elem_size, bool vector) {
+  const int64_t n = src.numel();
+  check_runs(src, "src", n);
+  check_runs(dst, "dst", n);
+  check_runs(numel, "numel", n);
+  check_runs(hf_starts, "hf_starts", n);
+  check_runs(groups, "groups", n);
+  TORCH_CHECK_VALUE(elem_size == 1 || elem_size == 2 || elem_size == 4, "copy_checksum_runs takes 1/2/4-byte "
+                    "elements, got ", elem_size);
+  TORCH_CHECK_VALUE(n_groups >= 0, "n_groups must be >= 0");
+  const at::Tensor s = src.contiguous(), d = dst.contiguous(), c = numel.contiguous();
+  const at::Tensor h = hf_starts.contiguous(), g = groups.contiguous();
+  const int64_t *sp = s.data_ptr<int64_t>(), *dp = d.data_ptr<int64_t>(), *np = c.data_ptr<int64_t>();
+  const int64_t *hp = h.data_ptr<int64_t>(), *gp = g.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK_VALUE(np[i] >= 0, "numel[", i, "] is negative");
+    TORCH_CHECK_VALUE(gp[i] >= 0 && gp[i] < n_groups, "groups[", i, "] = ", gp[i], " is not in [0, ", n_groups, ")");
+  }
+  at::Tensor out = at::zeros({n_groups}, at::kLong);
+  uint64_t* op = reinterpret_cast<uint64_t*>(out.data_ptr<int64_t>());
+#ifdef MEGARL_CHECKSUM_AVX2
+  vector = vector && cpu_has_avx2();
+#else
+  vector = false;
+#endif
+  {
+    pybind11::gil_scoped_release no_gil;
+    switch (elem_size) {
+      case 1: copy_checksum_typed<uint8_t>(sp, dp, np, hp, gp, n, vector, op); break;
+      case 2: copy_checksum_typed<uint16_t>(sp, dp, np, hp, gp, n, vector, op); break;
+      default: copy_checksum_typed<uint32_t>(sp, dp, np, hp, gp, n, vector, op); break;
+    }
+  }
+  return out;
+}
+
 }  // namespace
 
 void register_ddma_transport(pybind11::module_& m) {
@@ -280,6 +404,12 @@ void register_ddma_transport(pybind11::module_& m) {
         pybind11::arg("vector") = true,
         "DDMA verification checksum (megarl/ddma/verify.py) over segments with affine HF indices.\n"
         "vector=True takes the AVX2 kernel where the CPU has it (the same sum); False the scalar loop.");
+  m.def("copy_checksum_runs", &copy_checksum_runs, pybind11::arg("src"), pybind11::arg("dst"),
+        pybind11::arg("numel"), pybind11::arg("hf_starts"), pybind11::arg("groups"), pybind11::arg("n_groups"),
+        pybind11::arg("elem_size"), pybind11::arg("vector") = true,
+        "Copy runs and digest them in one pass: for each i, numel[i] elements of elem_size bytes from\n"
+        "address src[i] to dst[i], adding their weighted_checksum_segments digest (HF start hf_starts[i])\n"
+        "to group groups[i]. Returns n_groups int64 digests (uint64 bits). GIL released, one thread.");
   m.def("checksum_has_avx2", []() {
 #ifdef MEGARL_CHECKSUM_AVX2
     return cpu_has_avx2();

@@ -102,3 +102,91 @@ def test_checksum_segments_takes_the_kernel():
     flat = torch.randn(1000).to(torch.bfloat16)
     segs = (torch.tensor([0, 500]), torch.tensor([400, 500]), torch.tensor([7, 99]))
     assert checksum_segments(flat, segs) == checksum_segments_torch(flat, segs)
+
+
+_fused = native_function("copy_checksum_runs")
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("vector", [True, False], ids=["avx2", "scalar"])
+def test_copy_checksum_runs_copies_and_equals_the_kernel(dtype, vector):
+    """The fused copy + digest (csrc copy_checksum_runs) writes exactly the runs and returns, per group, the
+    digest weighted_checksum_segments gives over the same segments of what landed: random bytes, odd
+    lengths (every vector tail), odd source/destination element offsets (unaligned loads and stores)."""
+    g = torch.Generator().manual_seed(2)
+    numel, n = 1 << 12, 48
+    src = torch.randint(-(1 << 31), (1 << 31) - 1, (numel * 4 // 4,), generator=g, dtype=torch.int32)
+    src = src.view(torch.uint8)[:numel * dtype.itemsize].view(dtype)
+    dst = torch.zeros(numel * 2, dtype=dtype)
+    lens = torch.randint(0, 80, (n,), generator=g)
+    lens[0], lens[1] = 1000, 77  # long runs: the 32-byte loop, then a tail
+    dst_offs = torch.cumsum(torch.cat([torch.zeros(1, dtype=torch.long), lens[:-1] + 3]), 0)  # disjoint, odd gaps
+    src_offs = (torch.rand(n, generator=g) * (numel - lens)).long()
+    hfs = torch.randint(0, 1 << 40, (n,), generator=g)
+    groups = torch.randint(0, 3, (n,), generator=g)
+    es = dtype.itemsize
+    got = _fused(src_offs * es + src.data_ptr(), dst_offs * es + dst.data_ptr(), lens, hfs, groups, 3, es, vector)
+    for i in range(n):
+        a, b, k = int(src_offs[i]), int(dst_offs[i]), int(lens[i])
+        assert torch.equal(dst[b:b + k].view(torch.uint8), src[a:a + k].view(torch.uint8)), i
+    for grp in range(3):
+        sel = groups == grp
+        want = int(_kernel(dst, dst_offs[sel], lens[sel], hfs[sel], False))
+        assert int(got[grp]) & 0xFFFFFFFFFFFFFFFF == want, grp
+    untouched = torch.ones(dst.numel(), dtype=torch.bool)
+    for i in range(n):
+        untouched[int(dst_offs[i]):int(dst_offs[i]) + int(lens[i])] = False
+    assert bool((dst[untouched].view(torch.uint8 if es == 1 else torch.int16 if es == 2 else torch.int32) == 0).all())
+
+
+def _zero_copy_into(corrupt=None):
+    """One zero_copy sync in this process, landed straight into engine tensors (DdmaReceiver.receive_into):
+    two trainer ranks (PP2) share their bf16 wire (views of their parameters) and publish digests of it;
+    ``corrupt`` then changes the PP-rank-1 sender's ``linear_fc2`` of HF layer 1 in place -- the bytes the worker copies
+    are no longer the ones the sender summed, as in a corrupted transfer -- and TP rank 1 of a TP2 worker
+    (vocab padding rows) lands and verifies. The fused copy + digest must carry the verification: no
+    parameter is checksummed after landing."""
+    import os
+    import pickle
+
+    from megarl.ddma.transport.base import key
+    from tests.test_ddma_plan import _expected_vllm
+
+    dims = _dims("llama_kv4_untied")
+    src, dst = TrainerTopology(1, 2, 1), GeneratorTopology(2, 1)
+    store = host_store()
+    spec = SyncSpec(dims, src, dst, "127.0.0.1", store.port, engine_dtype="bfloat16", timeout_s=30.0)
+    hf = _hf(dims, 1, torch.bfloat16)
+    senders = []
+    for r in sorted(src.ranks()):
+        sender = DdmaSender(spec, r, hf_to_local(hf.__getitem__, source_rank_layouts(dims, src, r.tp, r.pp)))
+        wire, scales, _ = sender._wire_tensors()
+        table = {"sums": sender._checksums(wire, scales), "pid": os.getpid(), **sender.transport.publish(wire, scales)}
+        store.set(key(1, f"src{sender.group_rank(r)}"), pickle.dumps(table))
+        senders.append(sender)
+    if corrupt is not None:
+        name = next(n for n, l in senders[1].layouts.items()
+                    if any(p.hf_name == "model.layers.1.mlp.down_proj.weight" for p in l.pieces))
+        corrupt(senders[1].params[name].view(-1).view(torch.int16))
+    recv = DdmaReceiver(spec, DstRank(0, 1))
+    recv.check_landed = lambda *a: pytest.fail(f"checksummed after landing: {a[0]} (the fused digest should)")
+    engine = {n: torch.full(l.local_shape, float("nan"), dtype=torch.bfloat16) for n, l in recv.layouts.items()}
+    recv.receive_into(1, engine)
+    want = _expected_vllm(hf, dims, dst.tp, 1)
+    assert set(engine) == set(want)
+    for n, w in want.items():  # bitwise, padding rows zero
+        assert torch.equal(engine[n].view(torch.int16), w.view(torch.int16)), n
+
+
+@needs_native
+def test_zero_copy_into_engine_tensors_lands_exact_and_verifies():
+    _zero_copy_into()
+
+
+@needs_native
+@pytest.mark.parametrize("corrupt", [_flip_bit, _swap_chunks, _zero_chunk], ids=["flipped_bit", "swapped_chunk",
+                                                                                  "zeroed_chunk"])
+def test_fused_digest_catches_corruption_in_transit(corrupt):
+    with pytest.raises(DdmaVerifyError, match=r"model\.layers\.1\.mlp\.down_proj\.weight checksum"):
+        _zero_copy_into(corrupt)

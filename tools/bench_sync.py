@@ -10,17 +10,20 @@ Equal work, for every method:
 
 - **Same destination**: a sync is done when every worker's bytes are in its *engine tensors* (one
   tensor per vLLM parameter, local layout), checked byte for byte against an independent reference
-  (``hf_to_local`` of the same HF weights) after every timed sync, off the clock. A DDMA worker copies
-  each staging tensor into its engine tensor, as vLLM's loader does; the baselines narrow into it.
+  (``hf_to_local`` of the same HF weights) after every timed sync, off the clock. A DDMA worker lands
+  through ``DdmaReceiver.receive_into``: zero_copy writes each planned run straight into the engine
+  tensor (an engine whose parameters are plain; vLLM-CPU repacks its own, so there it streams staging
+  tensors to the loader); gloo / nccl copy each staging tensor in; the baselines narrow into it.
 - **Same buffer state** (``--buffers``): ``warm``: the engine tensors are allocated once and reused by
   every method and trial (as a running engine's parameters are), and so are the buffers the
   baselines keep (rank 0's assembly and receive buffers, each worker's full-model receive buffer);
-  ``cold``: all of those are allocated inside the timed sync. DDMA's per-parameter staging and the
-  shm push's file are allocated each sync in both, as their production code does.
+  ``cold``: all of those are allocated inside the timed sync. DDMA's per-parameter staging (gloo /
+  nccl) and the shm push's file are allocated each sync in both, as their production code does.
 - **Same checksums**: ``off`` for every method, or ``on`` for every method: each trainer rank computes
   DDMA's position-weighted checksums of the shard bytes it owns for each worker (the same code as a
   DDMA sender), publishes them in the store, and each worker checksums its engine tensors as they
-  landed and compares (``DdmaReceiver.check_landed`` / ``verify_landed``), on the clock.
+  landed and compares (``DdmaReceiver.check_landed`` / ``verify_landed``), on the clock; the zero_copy
+  worker digests each run in the copy that lands it (the same digest of the same bytes, one pass).
 
 Methods (timed side by side in one run: every (method, checksums, buffers) variant once per round,
 rounds interleaved, the order rotated each round, after one untimed warm-up round; best and median
@@ -246,14 +249,9 @@ class _Worker:
         dest = self.engine if warm else self.alloc()
         if method in DDMA_METHODS:
             r = self.receiver(method, checks)
-            # as the engine lands them: each staging tensor copied into its parameter, the parameter
-            # then checksummed as it landed
-            for name, staging in r.stream(version):
-                t = dest[name]
-                t.copy_(staging)
-                if checks:
-                    r.check_landed(name, t)
-            r.verify_landed(version)
+            # into the engine tensors (plain, as a bf16 engine's on GPU): zero_copy lands the runs there
+            # (digested as copied); gloo / nccl copy each staging tensor in, then checksum it as it landed
+            r.receive_into(version, dest)
             return dest, dict(r.last_stats)
         chk = self.receiver("ddma_zero_copy", True) if checks else None
         if checks:

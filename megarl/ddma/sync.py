@@ -281,15 +281,126 @@ class DdmaReceiver(_Side):
             yield name, staging
         self.verify_landed(version)
 
+    def _published(self, version: int) -> dict[SrcRank, dict]:
+        """Every trainer rank's table for weights ``version`` (waits for them in the store)."""
+        keys = [key(version, f"src{self.group_rank(s)}") for s in self.src_ranks]
+        wait_keys(self.store, keys, f"{len(keys)} trainer rank(s) to publish weights v{version}", self.spec.timeout_s)
+        return {s: pickle.loads(self.store.get(k)) for s, k in zip(self.src_ranks, keys)}
+
+    def receive_into(self, version: int, params: Mapping[str, torch.Tensor]) -> None:
+        """Land weights ``version`` straight into ``params`` -- vLLM name -> the engine's own tensor (engine
+        dtype, local layout shape, contiguous, on this receiver's device): an engine whose parameters are
+        plain, not repacked -- with no staging tensor, then verify (raises :class:`DdmaVerifyError`).
+
+        Where the transport may write there (``lands_in_place``: zero_copy) each sender's runs go
+        straight into the tensor, and where the copy is ours (mapped shared memory) each run is
+        digested in the same pass (csrc ``copy_checksum_runs``: the digest :meth:`check_landed` would
+        compute over the same bytes, with HF positions from this worker's layout), so the bytes are read
+        once. That digest covers only the copied runs, so it is used only where the plan's runs cover
+        the parameter's HF elements exactly once (checked once per plan); otherwise, and for FP8 or
+        process_vm_readv, the parameter is checksummed after it landed. Other transports land through
+        :meth:`stream`'s staging tensors, copied in. A vLLM worker lands through :meth:`stream` and its
+        loader (megarl/generator/ddma_source.py): its parameters are repacked after loading."""
+        spec, t0 = self.spec, time.perf_counter()
+        for name, layout in self.layouts.items():
+            t = params.get(name)
+            if t is None or t.dtype != engine_dtype(spec) or tuple(t.shape) != tuple(layout.local_shape) \
+                    or not t.is_contiguous() or t.device != self.device:
+                got = "missing" if t is None else f"{t.dtype} {tuple(t.shape)} on {t.device}"
+                raise ValueError(f"ddma receive_into: engine tensor {name} is {got}; it must be a contiguous "
+                                 f"{spec.engine_dtype} {tuple(layout.local_shape)} on {self.device}")
+        checks = spec.verifies(version)
+        if not self.transport.lands_in_place:
+            for name, staging in self.stream(version):
+                params[name].copy_(staging)
+                if checks:
+                    self.check_landed(name, params[name])
+            self.verify_landed(version)
+            return
+        self.begin_landing(self._published(version))
+        t1 = time.perf_counter()
+        scale_cache: dict = {}
+        peak = received = 0
+        for dparam in self.layouts:
+            flat = params[dparam].view(-1)
+            exact, gaps = self._coverage(dparam)
+            for a, b in gaps:  # vocab padding rows: no sender writes them
+                flat[a:b].zero_()
+            sums: list[torch.Tensor] | None = [] if checks and exact else None
+            for s, copies in self.incoming[dparam]:
+                received += sum(c.numel for c in copies)
+                runs = self.digest_runs(dparam, s, copies) if sums is not None else None
+                scratch, got = self.transport.land_digest(flat, s, copies, self.tables[s], scale_cache, runs)
+                peak = max(peak, scratch)
+                sums = None if got is None or sums is None else sums + [got]
+            if sums is not None:
+                total = [sum(int(g[i]) for g in sums) & 0xFFFFFFFFFFFFFFFF for i in range(len(self._hf_names(dparam)))]
+                self._landed[dparam] = dict(zip(self._hf_names(dparam), total))
+            elif checks:
+                self.check_landed(dparam, params[dparam])
+        self.transport.ack(version)
+        self.peak_bytes = peak
+        self.last_stats = {"transfer_s": time.perf_counter() - t1, "verify_s": 0.0, "land_s": 0.0,
+                           "total_s": 0.0, "elements_received": received, "peak_extra_bytes": peak,
+                           "transport": spec.transport, **self.transport.stats()}
+        self.verify_landed(version)
+        self.last_stats["total_s"] = time.perf_counter() - t0
+
+    def _hf_names(self, dparam: str) -> list[str]:
+        """The HF tensors of an engine parameter, in layout order (the digest groups of :meth:`digest_runs`)."""
+        return list(dict.fromkeys(p.hf_name for p in self.layouts[dparam].pieces))
+
+    def _coverage(self, dparam: str) -> tuple[bool, list[tuple[int, int]]]:
+        """(whether the plan's runs into ``dparam`` are disjoint and cover exactly its HF elements, the
+        element ranges no run writes), computed once per plan."""
+        cache = self.__dict__.setdefault("_cover", {})
+        if dparam not in cache:
+            layout = self.layouts[dparam]
+            numel = math.prod(layout.local_shape)
+            hf_elements = sum(numel // layout.local_shape[p.dim] * p.length for p in layout.pieces)
+            runs = sorted((c.dst_offset, c.dst_offset + c.numel) for _, cs in self.incoming[dparam] for c in cs)
+            gaps, end, disjoint = [], 0, True
+            for a, b in runs:
+                disjoint &= a >= end
+                if a > end:
+                    gaps.append((end, a))
+                end = max(end, b)
+            if end < numel:
+                gaps.append((end, numel))
+            exact = disjoint and end <= numel and sum(b - a for a, b in runs) == hf_elements
+            cache[dparam] = (exact, gaps)
+        return cache[dparam]
+
+    def digest_runs(self, dparam: str, s: SrcRank, copies: list[Copy]) -> tuple | None:
+        """Sender ``s``'s copies into ``dparam`` as HF-affine runs for a fused copy + digest: (source byte
+        offsets in its wire tensor, destination byte offsets in ``dparam``, element counts, HF start
+        indices, digest group = index in :meth:`_hf_names`, number of groups); the HF positions come from
+        this worker's layout at each run's destination (as :meth:`check_landed` takes them). Once per
+        plan; None where a run falls outside its HF tensor's pieces (then the parameter is checked after)."""
+        cache = self.__dict__.setdefault("_digest_runs", {})
+        k = (dparam, s)
+        if k not in cache:
+            layout, es, names = self.layouts[dparam], engine_dtype(self.spec).itemsize, self._hf_names(dparam)
+            cols: list[list[int]] = [[], [], [], [], []]
+            try:
+                for c in copies:
+                    offs, lens, hfs = hf_segments(layout, c.hf_name, [c.dst_offset], [c.numel])
+                    for o, n, h in zip(offs.tolist(), lens.tolist(), hfs.tolist()):
+                        for col, v in zip(cols, ((c.src_offset + o - c.dst_offset) * es, o * es, n, h,
+                                                 names.index(c.hf_name))):
+                            col.append(v)
+                cache[k] = (*(torch.tensor(col, dtype=torch.int64) for col in cols), len(names))
+            except ValueError:
+                cache[k] = None
+        return cache[k]
+
     def stream(self, version: int) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield this worker's parameters for weights ``version`` (vLLM names, local layout), one
         new staging tensor each; the caller lands them, reports each through :meth:`check_landed`
         and ends with :meth:`verify_landed`."""
         spec = self.spec
         t0 = time.perf_counter()
-        keys = [key(version, f"src{self.group_rank(s)}") for s in self.src_ranks]
-        wait_keys(self.store, keys, f"{len(keys)} trainer rank(s) to publish weights v{version}", spec.timeout_s)
-        self.begin_landing({s: pickle.loads(self.store.get(k)) for s, k in zip(self.src_ranks, keys)})
+        self.begin_landing(self._published(version))
         transfer = land = 0.0
         received = peak = 0
         it = self.transport.receive_params(version)

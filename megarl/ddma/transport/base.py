@@ -130,6 +130,8 @@ class Transport:
 
     name = "base"
     moves = "cpu"  # the device whose memory it moves: "cpu" or "cuda"
+    lands_in_place = False  # whether :meth:`land` may write straight into an engine's own tensors
+                            # (DdmaReceiver.receive_into); False: they get staging tensors' copies
 
     def __init__(self, side):
         self.side = side
@@ -183,6 +185,13 @@ class Transport:
     def land(self, flat: torch.Tensor, s, copies: list[Copy], table: dict, scale_cache: dict) -> int:
         """Copy ``copies`` from trainer rank ``s`` into ``flat``; returns scratch bytes."""
         raise NotImplementedError
+
+    def land_digest(self, flat: torch.Tensor, s, copies: list[Copy], table: dict, scale_cache: dict,
+                    runs) -> tuple[int, torch.Tensor | None]:
+        """:meth:`land`, and where this transport's copy is ours, the verification digests of what it
+        wrote, computed in the same pass (``runs``: the copies as HF-affine runs, DdmaReceiver.digest_runs).
+        Returns (scratch bytes, one int64 digest per group of ``runs``, or None: checksum ``flat`` after)."""
+        return self.land(flat, s, copies, table, scale_cache), None
 
     def ack(self, version: int) -> None:
         """This worker is done reading the senders' buffers for ``version``."""

@@ -115,6 +115,7 @@ class ZeroCopyTransport(Transport):
     The sender returns once every worker acked, so it never changes a buffer a worker still reads."""
 
     name, moves = "zero_copy", "cpu"
+    lands_in_place = True
 
     def __init__(self, side):
         super().__init__(side)
@@ -130,16 +131,21 @@ class ZeroCopyTransport(Transport):
         self.wait_acks(version)
         return 0
 
-    def _pull(self, pid: int, entry: dict, src_off: torch.Tensor, dst_addr: torch.Tensor, nbytes: torch.Tensor) -> None:
-        """Copy runs (byte offsets in the sender's tensor ``entry``) to local addresses: memcpy out of
-        the sender's shared memory mapped here, or process_vm_readv where mapping is not allowed."""
-        via = self.spec.zero_copy_via
+    def _mapped(self, pid: int, entry: dict) -> torch.Tensor | None:
+        """The sender's shared-memory file of ``entry`` mapped here (once), or None: read with
+        process_vm_readv (``zero_copy_via=read``, or mapping not allowed)."""
         k = (pid, entry["fd"], entry["key"])
         if k not in self._maps:
+            via = self.spec.zero_copy_via
             self._maps[k] = map_shared(pid, entry["fd"], entry["size"]) if via == "map" else None
             if self._maps[k] is None and via == "map":
                 log.warning("ddma: cannot map trainer pid %d's shared memory; reading with process_vm_readv", pid)
-        mapped = self._maps[k]
+        return self._maps[k]
+
+    def _pull(self, pid: int, entry: dict, src_off: torch.Tensor, dst_addr: torch.Tensor, nbytes: torch.Tensor) -> None:
+        """Copy runs (byte offsets in the sender's tensor ``entry``) to local addresses: memcpy out of
+        the sender's shared memory mapped here, or process_vm_readv where mapping is not allowed."""
+        mapped = self._mapped(pid, entry)
         if mapped is not None:
             copy_runs(src_off + (mapped.data_ptr() + entry["offset"]), dst_addr, nbytes)
         else:
@@ -152,6 +158,21 @@ class ZeroCopyTransport(Transport):
             self._byte_runs_cache[k] = tuple(torch.tensor([getattr(c, f) * es for c in copies], dtype=torch.int64)
                                              for f in ("src_offset", "dst_offset", "numel"))
         return self._byte_runs_cache[k]
+
+    def land_digest(self, flat, s, copies, table, scale_cache, runs):
+        """The copy is ours when the sender's memory is mapped here: one pass (csrc copy_checksum_runs)
+        copies each run into ``flat`` and digests it. FP8 (dequantized on arrival) and process_vm_readv
+        land first and are checksummed after."""
+        src_shape = self.side.plan.src_shapes[s][copies[0].src_param]
+        entry = table["params"][copies[0].src_param]
+        mapped = self._mapped(table["pid"], entry)
+        fused = _C is not None and hasattr(_C, "copy_checksum_runs")
+        if runs is None or mapped is None or not fused or is_fp8(self.spec, tuple(src_shape)):
+            return self.land(flat, s, copies, table, scale_cache), None
+        src_b, dst_b, numel, hf, group, n_groups = runs
+        sums = _C.copy_checksum_runs(src_b + (mapped.data_ptr() + entry["offset"]), dst_b + flat.data_ptr(), numel,
+                                     hf, group, n_groups, flat.element_size())
+        return 0, sums
 
     def land(self, flat, s, copies, table, scale_cache) -> int:
         src_shape = self.side.plan.src_shapes[s][copies[0].src_param]
