@@ -15,6 +15,8 @@ import json
 import os
 from pathlib import Path
 
+import torch
+
 from megarl.reward.environment import EnvState
 from megarl.reward.tools import Calculator
 
@@ -69,6 +71,8 @@ def test_train_with_the_calculator_masks_observations_and_versions_turns(tiny_ll
         # A random model seldom samples EOS; a stop string of common letters ends its replies within a
         # few tokens, so a reply finishes ('stop') and the environment answers it.
         "generator.stop=[e, a, o, i]", "controller.max_policy_lag=1", "trainer.checkpoint_interval=0",
+        # cheap: 2 prompts x 2 samples a step, a small engine (prompt ~60 + 2 replies + one observation fit)
+        "controller.prompts_per_step=2", "generator.kv_cache_gib=1", "generator.max_model_len=256",
         "algorithm.entropy_coef=0.01"])
     assert run_job(cfg) == 0
 
@@ -79,9 +83,13 @@ def test_train_with_the_calculator_masks_observations_and_versions_turns(tiny_ll
         turns_seen, observed = [], 0
         for b in range(batch.batch_size):
             tokens = batch.input_ids[b, :int(batch.lengths[b])].tolist()
-            expect_mask, turn_versions, n_obs = _walk(tokens, engine_samples)
+            expect, turn_versions, n_obs = _walk(tokens, engine_samples)
+            n = len(tokens)
             # 0 exactly at the prompt and the observations, 1 at every reply token
-            assert batch.loss_mask[b, :len(tokens)].tolist() == expect_mask
+            assert batch.loss_mask[b, :n].tolist() == expect["mask"]
+            # each reply token's version and logprob as its engine reported them; -1 and 0 off the replies
+            assert batch.versions[b, :n].tolist() == expect["versions"]
+            assert torch.equal(batch.behav_logprobs[b, :n], torch.tensor(expect["logprobs"], dtype=torch.float32))
             turns_seen.append(len(turn_versions))
             observed += n_obs
             if len(turn_versions) > 1 and step == 2:
@@ -96,19 +104,22 @@ def test_train_with_the_calculator_masks_observations_and_versions_turns(tiny_ll
     assert multi >= 1  # at least one trained sample took more than one turn
 
 
-def _walk(tokens: list[int], engine_samples: dict) -> tuple[list[float], list[set[int]], int]:
+def _walk(tokens: list[int], engine_samples: dict) -> tuple[dict[str, list], list[set[int]], int]:
     """Reads ``tokens`` as prompt, reply (a sample the engine returned for exactly the tokens before
     it), observation (what the environment answered that reply), reply, ...; fails unless every
-    token is accounted for. Returns the loss mask that sequence must have, each reply's versions and
-    the number of observation tokens."""
+    token is accounted for. Returns the loss mask, versions and behaviour logprobs that sequence must
+    be trained with, each reply's versions and the number of observation tokens."""
     pos = _first_prompt_len(tokens, engine_samples)
-    mask, versions, n_obs = [0.0] * pos, [], 0
+    expect = {"mask": [0.0] * pos, "versions": [-1] * pos, "logprobs": [0.0] * pos}
+    versions, n_obs = [], 0
     while pos < len(tokens):
         reply = next((s for s in engine_samples.get(tuple(tokens[:pos]), [])
                       if tokens[pos:pos + len(s.completion_ids)] == s.completion_ids), None)
         assert reply is not None, f"tokens {pos}.. are no reply the engine sampled after the tokens before them"
         pos += len(reply.completion_ids)
-        mask += [1.0] * len(reply.completion_ids)
+        expect["mask"] += [1.0] * len(reply.completion_ids)
+        expect["versions"] += list(reply.versions)
+        expect["logprobs"] += list(reply.behav_logprobs)
         versions.append(set(reply.versions))
         if pos == len(tokens):
             break
@@ -117,8 +128,10 @@ def _walk(tokens: list[int], engine_samples: dict) -> tuple[list[float], list[se
         assert obs is not None, f"tokens {pos}.. follow a reply but are not the environment's observation"
         pos += len(obs)
         n_obs += len(obs)
-        mask += [0.0] * len(obs)
-    return mask, versions, n_obs
+        expect["mask"] += [0.0] * len(obs)
+        expect["versions"] += [-1] * len(obs)
+        expect["logprobs"] += [0.0] * len(obs)
+    return expect, versions, n_obs
 
 
 def _first_prompt_len(tokens: list[int], engine_samples: dict) -> int:
