@@ -86,9 +86,8 @@ class TrainerConfig:
                             "memory first) and the step goes on while the writer persists it; the next save "
                             "waits only if that write has not finished (and logs how long), a preemption "
                             "and the end of the run wait for it. The checkpoint counts (manifest, `latest`) "
-                            "only once written. Default false. Known to hang at the quickstart's size (SmolLM2-135M): the "
-                            "forked writer waits on a futex with no CPU, likely a lock its parent's threads held at the fork (docs/checkpoints.md); "
-                            "the save then times out after trainer.save_timeout_s.")
+                            "only once written; a write that does not end within trainer.save_timeout_s fails the job "
+                            "loudly. Default false (docs/checkpoints.md).")
     keep_checkpoints: int = knob(2, help="Step folders kept on disk; older ones are deleted after a "
                                  "save succeeds. Keep >= 2 so a damaged newest checkpoint can fall back to "
                                  "the previous one at resume (count, >= 1). Default 2.")
