@@ -4,6 +4,7 @@ Megatron MoE model against HF logits at every (tp, ep) in {1, 2}^2."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -142,7 +143,8 @@ def test_vllm_expert_layouts_and_the_ep_sync_plan(tiny_qwen3_moe_dir):
     trainer: every expert sent by a replica that holds it, python and C++ planners alike."""
     from megarl.ddma.layouts import GeneratorTopology, TrainerTopology, source_layouts
     from megarl.ddma.plan import plan_sync
-    from megarl.models.layouts import vllm_param_layouts
+    from megarl.ddma.project import project_sync
+    from megarl.models.layouts import hf_tensor_shapes, vllm_param_layouts
 
     dims = _dims(tiny_qwen3_moe_dir)
     w13 = vllm_param_layouts(dims, 2, 1)["model.layers.0.mlp.experts.routed_experts.w13_weight.3"]
@@ -156,12 +158,25 @@ def test_vllm_expert_layouts_and_the_ep_sync_plan(tiny_qwen3_moe_dir):
     owners = {r.dp: {p.hf_name for lay in layouts[r].values() for p in lay.pieces if ".experts." in p.hf_name}
               for r in src.ranks()}
     assert owners[0].isdisjoint(owners[1]) and len(owners[0]) == len(owners[1]) == 2 * 3  # 2 experts x 3 tensors
+    expert_elems = sum(math.prod(s) for n, s in hf_tensor_shapes(dims).items() if ".experts." in n)
     for impl in ("ref", "native"):
         plan = plan_sync(dims, src, GeneratorTopology(2, 1), impl=impl)
+        sent = {s.dp: 0 for s in src.ranks()}
         for (s, d), copies in plan.pairs.items():
             for c in copies:
                 if ".experts." in c.hf_name:
                     assert c.hf_name in owners[s.dp], (impl, s, c.hf_name)
+                    sent[s.dp] += c.numel
+        # each EP rank sends exactly its half of the expert elements (every expert once over the TP2 workers)
+        assert sent == {0: expert_elems // 2, 1: expert_elems // 2}, (impl, sent, expert_elems)
+    # the cost model (megarl plan-sync) counts expert bytes: the bytes moved (bf16) are the model's, experts
+    # included, plus a second copy of what both TP2 workers hold whole (norms, the router; 2 KV heads =
+    # TP 2, so no KV head is replicated)
+    shapes = hf_tensor_shapes(dims)
+    whole = sum(math.prod(s) for n, s in shapes.items() if "norm" in n or n.endswith("mlp.gate.weight"))
+    r = project_sync(dims, src, GeneratorTopology(2, 1))
+    assert r["model_bytes"] == 2 * sum(math.prod(s) for s in shapes.values())
+    assert r["total_bytes"] == r["model_bytes"] + 2 * whole, (r["total_bytes"], r["model_bytes"], whole)
 
 
 # An fp32 engine against fp32 transformers on the same weights: both accumulate fp32 GEMMs over
