@@ -62,7 +62,8 @@ class DataConfig:
     instruction: str = knob("auto", help=(
         "Text appended to a prompt given as text (never to chat messages, used as they are): 'auto' = the "
         "schema's own ('Reply with only the final number.' for GSM8K, plain and builtin arithmetic; 'Please "
-        "reason step by step, and put your final answer within \\boxed{}.' for MATH and verl); '' = none. "
+        "reason step by step, and put your final answer within \\boxed{}.' for MATH and verl), or with "
+        "reward.env the environment's own where it has one (the calculator's says how to call it); '' = none. "
         "Default auto."))
     system_prompt: str = knob("", help=(
         "System turn put before a prompt given as text ('' = none; chat messages keep their own). "
