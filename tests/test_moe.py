@@ -210,3 +210,23 @@ def test_engine_update_lands_experts(tiny_qwen3_moe_dir, tmp_path):
     assert [s.completion_ids for s in after] != [s.completion_ids for s in before]
     for s in after:
         assert lp_err(ref, s) < FP32_ENGINE_BOUND, (lp_err(ref, s), s.completion_ids)
+
+
+def test_ddma_expert_blocks_go_to_fused_moes_per_expert_names():
+    """The receiver hands expert e's block to FusedMoE's loader under the per-expert checkpoint name
+    (vLLM then calls the parameter's loader with expert_id=e), and reports a landed stacked tensor as
+    its experts' blocks, the names the checksums use; every other name passes through unchanged."""
+    from megarl.generator.ddma_source import expert_blocks, expert_checkpoint_name
+
+    base = "model.layers.3.mlp.experts"
+    assert expert_checkpoint_name(f"{base}.routed_experts.w13_weight.7") == f"{base}.7.gate_up_proj.weight"
+    assert expert_checkpoint_name(f"{base}.routed_experts.w2_weight.0") == f"{base}.0.down_proj.weight"
+    for same in ("model.layers.3.mlp.gate.weight", "model.layers.1.mlp.gate_up_proj.weight", "lm_head.weight"):
+        assert expert_checkpoint_name(same) == same
+    seen = {}
+    stacked = torch.arange(24.0).reshape(3, 2, 4)
+    report = expert_blocks(seen.__setitem__, {f"{base}.routed_experts.w2_weight.{e}": None for e in range(3)})
+    report(f"{base}.routed_experts.w2_weight", stacked)
+    report("model.norm.weight", stacked[0, 0])
+    assert sorted(seen) == [f"{base}.routed_experts.w2_weight.{e}" for e in range(3)] + ["model.norm.weight"]
+    assert all(torch.equal(seen[f"{base}.routed_experts.w2_weight.{e}"], stacked[e]) for e in range(3))
