@@ -59,14 +59,19 @@ def test_family_trains_over_ddma_into_tp2(fixture, layout, request, tmp_path):
 # experts and sends them) into one TP1 engine, and one trainer rank into a TP2 engine ("0|1"). Each
 # took ~2 min on the shared 2 cores; the TP2 one is slow (TP2 expert landing stays in the default suite
 # as tests/test_ddma_landing.py's ep2 -> g2 row).
+# The FP8-wire run (slow) is bounded by FP8's probe bound instead (1.0 nats: default_probe_gap in
+# megarl/controller/weight_sync.py; measured 0.13-0.15 mismatch, probe 0.33-0.63 on the tiny MoE).
 MOE_DDMA_LAYOUTS = [
-    pytest.param(("trainer.dp=2", "trainer.ep=2"), id="t-dp2xep2-g1"),
-    pytest.param(("generator.tp=2", "generator.threads_bind=0|1"), id="t1-g2", marks=pytest.mark.slow),
+    pytest.param(("trainer.dp=2", "trainer.ep=2"), FP32_MISMATCH_BOUND, id="t-dp2xep2-g1"),
+    pytest.param(("generator.tp=2", "generator.threads_bind=0|1"), FP32_MISMATCH_BOUND, id="t1-g2",
+                 marks=pytest.mark.slow),
+    pytest.param(("trainer.dp=2", "trainer.ep=2", "sync.wire=fp8"), 1.0, id="t-dp2xep2-g1-fp8wire",
+                 marks=pytest.mark.slow),
 ]
 
 
-@pytest.mark.parametrize("layout", MOE_DDMA_LAYOUTS)
-def test_qwen3_moe_trains_over_ddma(layout, tiny_qwen3_moe_dir, tmp_path):
+@pytest.mark.parametrize("layout,bound", MOE_DDMA_LAYOUTS)
+def test_qwen3_moe_trains_over_ddma(layout, bound, tiny_qwen3_moe_dir, tmp_path):
     """A tiny Qwen3-MoE (4 experts, top-2, a dense layer) trains under `megarl train` with the default
     DDMA sync: fp32, lag 0, checksums and the logprob probe at every sync from v0. The engine samples
     from the trainer's experts (mismatch at the fp32 bound every step; a misplaced expert moves a
@@ -79,7 +84,7 @@ def test_qwen3_moe_trains_over_ddma(layout, tiny_qwen3_moe_dir, tmp_path):
     for r in rows:
         assert r["sync/verified"] == 1.0 and r["sync/bytes_sent"] > 0
         # FP32_MISMATCH_BOUND's derivation: tests/test_controller.py; the issue's bar (1e-3) is looser
-        assert r["train/loss/mismatch"] < FP32_MISMATCH_BOUND, r["train/loss/mismatch"]
+        assert r["train/loss/mismatch"] < bound, r["train/loss/mismatch"]
         assert r["train/grad_norm"] > 0
         loads = [r[f"train/moe/expert_load/{e}"] for e in range(4)]
         assert abs(sum(loads) - 1.0) < 1e-6 and r["train/moe/load_imbalance"] >= 1.0, loads

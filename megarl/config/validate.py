@@ -166,11 +166,6 @@ def check(cfg: MegaRLConfig, *, dry_run: bool = False, scan_data: bool = True) -
             problems += parallel_problems(dims, t.tp, t.pp, tp_key="trainer.tp", pp_key="trainer.pp")
             problems += expert_parallel_problems(dims, t.ep, t.dp, ep_key="trainer.ep", dp_key="trainer.dp")
             problems += vllm_tp_problems(dims, g.tp, tp_key="generator.tp")
-            if dims.is_moe and cfg.sync.method == "ddma" and cfg.sync.wire == "fp8":
-                # DDMA lands experts in vLLM's stacked w13/w2 at the engine's dtype; FP8 on the wire for
-                # experts is not verified yet (docs/moe.md)
-                problems.append(f"model.path={cfg.model.path!r}: {dims.family} with sync.wire=fp8: FP8 on the "
-                                f"wire is not verified for experts yet (docs/moe.md): set sync.wire=engine")
 
     # Rank counts: the executors' sums must match the job's world size when one is given.
     world = cfg.cluster.world_size or _env_world_size()
