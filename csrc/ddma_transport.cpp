@@ -286,10 +286,32 @@ __attribute__((target("avx2"))) inline void digest8(__m256i b, __m256i wv, __m25
   odd = _mm256_add_epi64(odd, _mm256_mul_epu32(_mm256_srli_epi64(b, 32), _mm256_srli_epi64(wv, 32)));
 }
 
+// Runs of at least this many bytes are stored with non-temporal (streaming) stores: they are larger than
+// a core's L2, so a cached store would first read every destination line (a third pass over memory, as
+// glibc's large memcpy avoids the same way); smaller runs keep ordinary stores.
+constexpr int64_t kStreamBytes = 1 << 19;
+
+template <typename T>
+__attribute__((target("avx2"))) uint64_t copy_sum_avx2_body(const T* p, T* q, int64_t n, uint32_t w, bool stream);
+
 // AVX2: 32 bytes per step, loaded once, stored to q, widened to u32 lanes (8 per digest8 call, 32/8/sizeof(T)
-// calls per step) and summed with the weights, in two accumulator pairs. Tail: copy_sum_scalar.
+// calls per step) and summed with the weights, in two accumulator pairs. Tail: copy_sum_scalar. A long run
+// first copies a scalar head up to q's next 32-byte boundary, then streams (the weight of element k is
+// w + k * kWMul mod 2^32 wherever the split falls).
 template <typename T>
 __attribute__((target("avx2"))) uint64_t copy_sum_avx2(const T* p, T* q, int64_t n, uint32_t w) {
+  const uintptr_t qa = reinterpret_cast<uintptr_t>(q);
+  if (n * static_cast<int64_t>(sizeof(T)) < kStreamBytes || qa % sizeof(T) != 0) {
+    return copy_sum_avx2_body(p, q, n, w, false);
+  }
+  const int64_t head = static_cast<int64_t>(((32 - qa % 32) % 32) / sizeof(T));
+  const uint64_t sum = copy_sum_scalar(p, q, head, w);
+  const uint32_t w_body = w + static_cast<uint32_t>(static_cast<uint64_t>(head) * kWMul);
+  return sum + copy_sum_avx2_body(p + head, q + head, n - head, w_body, true);
+}
+
+template <typename T>
+__attribute__((target("avx2"))) uint64_t copy_sum_avx2_body(const T* p, T* q, int64_t n, uint32_t w, bool stream) {
   constexpr int64_t kPerVec = 32 / sizeof(T);  // elements per 32-byte vector
   const uint32_t m = static_cast<uint32_t>(kWMul);
   __m256i wv = _mm256_setr_epi32(static_cast<int>(w), static_cast<int>(w + m), static_cast<int>(w + 2 * m),
@@ -302,7 +324,11 @@ __attribute__((target("avx2"))) uint64_t copy_sum_avx2(const T* p, T* q, int64_t
   int64_t k = 0;
   for (; k + kPerVec <= n; k += kPerVec) {
     const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + k));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + k), v);
+    if (stream) {
+      _mm256_stream_si256(reinterpret_cast<__m256i*>(q + k), v);  // q + k is 32-byte aligned here
+    } else {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + k), v);
+    }
     if constexpr (sizeof(T) == 4) {
       digest8(v, wv, e0, o0);
       wv = _mm256_add_epi32(wv, step8);
@@ -322,6 +348,7 @@ __attribute__((target("avx2"))) uint64_t copy_sum_avx2(const T* p, T* q, int64_t
       wv = _mm256_add_epi32(w3, step8);
     }
   }
+  if (stream) _mm_sfence();  // streamed stores are visible before the caller reads q or acknowledges
   const __m256i acc = _mm256_add_epi64(_mm256_add_epi64(e0, o0), _mm256_add_epi64(e1, o1));
   alignas(32) uint64_t lanes[4];
   _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), acc);

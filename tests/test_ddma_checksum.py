@@ -113,14 +113,16 @@ _fused = native_function("copy_checksum_runs")
 def test_copy_checksum_runs_copies_and_equals_the_kernel(dtype, vector):
     """The fused copy + digest (csrc copy_checksum_runs) writes exactly the runs and returns, per group, the
     digest weighted_checksum_segments gives over the same segments of what landed: random bytes, odd
-    lengths (every vector tail), odd source/destination element offsets (unaligned loads and stores)."""
+    lengths (every vector tail), odd source/destination element offsets (unaligned loads and stores), and one
+    run long enough for the streaming-store path."""
     g = torch.Generator().manual_seed(2)
-    numel, n = 1 << 12, 48
+    numel, n = (1 << 20) // dtype.itemsize, 48
     src = torch.randint(-(1 << 31), (1 << 31) - 1, (numel * 4 // 4,), generator=g, dtype=torch.int32)
     src = src.view(torch.uint8)[:numel * dtype.itemsize].view(dtype)
     dst = torch.zeros(numel * 2, dtype=dtype)
     lens = torch.randint(0, 80, (n,), generator=g)
     lens[0], lens[1] = 1000, 77  # long runs: the 32-byte loop, then a tail
+    lens[2] = (1 << 19) // dtype.itemsize + 37  # past csrc's kStreamBytes: a scalar head, streamed stores, a tail
     dst_offs = torch.cumsum(torch.cat([torch.zeros(1, dtype=torch.long), lens[:-1] + 3]), 0)  # disjoint, odd gaps
     src_offs = (torch.rand(n, generator=g) * (numel - lens)).long()
     hfs = torch.randint(0, 1 << 40, (n,), generator=g)
@@ -162,8 +164,9 @@ def _zero_copy_into(corrupt=None):
     for r in sorted(src.ranks()):
         sender = DdmaSender(spec, r, hf_to_local(hf.__getitem__, source_rank_layouts(dims, src, r.tp, r.pp)))
         wire, scales, _ = sender._wire_tensors()
-        table = {"sums": sender._checksums(wire, scales), "pid": os.getpid(), **sender.transport.publish(wire, scales)}
-        store.set(key(1, f"src{sender.group_rank(r)}"), pickle.dumps(table))
+        table = {"pid": os.getpid(), **sender.transport.publish(wire, scales)}  # as DdmaSender.sync: the
+        store.set(key(1, f"src{sender.group_rank(r)}"), pickle.dumps(table))   # addresses, then the digests
+        store.set(key(1, f"sums{sender.group_rank(r)}"), pickle.dumps(sender._checksums(wire, scales)))
         senders.append(sender)
     if corrupt is not None:
         name = next(n for n, l in senders[1].layouts.items()

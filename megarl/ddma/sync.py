@@ -161,21 +161,26 @@ class DdmaSender(_Side):
         wire, scales, extra = self._wire_tensors()
         self.transport.check_wire(wire)
         t1 = time.perf_counter()
-        sums = self._checksums(wire, scales) if spec.verifies(version) else {}
-        t2 = time.perf_counter()
+        me, checks = self.group_rank(self.rank), spec.verifies(version)
         sent = sum(c.numel * wire[c.src_param].element_size() for _, _, cs in self.outgoing for c in cs)
         # Both lines go to the rank's log: a death between them is a death mid-transfer, while the
         # generator's workers wait on this rank (tests/faults/test_fault_kill_matrix.py kills there).
-        log.info("DDMA rank %d: sending weights v%d (%d bytes)", self.group_rank(self.rank), version, sent)
+        log.info("DDMA rank %d: sending weights v%d (%d bytes)", me, version, sent)
         pause_point("ddma_send")
-        table: dict = {"sums": sums, "pid": os.getpid(), **self.transport.publish(wire, scales)}
-        self.store.set(key(version, f"src{self.group_rank(self.rank)}"), pickle.dumps(table))
-        extra += self.transport.send(version, wire, scales)
+        # The addresses first, the digests after (their own key, read at verification): zero_copy workers
+        # copy while this rank sums the same bytes (both only read the wire).
+        table: dict = {"pid": os.getpid(), **self.transport.publish(wire, scales), **({} if checks else {"sums": {}})}
+        self.store.set(key(version, f"src{me}"), pickle.dumps(table))
+        t2 = time.perf_counter()
+        if checks:
+            self.store.set(key(version, f"sums{me}"), pickle.dumps(self._checksums(wire, scales)))
         t3 = time.perf_counter()
-        log.info("DDMA rank %d: weights v%d sent in %.3fs", self.group_rank(self.rank), version, t3 - t2)
+        extra += self.transport.send(version, wire, scales)
+        t4 = time.perf_counter()
+        log.info("DDMA rank %d: weights v%d sent in %.3fs", me, version, t4 - t1)
         self.peak_bytes = extra
         del wire, scales
-        return {"quantize_s": t1 - t0, "verify_s": t2 - t1, "transfer_s": t3 - t2, "bytes_sent": sent,
+        return {"quantize_s": t1 - t0, "verify_s": t3 - t2, "transfer_s": (t2 - t1) + (t4 - t3), "bytes_sent": sent,
                 "peak_extra_bytes": extra, **self.transport.stats()}
 
     def _conversions(self) -> list[tuple[str, int, torch.dtype]]:
@@ -320,7 +325,7 @@ class DdmaReceiver(_Side):
         self.begin_landing(self._published(version))
         t1 = time.perf_counter()
         scale_cache: dict = {}
-        peak = received = 0
+        peak = 0
         for dparam in self.layouts:
             flat = params[dparam].view(-1)
             exact, gaps = self._coverage(dparam)
@@ -328,7 +333,6 @@ class DdmaReceiver(_Side):
                 flat[a:b].zero_()
             sums: list[torch.Tensor] | None = [] if checks and exact else None
             for s, copies in self.incoming[dparam]:
-                received += sum(c.numel for c in copies)
                 runs = self.digest_runs(dparam, s, copies) if sums is not None else None
                 scratch, got = self.transport.land_digest(flat, s, copies, self.tables[s], scale_cache, runs)
                 peak = max(peak, scratch)
@@ -341,10 +345,16 @@ class DdmaReceiver(_Side):
         self.transport.ack(version)
         self.peak_bytes = peak
         self.last_stats = {"transfer_s": time.perf_counter() - t1, "verify_s": 0.0, "land_s": 0.0,
-                           "total_s": 0.0, "elements_received": received, "peak_extra_bytes": peak,
+                           "total_s": 0.0, "elements_received": self._elements(), "peak_extra_bytes": peak,
                            "transport": spec.transport, **self.transport.stats()}
         self.verify_landed(version)
         self.last_stats["total_s"] = time.perf_counter() - t0
+
+    def _elements(self) -> int:
+        """Elements this worker receives per sync (from the plan; counted once)."""
+        if "_n_elements" not in self.__dict__:
+            self._n_elements = sum(c.numel for inc in self.incoming.values() for _, cs in inc for c in cs)
+        return self._n_elements
 
     def _hf_names(self, dparam: str) -> list[str]:
         """The HF tensors of an engine parameter, in layout order (the digest groups of :meth:`digest_runs`)."""
@@ -453,6 +463,7 @@ class DdmaReceiver(_Side):
         if not self.spec.verifies(version):
             return
         t = time.perf_counter()
+        self._fetch_sums(version)
         if self._unsent:
             raise DdmaVerifyError(
                 f"ddma verification failed on generator replica {self.rank.replica} tp {self.rank.tp}: the engine "
@@ -470,6 +481,16 @@ class DdmaReceiver(_Side):
         self._compare(sums, self.tables)
         self._verify_s += time.perf_counter() - t
         self.last_stats["verify_s"] = self._verify_s
+
+    def _fetch_sums(self, version: int) -> None:
+        """The senders' digests of ``version`` into their tables (published after their addresses)."""
+        late = [s for s, t in self.tables.items() if "sums" not in t]
+        keys = [key(version, f"sums{self.group_rank(s)}") for s in late]
+        if keys:
+            wait_keys(self.store, keys, f"{len(keys)} trainer rank(s) to publish the digests of weights v{version}",
+                      self.spec.timeout_s)
+        for s, k in zip(late, keys):
+            self.tables[s]["sums"] = pickle.loads(self.store.get(k))
 
     def _checksum(self, flat: torch.Tensor, dparam: str, layout, sums: dict[str, int]) -> None:
         cache = self.__dict__.setdefault("_segs", {})
