@@ -78,7 +78,7 @@ def test_train_with_the_calculator_masks_observations_and_versions_turns(tiny_ll
 
     rows = [json.loads(line) for line in (tmp_path / "tiny-test" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2] and len(batches) == 2
-    multi = 0
+    multi = after_update = 0
     for step, (batch, row) in enumerate(zip(batches, rows), start=1):
         turns_seen, observed = [], 0
         for b in range(batch.batch_size):
@@ -96,12 +96,13 @@ def test_train_with_the_calculator_masks_observations_and_versions_turns(tiny_ll
                 # The first reply was generated ahead (lag 1) at weights v0; the later turns ran after the
                 # step-1 update landed: every token of them carries version 1.
                 assert turn_versions[0] == {0} and all(v == {1} for v in turn_versions[1:]), turn_versions
+                after_update += 1
         multi += sum(t > 1 for t in turns_seen)
         assert row["gen/turns_mean"] == sum(turns_seen) / len(turns_seen)
         assert row["gen/turns_max"] == max(turns_seen)
         assert row["gen/multi_turn_frac"] == sum(t > 1 for t in turns_seen) / len(turns_seen)
         assert row["gen/observation_tokens"] == observed
-    assert multi >= 1  # at least one trained sample took more than one turn
+    assert multi >= 1 and after_update >= 1  # multi-turn samples were trained, in step 2 too
 
 
 def _walk(tokens: list[int], engine_samples: dict) -> tuple[dict[str, list], list[set[int]], int]:
