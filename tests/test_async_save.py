@@ -199,3 +199,33 @@ def test_a_recorded_crc_is_used_only_while_the_file_size_matches(tmp_path):
     # a record that no longer fits its file (size changed) is read again, not trusted
     assert _manifest(tmp_path, {"dist/__0_0.distcp": (999, 12345)})[1]["dist/__0_0.distcp"] == file_crc32(shard)
     assert _manifest(tmp_path, {"dist/__0_0.distcp": (1000, 12345)})[1]["dist/__0_0.distcp"] == 12345
+
+
+class _BigResultsRequest:
+    """An async_fn that reports as megatron's writer does (``results_queue.put`` of its write
+    results), with results over the pipe's 64 KiB buffer, as a real model's are."""
+
+    def __init__(self, results_queue, size: int) -> None:
+        self.async_fn, self.async_fn_args, self.async_fn_kwargs = self._write, [results_queue, size], {}
+        self.preload_fn, self.got = None, []
+        self.finalize_fns = [lambda: self.got.append(results_queue.get_nowait())]
+
+    @staticmethod
+    def _write(results_queue, size: int) -> None:
+        results_queue.put({0: [b"r" * size]})
+
+
+def _big_results_job(rank: int, world_size: int, root: str) -> None:
+    from megarl.trainer.async_save import AsyncWriter
+
+    writer = AsyncWriter(timeout_s=30)  # the fixed writer exits at once; a blocked one never does
+    request = _BigResultsRequest(writer.results_queue(), 4 << 20)
+    writer.start(request, lambda failed: Path(root) if failed is None else None, 1)
+    assert writer.wait("the test") == Path(root)
+    assert request.got == [{0: [b"r" * (4 << 20)]}]  # megatron's finalize reads them back whole
+
+
+def test_the_writer_exits_when_its_results_outgrow_the_pipe(tmp_path):
+    """The second quickstart-size hang: the writer's results sat in its queue's feeder thread, which
+    a process waits for at exit, while this process waited for the exit to read them."""
+    run_multiprocess(_big_results_job, 1, str(tmp_path), timeout_s=120)

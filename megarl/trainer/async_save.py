@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import os
+import queue
 import time
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -33,6 +34,7 @@ log = logging.getLogger("megarl.trainer.checkpoint")
 PAUSE = "checkpoint_async_write"  # fault tests hold the writer here (every write, or `...@<step>`: that
 #                                   step's): its shards written, nothing committed
 _POLL_S = 0.05  # how often a blocking wait looks at the writer process (s)
+_EXIT_AFTER_RESULTS_S = 5.0  # once its results are read, the writer only flushes and exits (s, at most)
 
 
 def _write(async_fn: Optional[Callable], args: tuple, kwargs: dict, step: int, parent: int,
@@ -55,6 +57,35 @@ def _write(async_fn: Optional[Callable], args: tuple, kwargs: dict, step: int, p
     pause_point(f"{PAUSE}@{step}")  # this step's write only (the kill matrix holds one)
 
 
+class _ResultsQueue:
+    """megatron's write-results queue (``put`` in the writer, ``get_nowait`` in the finalize), read
+    while the writer runs. A forked writer's ``mp.Queue.put`` hands the item to a feeder thread, and
+    the writer cannot exit until that thread has written it all into the pipe; past the pipe's
+    buffer (64 KiB on Linux: a real model's write results are more) it waits for a reader. So this
+    process must read before it waits for the exit, or both wait forever."""
+
+    def __init__(self) -> None:
+        self._pipe = mp.get_context("fork").Queue()
+        self._got: "queue.Queue[Any]" = queue.Queue()
+
+    def put(self, item: Any) -> None:  # in the writer
+        self._pipe.put(item)
+
+    def drain(self) -> int:
+        """Read what the writer has sent since the last call (non-blocking); how many items."""
+        n = 0
+        while True:
+            try:
+                self._got.put(self._pipe.get_nowait())
+                n += 1
+            except queue.Empty:
+                return n
+
+    def get_nowait(self) -> Any:
+        self.drain()
+        return self._got.get_nowait()
+
+
 class AsyncWriter:
     """One rank's background checkpoint writes, at most one in flight; every method but
     :attr:`in_flight` is collective over the trainer's ranks (they call them in the same order)."""
@@ -68,16 +99,18 @@ class AsyncWriter:
         self._commit: Optional[Callable[[Optional[BaseException]], Path]] = None
         self._step = -1
         self._t0 = 0.0
+        self._results: Optional[_ResultsQueue] = None
 
     @property
     def in_flight(self) -> Optional[int]:
         """The step being written, or None."""
         return self._step if self._commit is not None else None
 
-    def results_queue(self):
-        """A queue the forked writer can put its write results in for this process to read
-        (megatron's writer defaults to a Manager server process per rank)."""
-        return mp.get_context("fork").Queue()
+    def results_queue(self) -> "_ResultsQueue":
+        """The queue the forked writer puts its write results in for this process to read
+        (megatron's writer defaults to a Manager server process per rank); drained by every poll."""
+        self._results = _ResultsQueue()
+        return self._results
 
     def start(self, request: Any, commit: Callable[[Optional[BaseException]], Path], step: int,
               after_write: Optional[Callable[[], Any]] = None) -> None:
@@ -101,6 +134,8 @@ class AsyncWriter:
     def _all_done(self, deadline: float = float("inf")) -> bool:
         """Whether every rank's writer has finished; raises TimeoutError on every rank at once when
         one rank is past ``deadline`` (the decision is collective, so no rank is left waiting)."""
+        if self._results is not None and self._results.drain() and self._proc is not None:
+            self._proc.join(_EXIT_AFTER_RESULTS_S)  # its results just arrived: it exits now
         flags = torch.tensor([int(self._proc is not None and self._proc.is_alive()),
                               int(time.monotonic() > deadline)], dtype=torch.int32)
         if dist.get_world_size() > 1:
