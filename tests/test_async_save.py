@@ -229,3 +229,47 @@ def test_the_writer_exits_when_its_results_outgrow_the_pipe(tmp_path):
     """The second quickstart-size hang: the writer's results sat in its queue's feeder thread, which
     a process waits for at exit, while this process waited for the exit to read them."""
     run_multiprocess(_big_results_job, 1, str(tmp_path), timeout_s=120)
+
+
+def _forks_a_sleeper(pid_file: str) -> None:
+    """What megatron's writer does (forks a process per write bucket), with a process that would
+    never end by itself."""
+    import multiprocessing as mp
+
+    p = mp.get_context("fork").Process(target=time.sleep, args=(3600,))
+    p.start()
+    Path(pid_file).write_text(str(p.pid))
+    time.sleep(3600)
+
+
+class _SleeperRequest:
+    def __init__(self, pid_file: str) -> None:
+        self.async_fn, self.async_fn_args, self.async_fn_kwargs = _forks_a_sleeper, [pid_file], {}
+        self.preload_fn, self.finalize_fns = None, []
+
+
+def _killed_mid_write_job(rank: int, world_size: int, root: str) -> None:
+    from megarl.trainer.async_save import AsyncWriter
+
+    pid_file = Path(root) / "bucket_writer.pid"
+    writer = AsyncWriter(timeout_s=60)
+    writer.start(_SleeperRequest(str(pid_file)), lambda failed: Path(root), 1)
+    deadline = time.monotonic() + 60
+    while not pid_file.exists():
+        assert time.monotonic() < deadline, "the writer's child did not start within 60 s"
+        time.sleep(0.05)
+    os._exit(KILLED)  # the rank dies mid-write
+
+
+def test_a_killed_rank_takes_the_writers_own_children_with_it(tmp_path):
+    """megatron's per-bucket writer processes (children of our writer) outlived a rank killed
+    mid-write: orphans blocked forever on their queue's condition (one per killed async save)."""
+    import psutil
+
+    with pytest.raises(MultiprocessError, match=f"exit code {KILLED}"):
+        run_multiprocess(_killed_mid_write_job, 1, str(tmp_path), timeout_s=120)
+    pid = int((tmp_path / "bucket_writer.pid").read_text())
+    deadline = time.monotonic() + 30  # PDEATHSIG is immediate; the parent poll (procs.POLL_S) is the fallback
+    while psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+        assert time.monotonic() < deadline, f"the writer's child (pid {pid}) outlived the killed rank"
+        time.sleep(0.1)
