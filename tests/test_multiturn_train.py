@@ -148,14 +148,31 @@ def test_reward_env_names_an_environment_or_says_what_to_change():
 
     base = REPO / "configs" / "tiny_test.yaml"
     assert load_config(base, []).reward.env == ""
-    assert load_config(base, ["reward.env=calculator"]).reward.env == "calculator"
-    assert load_config(base, [f"reward.env={__name__}:CallsOnce"]).reward.env.endswith(":CallsOnce")
+    turns = "generator.max_turns=3"  # an environment needs >= 2 (the test below)
+    assert load_config(base, ["reward.env=calculator", turns]).reward.env == "calculator"
+    assert load_config(base, [f"reward.env={__name__}:CallsOnce", turns]).reward.env.endswith(":CallsOnce")
     for value, says in (("calcu", "unknown environment; known: calculator, or a 'package.module:Class' path"),
                         ("gsm8k", "'gsm8k' is a reward (the one-step environment): set reward.fn=gsm8k and "
                                   "leave reward.env empty"),
                         ("no_such_module:Env", "cannot find module 'no_such_module'"),
                         (f"{__name__}:NoSuchEnv", "defines no top-level 'NoSuchEnv'")):
         with pytest.raises(ConfigError) as err:
-            load_config(base, [f"reward.env={value}"])
+            load_config(base, [f"reward.env={value}", turns])
         problems = [line for line in str(err.value).splitlines() if "reward.env" in line]
         assert len(problems) == 1 and says in problems[0], str(err.value)
+
+
+def test_an_environment_with_one_turn_is_refused_before_the_job_starts():
+    """generator.max_turns=1 (the default) with reward.env set would end every rollout truncated after
+    its first reply: refused in one line naming the key."""
+    import pytest
+
+    from megarl.config import ConfigError, load_config
+
+    base = REPO / "configs" / "tiny_test.yaml"
+    with pytest.raises(ConfigError) as err:
+        load_config(base, ["reward.env=calculator"])
+    (line,) = [p for p in str(err.value).splitlines() if "max_turns" in p]
+    assert "generator.max_turns=1: reward.env='calculator'" in line and "max_turns >= 2" in line
+    assert load_config(base, ["reward.env=calculator", "generator.max_turns=2"]).generator.max_turns == 2
+    assert load_config(base, []).generator.max_turns == 1  # single turn: no environment, no refusal

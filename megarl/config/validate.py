@@ -67,6 +67,10 @@ def check(cfg: MegaRLConfig, *, dry_run: bool = False, scan_data: bool = True) -
     problems += t.problems() + g.problems(on_cpu=not cuda_expected(cfg.cluster.device))
     problems += cfg.algorithm.problems()
     problems += cfg.reward.problems(max_new_tokens=g.max_new_tokens)
+    if cfg.reward.env and g.max_turns < 2:  # reward.env names environments of more than one step
+        problems.append(f"generator.max_turns={g.max_turns}: reward.env={cfg.reward.env!r} answers a reply with an "
+                        f"observation, so every rollout would end truncated after its first reply; set "
+                        f"generator.max_turns >= 2 (replies per rollout; the calculator recipe uses 5)")
     problems += cfg.sync.problems(trainer_ranks=t.tp * t.pp * t.dp, on_cuda=cuda_expected(cfg.cluster.device),
                                   same_host=cfg.cluster.launcher == "local")
     for key, value in (("controller.steps", cfg.controller.steps),
