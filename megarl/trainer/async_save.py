@@ -42,10 +42,12 @@ def _write(async_fn: Optional[Callable], args: tuple, kwargs: dict, step: int, p
     """The writer process: this rank's shard files, then exit (its result goes back by the queue)."""
     from megarl.utils.procs import watch_parent
 
-    watch_parent(parent)  # a killed rank takes its writer with it, and the writer the processes it
-    # forks (megatron's per-bucket writers), which would otherwise wait forever on its queues
-    writer = os.getpid()
-    os.register_at_fork(after_in_child=lambda: watch_parent(writer))
+    watch_parent(parent)  # a killed rank takes its writer with it, and every process forked below it
+    # (megatron's per-bucket writers) its own parent, else they wait forever on the writer's queues.
+    # The hook is inherited by those processes too, so it watches whoever forked, taken before the fork.
+    forking = [0]
+    os.register_at_fork(before=lambda: forking.__setitem__(0, os.getpid()),
+                        after_in_child=lambda: watch_parent(forking[0]))
     # A fork keeps the parent's OpenMP pool state but not its threads: the first parallel torch op
     # here (a clone or copy of a tensor over ATen's grain size, 32768 elements: every real model)
     # would wait forever on those threads (a futex, 0 CPU). One thread, as torch's DataLoader
