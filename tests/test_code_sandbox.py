@@ -99,7 +99,7 @@ def test_sandbox_limits_and_no_network_directly():
              "assert ifaces == ['lo'], ifaces\n"
              "assert lim == %r, lim\n"
              "assert os.getcwd().startswith(%r)\n" + GOOD) % (
-        sandbox.SLOT_UID_BASE, {**{k: v for k, v in sandbox.LIMITS.items() if k != "RLIMIT_CORE"}, "RLIMIT_CPU": 4},
+        sandbox.SLOT_UID_BASE, {**{k: v for k, v in sandbox.LIMITS.items() if k != "RLIMIT_CORE"}, "RLIMIT_CPU": sandbox.cpu_limit_s(4.0)},
         str(sandbox.SLOT_DIR))
     verdict = sandbox.run_tests(probe, TASK["test"], "add", timeout_s=4.0)
     assert verdict.passed, verdict.reason
@@ -156,3 +156,11 @@ def test_humaneval_wrong_solution_scores_zero():
 @pytest.mark.slow
 def test_humaneval_all_164_canonical_solutions_score_one():
     assert _canonical(range(164)) == []
+
+
+def test_cpu_limit_stays_behind_the_wall_clock_and_is_named():
+    # the wall clock must end a one-thread loop first (its CPU time never passes its wall time)
+    assert sandbox.cpu_limit_s(4.0) >= 4.0 + 1 and sandbox.cpu_limit_s(0.3) >= 1 + 1
+    import signal
+    assert "CPU-time limit of 6s" in sandbox._exit_text(-signal.SIGXCPU, 6)
+    assert sandbox._exit_text(-signal.SIGKILL, 6) == "killed by SIGKILL"

@@ -54,7 +54,7 @@ SLOTS = 256                # concurrent sandbox runs on one machine (slots)
 SLOT_DIR = Path(tempfile.gettempdir()) / "megarl-sandbox"  # slot locks and the private dirs' parent
 WRITABLE_ROOTS = ("/tmp", "/var/tmp", "/dev/shm")  # where a non-root uid can create files here
 # The run's limits: resource name -> soft = hard limit (units in the comment). CPU is set per run
-# from the wall-clock timeout (s).
+# from the wall-clock timeout (s): see cpu_limit_s.
 LIMITS = {
     "RLIMIT_AS": 1 << 30,        # address space: 1 GiB (bytes); a memory hog gets MemoryError
     "RLIMIT_FSIZE": 16 << 20,    # largest file written: 16 MiB (bytes)
@@ -62,6 +62,12 @@ LIMITS = {
     "RLIMIT_NPROC": 32,          # processes of the slot uid (a fork bomb stops there)
     "RLIMIT_CORE": 0,            # no core dumps (bytes)
 }
+# The CPU-time limit is a backstop behind the wall clock, never ahead of it: one thread's CPU time never
+# exceeds its wall time, but the scoring process may notice its deadline late on a loaded machine (its
+# poll is 50 ms, its scheduling slot is not promised), and when the CPU limit equalled the timeout an
+# infinite loop was sometimes killed by it first, reported as a bare SIGKILL. Soft limit (SIGXCPU) at
+# timeout + margin, hard limit (SIGKILL) one second later (s).
+CPU_LIMIT_MARGIN_S = 2
 WALL_TIMEOUT_S = 4.0       # default wall-clock limit of one run (s); the pool sets it below reward.timeout_s
 SWEEP_ROUNDS = 20          # kill(-1) rounds until the slot uid has no process left (each ~1 ms)
 OUTPUT_TAIL = 400          # characters of the child's stdout/stderr kept for the reason
@@ -87,12 +93,17 @@ class Verdict:
     seconds: float = 0.0
 
 
+def cpu_limit_s(timeout_s: float) -> int:
+    """The soft RLIMIT_CPU of a run whose wall-clock limit is ``timeout_s`` (s); the hard one is 1 s more."""
+    return max(1, math.ceil(timeout_s)) + CPU_LIMIT_MARGIN_S
+
+
 def _preexec(uid: int, cpu_s: int) -> None:
     """In the forked child, before exec: no network, limits, then drop to the slot uid."""
     if _libc.unshare(CLONE_NEWNET) != 0:
         os._exit(97)  # never run the reply with the network on
     _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # the harness dies with its scoring process
-    resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s))
+    resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s + 1))
     for name, value in LIMITS.items():
         resource.setrlimit(getattr(resource, name), (value, value))
     os.setgroups([])
@@ -259,7 +270,7 @@ def _run(python: str, uid: int, work: Path, program: str, tests: str, entry: str
     out = open(work / "output", "w+b")
     report_r, report_w = os.pipe()
     nonce = secrets.token_hex(16).encode()
-    cpu_s = max(1, math.ceil(timeout_s))
+    cpu_s = cpu_limit_s(timeout_s)
     env = {"PATH": "/usr/bin:/bin", "HOME": str(work), "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1"}
     try:
         proc = subprocess.Popen([python, "-I", "-S", "harness.py", str(report_w)], cwd=work, env=env,
@@ -306,7 +317,7 @@ def _run(python: str, uid: int, work: Path, program: str, tests: str, entry: str
         return Verdict(True, "all tests passed")
     if buf.startswith(b"RF") or buf.startswith(b"F"):
         return Verdict(False, buf.split(b"F", 1)[1].decode("utf-8", "replace"))
-    how = _exit_text(proc.returncode)
+    how = _exit_text(proc.returncode, cpu_s)
     return Verdict(False, f"no pass report ({how}; output: {tail[-160:]!r})" if tail else f"no pass report ({how})")
 
 
@@ -321,9 +332,11 @@ def _kill_group(proc: subprocess.Popen) -> None:
         log.warning("code sandbox: pid %d not reaped 5s after SIGKILL", proc.pid)
 
 
-def _exit_text(code: Optional[int]) -> str:
+def _exit_text(code: Optional[int], cpu_s: int) -> str:
     if code is None:
         return "still running"
+    if code == -signal.SIGXCPU:  # several threads can spend CPU time faster than the wall clock runs
+        return f"killed by SIGXCPU: over its CPU-time limit of {cpu_s}s"
     if code < 0:
         return f"killed by {signal.Signals(-code).name}"
     return f"exit status {code}"
