@@ -17,6 +17,7 @@ every expert's block of vLLM's stacked ``w13_weight`` / ``w2_weight``, trainer E
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
@@ -27,6 +28,7 @@ from megarl.algorithms.config import AlgorithmConfig
 from megarl.config import load_config
 from megarl.ddma.layouts import GeneratorTopology, TrainerTopology
 from megarl.ddma.sync import SyncSpec, host_store
+from megarl.generator.errors import GeneratorError
 from megarl.generator.executor import GeneratorExecutor
 from megarl.generator.shm_source import pack_to_shm
 from megarl.models.tiny import LLAMA32_TINY_ROPE, make_tiny_hf_checkpoint
@@ -92,16 +94,97 @@ def _moe_id(c) -> str:
     return f"qwen3_moe-ep{ep}-t1x1x{tdp}-g{gtp}"
 
 
+def _moe_checkpoints(root: Path) -> tuple[Path, Path]:
+    return tuple(make_tiny_hf_checkpoint(root / n, "qwen3_moe", head_dim=64, seed=seed,
+                                         extra_config={"mlp_only_layers": [1]}) for n, seed in (("a", 21), ("b", 22)))
+
+
 @pytest.mark.parametrize("case", MOE_CASES, ids=_moe_id)
 def test_ddma_lands_experts_like_vllms_loader(case, tmp_path):
     ep, tdp, gtp = case
-    ckpts = tuple(make_tiny_hf_checkpoint(tmp_path / n, "qwen3_moe", head_dim=64, seed=seed,
-                                          extra_config={"mlp_only_layers": [1]}) for n, seed in (("a", 21), ("b", 22)))
-    _assert_lands_like_vllms_loader(tmp_path, *ckpts, 1, 1, tdp, gtp, ep=ep)
+    _assert_lands_like_vllms_loader(tmp_path, *_moe_checkpoints(tmp_path), 1, 1, tdp, gtp, ep=ep)
+
+
+# The planted expert-index bug (docs/moe.md): the receiver lands DDMA's block of expert e at e+1 mod E.
+# The landing runs in the generator's replica process (spawned: a monkeypatch here never reaches it;
+# at generator TP1 vLLM's worker lives in that process), so the plant travels in the weight source
+# itself: unpickling a _ShiftedExperts there (the replica's pipe) runs _shift_landed_experts in it.
+def _shift_landed_experts(num_experts: int, monkeypatch: pytest.MonkeyPatch | None = None) -> None:
+    """Make ``megarl.generator.ddma_source.expert_checkpoint_name`` (DDMA's per-expert block ->
+    the checkpoint name, expert index included, that FusedMoE's loader lands) name expert
+    (e + 1) % ``num_experts`` for block e. Idempotent; in a replica it stays for the process's life."""
+    from megarl.generator import ddma_source
+
+    right = ddma_source.expert_checkpoint_name
+    if getattr(right, "planted", False):
+        return
+
+    def shifted(dparam: str) -> str:
+        head, _, e = dparam.rpartition(".")
+        if head.rpartition(".")[2] in ddma_source.EXPERT_PARAMS and e.isdecimal():
+            dparam = f"{head}.{(int(e) + 1) % num_experts}"
+        return right(dparam)
+
+    shifted.planted = True
+    (monkeypatch or pytest.MonkeyPatch()).setattr(ddma_source, "expert_checkpoint_name", shifted)
+
+
+class _ShiftedExperts:
+    """Put in a weight source: whoever unpickles the source gets the plant applied."""
+
+    def __init__(self, num_experts: int):
+        self.num_experts = num_experts
+
+    def __reduce__(self):
+        return _shift_landed_experts, (self.num_experts,)
+
+
+def test_ddma_landing_catches_a_planted_expert_index_bug(tmp_path, monkeypatch):
+    """The MoE row (ep2 dp2 -> generator TP1) with expert e landed at e+1 mod E fails twice over:
+    with verification off the comparison against vLLM's loader names both stacked expert tensors
+    (and only them); with checksums on the sync stops, naming expert 0's down_proj and where it landed."""
+    ckpt_a, ckpt_b = _moe_checkpoints(tmp_path)
+    num_experts = ModelDims.from_hf_config(read_hf_config(ckpt_b)).num_experts
+    assert num_experts == 4
+    # What the plant does (here, undone at teardown; the replica gets its own copy from the source):
+    _shift_landed_experts(num_experts, monkeypatch)
+    from megarl.generator import ddma_source
+    assert (ddma_source.expert_checkpoint_name("model.layers.0.mlp.experts.routed_experts.w2_weight.3")
+            == "model.layers.0.mlp.experts.0.down_proj.weight")
+    plant = {"plant": _ShiftedExperts(num_experts)}
+    failure = {}
+
+    def sync_with_checksums(trainer, gen, spec) -> None:  # last: a failed landing ends the replica
+        on = dataclasses.replace(spec, verify_every=1)
+        trainer.start_sync(on, 2)
+        with pytest.raises(GeneratorError) as excinfo:
+            gen.update_weights_from_source({**on.weight_source(2), **plant}, 2)
+        trainer.finish_sync()  # the senders finished: the wire was right, the landing was not
+        failure["error"] = str(excinfo.value)
+
+    wrong = _landing_differences(tmp_path, ckpt_a, ckpt_b, 1, 1, 2, 1, ep=2, verify_every=0, extra_source=plant,
+                                 then=sync_with_checksums)
+    assert len(wrong) == 1
+    assert sorted(n.rsplit(".", 1)[-1] for n in wrong[0]) == ["w13_weight", "w2_weight"], wrong
+    assert all(n.startswith("model.layers.0.") for n in wrong[0]), wrong  # layer 1 is dense
+    first = failure["error"].splitlines()[0]
+    assert "DdmaVerifyError" in first and "model.layers.0.mlp.experts.0.down_proj.weight checksum 0x" in first, first
+    assert " != 0x" in first and "landed at model.layers.0.mlp.experts.routed_experts.w2_weight.0 " in first, first
 
 
 def _assert_lands_like_vllms_loader(tmp_path: Path, ckpt_a: Path, ckpt_b: Path, ttp: int, tpp: int, tdp: int,
                                     gtp: int, ep: int = 1) -> None:
+    wrong = _landing_differences(tmp_path, ckpt_a, ckpt_b, ttp, tpp, tdp, gtp, ep=ep)
+    for rank, names in enumerate(wrong):
+        assert not names, f"tp rank {rank}: DDMA landed {len(names)} parameter(s) unlike vLLM's loader: {names[:6]}"
+
+
+def _landing_differences(tmp_path: Path, ckpt_a: Path, ckpt_b: Path, ttp: int, tpp: int, tdp: int, gtp: int,
+                         ep: int = 1, verify_every: int = 1, extra_source: dict | None = None,
+                         then=None) -> list[list[str]]:
+    """Per generator TP rank, the engine parameters a DDMA sync (v0, its weight source plus
+    ``extra_source``) landed unlike vLLM's own loader (v1). ``then(trainer, gen, spec)`` runs after
+    both, before the executors close."""
     overrides = [f"model.path={ckpt_a}", "generator.dtype=float32", f"generator.tp={gtp}"]
     if gtp == 2:
         overrides.append("generator.threads_bind=0|1")
@@ -109,12 +192,12 @@ def _assert_lands_like_vllms_loader(tmp_path: Path, ckpt_a: Path, ckpt_b: Path, 
     dims = ModelDims.from_hf_config(read_hf_config(ckpt_b))
     store = host_store()
     spec = SyncSpec(dims, TrainerTopology(ttp, tpp, tdp, ep=ep), GeneratorTopology(gtp, 1), "127.0.0.1", store.port,
-                    engine_dtype="float32", timeout_s=120,)
+                    engine_dtype="float32", verify_every=verify_every, timeout_s=120,)
     cpus = [0, 1] if len(os.sched_getaffinity(0)) >= 2 else None
     with TrainerExecutor(TrainerConfig(tp=ttp, pp=tpp, dp=tdp, ep=ep), AlgorithmConfig(), ckpt_b, total_steps=1,
                          run_dir=tmp_path, cpus=cpus) as trainer, GeneratorExecutor(cfg.generator, ckpt_a) as gen:
         trainer.start_sync(spec, 0)
-        gen.update_weights_from_source({**spec.weight_source(0), "capture": True}, 0)
+        gen.update_weights_from_source({**spec.weight_source(0), "capture": True, **(extra_source or {})}, 0)
         trainer.finish_sync()
         ddma = gen.landed_weights(0)
         reader = HFReader(ckpt_b)
@@ -124,9 +207,11 @@ def _assert_lands_like_vllms_loader(tmp_path: Path, ckpt_a: Path, ckpt_b: Path, 
         finally:
             shm.unlink()
         reference = gen.landed_weights(0)
+        if then is not None:
+            then(trainer, gen, spec)
     assert len(ddma) == len(reference) == gtp
     for rank, (got, want) in enumerate(zip(ddma, reference)):
         assert want, f"tp rank {rank}: vLLM's loader landed nothing"
         assert sorted(got) == sorted(want), f"tp rank {rank}: DDMA landed other parameters than vLLM's loader"
-        wrong = [n for n in want if got[n].dtype != want[n].dtype or not torch.equal(got[n], want[n])]
-        assert not wrong, f"tp rank {rank}: DDMA landed {len(wrong)} parameter(s) unlike vLLM's loader: {wrong[:6]}"
+    return [[n for n in want if got[n].dtype != want[n].dtype or not torch.equal(got[n], want[n])]
+            for got, want in zip(ddma, reference)]
