@@ -12,13 +12,15 @@
 #              within a float32-derived bound (tools/gpu_megatron_check.py);
 #   build      megarl._C with its CUDA kernels (nvcc; ninja from the carried wheels when there), timed;
 #   fp8        the CUDA FP8 kernel vs the torch reference, bit for bit       (tools/gpu_fp8_check.py);
+#   checksum   the CUDA digest kernel vs the CPU kernel and torch, to the bit; planted corruptions
+#              caught; its GB/s beside a d2d copy, reported               (tools/gpu_checksum_check.py);
 #   nccl       the nccl transport's calls on a 1-rank ProcessGroupNCCL     (tools/gpu_nccl_check.py);
 #   bench      CUDA IPC sync GB/s vs a device-to-device copy of the same bytes; goal >= 50%, enforced.
 # Env: PYTHON (default python3); MEGARL_MCORE_WHEEL (default: wheels/ or shared/wheels/
 #   megatron_core-0.16.1-*.whl: tools/gpu_check_wheels.sh puts it there, hash-checked, before the call);
 #   MEGARL_GPU_CHECK_DEADLINE_S (default 470); MEGARL_GPU_CHECK_STEPS (comma list, default all);
 #   MEGARL_GPU_CHECK_IPC_CASES (tools/gpu_ddma_ipc.py --cases, default all four);
-#   MEGARL_GPU_CHECK_PLANT=build|fp8|ipc|trainer|megatron|nccl|bench plants a failure in that step (the script must exit
+#   MEGARL_GPU_CHECK_PLANT=build|fp8|checksum|ipc|trainer|megatron|nccl|bench plants a failure in that step (the script must exit
 #   non-zero); MEGARL_GPU_CHECK_DRY=1 runs the same control flow on CPU (no CUDA build, no wheel).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -29,7 +31,7 @@ py="${PYTHON:-python3}"
 dry="${MEGARL_GPU_CHECK_DRY:-0}"
 plant="${MEGARL_GPU_CHECK_PLANT:-}"
 deadline_s="${MEGARL_GPU_CHECK_DEADLINE_S:-470}"
-only="${MEGARL_GPU_CHECK_STEPS:-ipc,trainer,megatron,build,fp8,nccl,bench}"
+only="${MEGARL_GPU_CHECK_STEPS:-ipc,trainer,megatron,build,fp8,checksum,nccl,bench}"
 dryflag=""; [[ "$dry" == 1 ]] && dryflag="--cpu-dry"
 export MEGARL_GPU_CHECK_PLANT="$plant" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PIP_NO_INDEX=1
 results="$out/gpu_check.steps.jsonl"
@@ -157,12 +159,13 @@ if wants build; then
   if [[ "$dry" != 1 ]]; then
     # the extension with its CUDA kernels, built in place against this python's torch (no pip, no network)
     step build 240 env MEGARL_CUDA=1 MAX_JOBS=16 "$py" setup.py -q build_ext --inplace
-    step build_has_cuda_kernels 30 "$py" -c "import json, megarl.native as n; ok = n.native_function('fp8_e4m3_quantize_rows_cuda') is not None; print(json.dumps({'cuda_kernels_bound': ok})); raise SystemExit(0 if ok else 1)"
+    step build_has_cuda_kernels 30 "$py" -c "import json, megarl.native as n; ok = all(n.native_function(f) is not None for f in ('fp8_e4m3_quantize_rows_cuda', 'weighted_checksum_segments_cuda')); print(json.dumps({'cuda_kernels_bound': ok})); raise SystemExit(0 if ok else 1)"
   else
     step build 30 "$py" -c "import json; print(json.dumps({'dry': 'no CUDA build on CPU'}))"
   fi
 fi
 wants fp8 && step fp8 90 "$py" tools/gpu_fp8_check.py $dryflag
+wants checksum && step checksum 90 "$py" tools/gpu_checksum_check.py $dryflag
 wants nccl && step nccl 60 "$py" tools/gpu_nccl_check.py $dryflag
 wants bench && step bench 90 "$py" tools/gpu_ddma_ipc.py --bench --trials 3 $dryflag
 write_json done

@@ -126,11 +126,15 @@ CHUNK_ELEMENTS = 1 << 22  # elements per chunk of the torch path: at most ~48 by
 
 def checksum_segments(flat: torch.Tensor, segments: Segments) -> int:
     """:func:`weighted_checksum` of ``flat``'s elements over ``segments``, where the data is: C++ for
-    host tensors when built, torch ops on the device for CUDA tensors (:func:`checksum_segments_torch`:
-    only the 8-byte result leaves the device)."""
+    host tensors when built; for CUDA tensors the CUDA kernel (csrc/cuda/checksum.cu, one launch at HBM
+    speed) when the extension was built with it, else torch ops on the device
+    (:func:`checksum_segments_torch`, a few launches per 4M elements). Only the 8-byte result leaves the
+    device either way."""
     offs, lens, hfs = segments
     if flat.device.type == "cpu" and _C is not None and hasattr(_C, "weighted_checksum_segments"):
         return int(_C.weighted_checksum_segments(flat.contiguous(), offs, lens, hfs))
+    if flat.device.type == "cuda" and _C is not None and hasattr(_C, "weighted_checksum_segments_cuda"):
+        return int(_C.weighted_checksum_segments_cuda(flat.contiguous(), offs, lens, hfs))
     return checksum_segments_torch(flat, segments)
 
 
