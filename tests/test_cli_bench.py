@@ -49,6 +49,7 @@ def test_bench_trainer_quick(tiny_llama_dir, tmp_path):
     assert (tmp_path / "bench_trainer.png").stat().st_size > 1000
 
 
+@pytest.mark.slow  # CI time: a benchmark's smoke run (benchmarks check speed, by hand)
 def test_bench_generator_quick(tiny_llama_dir, tmp_path):
     """vLLM (CPU) against transformers on the tiny model: about 20 s on 2 cores."""
     r = _cli("generator", "--quick", "--model", tiny_llama_dir, "--out", tmp_path)
@@ -73,6 +74,7 @@ def test_bench_sync_quick(tmp_path):
     assert (tmp_path / "sync.png").stat().st_size > 1000
 
 
+@pytest.mark.slow  # CI time: a benchmark's smoke run (benchmarks check speed, by hand)
 def test_bench_step_quick(tiny_llama_dir, tmp_path):
     """Both modes run as real `megarl train` jobs (sync on every core, async split), about 80 s."""
     r = _cli("step", "--quick", "--model", tiny_llama_dir, "--out", tmp_path)

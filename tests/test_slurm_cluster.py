@@ -127,6 +127,7 @@ def test_two_trainer_nodes_and_a_generator_node(cluster, tiny_llama_dir, tmp_pat
     _assert_trained_every_step_once(run, 3)
 
 
+@pytest.mark.slow  # CI time: the generator spanning nodes is also in test_two_trainer_nodes_and_a_generator_node's map
 def test_one_trainer_node_and_two_generator_nodes(cluster, tiny_llama_dir, tmp_path):
     """The multi-node generator pool: a replica on each of n2, n3 (srun tasks attached to the
     controller on n2); both load every version by DDMA, checksummed."""
@@ -148,6 +149,7 @@ def test_one_trainer_node_and_two_generator_nodes(cluster, tiny_llama_dir, tmp_p
     _assert_trained_every_step_once(run, 3)
 
 
+@pytest.mark.slow  # CI time: het jobs are a launch variant; preemption and lost nodes stay in every run
 def test_heterogeneous_job(cluster, tiny_llama_dir, tmp_path):
     """het.sbatch, its groups sized on the command line: group 0 = n1 (dp 2 on its 2 "GPUs"),
     group 1 = the generator node."""
