@@ -18,7 +18,8 @@ EXTENSION_NAME = "megarl._C"
 EXTENSION_SOURCES = ["csrc/bindings.cpp", "csrc/merge_runs.cpp", "csrc/plan.cpp", "csrc/fp8_quant_cpu.cpp",
                      "csrc/ddma_transport.cpp"]
 # Added only when _extension_setup builds the CUDA kernels; they are MEGARL_WITH_CUDA code.
-CUDA_EXTENSION_SOURCES = ["csrc/cuda/fp8_quant.cu", "csrc/cuda/fp8_quant_binding.cpp"]
+CUDA_EXTENSION_SOURCES = ["csrc/cuda/fp8_quant.cu", "csrc/cuda/fp8_quant_binding.cpp", "csrc/cuda/checksum.cu",
+                          "csrc/cuda/checksum_binding.cpp"]
 
 
 def _warn(message: str) -> None:

@@ -17,5 +17,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #ifdef MEGARL_WITH_CUDA
   void register_fp8_quant_cuda(pybind11::module_& m);  // csrc/cuda/fp8_quant_binding.cpp
   register_fp8_quant_cuda(m);
+  void register_checksum_cuda(pybind11::module_& m);  // csrc/cuda/checksum_binding.cpp
+  register_checksum_cuda(m);
 #endif
 }
