@@ -300,7 +300,8 @@ def test_bad_input_errors_name_the_problem(results):
     assert "incomplete: missing file" in r["err_missing"] and r["victim"] in r["err_missing"], \
         r["err_missing"]
     assert "optimizer state for tp=1 pp=1 dp=2 in the old per-layout format" in r["err_layout"] \
-        and "tp=2" in r["err_layout"], r["err_layout"]
+        and "tp=2" in r["err_layout"] and "trainer.tp=1 trainer.pp=1 trainer.dp=2" in r["err_layout"] \
+        and "trainer.resume_optimizer=false" in r["err_layout"], r["err_layout"]  # the way on, in the user's knobs
 
 
 @pytest.mark.parametrize("src", ["tp2", "dp2"])

@@ -52,7 +52,8 @@ def assumptions(out: Mapping[str, Any]) -> list[tuple[str, str, str]]:
     d = out["cost"].dims
     rows.append(("model.dims", f"{d.num_layers} layers, hidden {d.hidden_size}, {d.num_heads} heads / "
                  f"{d.num_kv_heads} KV heads, ffn {d.ffn_hidden_size}, vocab {d.vocab_size}", f"HF config {setup['model']}"))
-    rows.append(("model.params", f"{out['cost'].params / 1e9:.2f} B ({out['cost'].matmul_params / 1e9:.2f} B in matmuls)",
+    rows.append(("model.params", f"{out['cost'].params / 1e9:.2f} B ({out['cost'].matmul_params / 1e9:.2f} B in matmuls"
+                   + (f", {out['cost'].active_params / 1e9:.2f} B active per token)" if out['cost'].dims.is_moe else ")"),
                  "counted from the HF tensor shapes (megarl.models.layouts.hf_tensor_shapes)"))
     rows.append(("lengths.mean", f"{out['mean_len']:.0f} tokens", "mean of 20,000 draws of the length distribution"))
     rows += out["hardware"].assumptions()

@@ -1,14 +1,19 @@
 """Workload model for ``megarl simulate``: model dims, FLOPs and bytes per token, response lengths,
 and the per-phase cost functions the discrete-event simulation (``events.py``) runs on.
 
-Formulas (N = parameters in matmuls: every HF tensor but the input embedding, whose lookup is free):
+Formulas (N = parameters in matmuls a token passes through: every HF tensor but the input embedding,
+whose lookup is free; for MoE only the ``moe_topk`` routed experts of each sparse layer count, the
+active parameters, e.g. 3.3 B of Qwen3-30B-A3B's 30.5 B. Weight bytes, memory and the sync always count
+every expert):
 - train FLOPs per token (fwd + bwd) = 6 N + 12 L d_attn s  (Chowdhery et al. 2022, PaLM, appendix B;
   L layers, d_attn = heads x head_dim, s the sequence length); T_train = FLOPs / (GPUs x peak x MFU).
 - decode FLOPs per token = 2 N + 4 L d_attn ctx (QK^T and AV over ctx cached tokens).
 - decode step of one replica with n active sequences whose contexts sum to S:
   max(compute, memory) + TP communication, where compute = (2 N n + 4 L d_attn S) / (F x eff),
   memory = (weight bytes + KV bytes per token x S) / (HBM bw x eff): weights are read once per step
-  for the whole batch, which is why decode is memory bound at small batch.
+  for the whole batch, which is why decode is memory bound at small batch. MoE (assumption): a step
+  reads every expert, since a batch of n sequences leaves an expert idle with probability (1-k/E)^n
+  (8 of 128 experts: 13% idle at n = 32, 2% at n = 64).
 """
 
 from __future__ import annotations
@@ -40,21 +45,30 @@ def load_dims(path: str | Path) -> ModelDims:
 class ModelCost:
     dims: ModelDims
     params: int          # every HF element
-    matmul_params: int   # N: params minus the input embedding (counted in lm_head when tied)
+    matmul_params: int   # params minus the input embedding (counted in lm_head when tied)
+    active_params: int = -1  # N: matmul_params with only moe_topk of num_experts routed experts per
+                             # sparse layer (== matmul_params for a dense model; -1: the same)
+
+    def __post_init__(self):
+        if self.active_params < 0:
+            object.__setattr__(self, "active_params", self.matmul_params)
 
     @classmethod
     def of(cls, dims: ModelDims) -> "ModelCost":
         shapes = hf_tensor_shapes(dims)
         total = sum(math.prod(s) for s in shapes.values())
         embed = math.prod(shapes["model.embed_tokens.weight"])
-        return cls(dims, total, total if dims.tie_word_embeddings else total - embed)
+        matmul = total if dims.tie_word_embeddings else total - embed
+        experts = sum(math.prod(s) for n, s in shapes.items() if ".mlp.experts." in n)
+        idle = experts - experts * dims.moe_topk // dims.num_experts if dims.is_moe else 0
+        return cls(dims, total, matmul, matmul - idle)
 
     @property
     def d_attn(self) -> int:
         return self.dims.num_heads * self.dims.head_dim
 
     def train_flops_per_token(self, seq: float) -> float:
-        return 6 * self.matmul_params + 12 * self.dims.num_layers * self.d_attn * seq
+        return 6 * self.active_params + 12 * self.dims.num_layers * self.d_attn * seq
 
     def kv_bytes_per_token(self, kv_bytes: int = 2) -> int:
         return 2 * self.dims.num_layers * self.dims.num_kv_heads * self.dims.head_dim * kv_bytes
@@ -216,11 +230,11 @@ def decode_cost(cost: ModelCost, hw: Hardware, eff: Efficiency, tp: int, pp: int
     ring = 2 * (tp - 1) / tp if tp > 1 else 0.0  # ring all-reduce moves 2(tp-1)/tp of the buffer per GPU
     return DecodeCost(
         mem_base_s=wbytes / bw, mem_per_ctx_s=kv_tok / bw,
-        flop_per_seq_s=2 * cost.matmul_params / (flops * eff.decode_flops),
+        flop_per_seq_s=2 * cost.active_params / (flops * eff.decode_flops),
         flop_per_ctx_s=4 * layers * cost.d_attn / (flops * eff.decode_flops),
         comm_base_s=(2 * layers * lat if tp > 1 else 0.0),
         comm_per_seq_s=2 * layers * ring * cost.dims.hidden_size * 2 / link,
-        prefill_per_token_s=2 * cost.matmul_params / (flops * pp * eff.prefill_flops),
+        prefill_per_token_s=2 * cost.active_params / (flops * pp * eff.prefill_flops),
         max_seqs=slots, gpus=gpus, static=static)
 
 
@@ -271,7 +285,9 @@ def sync_seconds(dims: ModelDims, trainer: tuple[int, int, int], generator: tupl
     replicas/dp only (DP replicas share the sending), while the baseline's broadcast is linear in the
     replica count (scaled back up here) and its gather does not depend on dp. A generator TP wider
     than the trainer's splits every trainer row run into pieces (405B TP8 -> TP16: 66M copy runs,
-    over a minute to plan), so that case uses :func:`analytic_sync`. ``message_us``: per-message latency
+    over a minute to plan), so that case uses :func:`analytic_sync`, and so does an MoE model (Qwen3-30B-A3B:
+    18,432 expert tensors, 207 s to plan at trainer TP4 x DP4 -> generator TP2 x 8, against 0.4 s
+    analytic; projected sync 0.6114 s planned vs 0.6109 s analytic). ``message_us``: per-message latency
     of the p2p transports' bucket model (``megarl/ddma/bucket_model.py``), added per rank as
     ``megarl plan-sync --message-us`` does (0: bytes only)."""
     from megarl.ddma.layouts import GeneratorTopology, TrainerTopology, validate_vllm_tp
@@ -282,7 +298,7 @@ def sync_seconds(dims: ModelDims, trainer: tuple[int, int, int], generator: tupl
     gtp, reps = generator
     validate_parallel(dims, tp, pp)
     validate_vllm_tp(dims, gtp)
-    if gtp > tp:
+    if gtp > tp or dims.is_moe:
         return analytic_sync(dims, trainer, generator, dtype, link_bytes_per_s, message_us)
     g = math.gcd(dp, reps)
     r = project_sync(dims, TrainerTopology(tp, pp, dp // g), GeneratorTopology(gtp, reps // g), dtype=dtype,

@@ -529,15 +529,16 @@ def load_checkpoint(path: str | Path, *, model: list, optimizer: Any = None, sch
     optim_sharding = meta.get("optim_sharding", _OLD_OPTIM_SHARDING)
     if optimizer is not None:
         if not meta["has_optimizer"]:
-            raise CheckpointError(f"{step_dir} has no optimizer state; pass optimizer=None to "
-                                  f"load the weights only")
+            raise CheckpointError(f"{step_dir} has no optimizer state; start from its weights only "
+                                  f"(trainer.resume_optimizer=false; in Python: optimizer=None)")
         if not same_layout and optim_sharding not in _RESHARDABLE and _is_distributed(optimizer):
             raise CheckpointError(
                 f"{step_dir} holds optimizer state for tp={saved_layout['tp']} pp="
                 f"{saved_layout['pp']} dp={saved_layout['dp']} in the old per-layout format "
                 f"({optim_sharding}), this job is tp={layout['tp']} pp={layout['pp']} dp={layout['dp']}; "
-                f"resume with the saved layout (a checkpoint it then writes reshards), or load the "
-                f"weights only (optimizer=None)")
+                f"convert it by resuming once at the saved layout (trainer.tp={saved_layout['tp']} "
+                f"trainer.pp={saved_layout['pp']} trainer.dp={saved_layout['dp']}; every checkpoint that run "
+                f"writes reshards), or start from its weights only (trainer.resume_optimizer=false)")
         if meta["adam_step"] is not None and _adam_steps(optimizer) is None:
             # empty torch-Adam state: create it so the sharded load has tensors to fill
             for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
