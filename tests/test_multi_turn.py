@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from fractions import Fraction
 
+import threading
+
 import pytest
 import torch
 from transformers import AutoTokenizer
@@ -169,3 +171,36 @@ def test_multi_turn_batch_trains_and_the_next_rollouts_run_the_new_weights(gen, 
     for s in after:
         assert {v for v, m in zip(s.versions, s.loss_mask) if m} == {1}
         assert {v for v, m in zip(s.versions, s.loss_mask) if not m} == {-1}
+
+
+class ConcurrentTool(ToolEveryTurn):
+    """ToolEveryTurn whose steps say they may overlap; each step waits until every rollout of the turn is
+    inside step, which only parallel steps can do (in order, the first wait would break the barrier)."""
+
+    concurrent_steps = True
+
+    def __init__(self, tokenizer, turns: int, parties: int):
+        super().__init__(tokenizer, turns)
+        self.barrier = threading.Barrier(parties, timeout=30)
+        self.threads = set()
+
+    def step(self, state, reply_ids):
+        self.threads.add(threading.get_ident())
+        self.barrier.wait()
+        return super().step(state, reply_ids)
+
+
+def test_a_turns_steps_run_in_parallel_when_the_environment_allows_it(gen, tok):
+    env = ConcurrentTool(tok, turns=3, parties=len(TASKS))
+    prompts = _prompts(tok, [env.reset(t) for t in TASKS])
+    samples = multi_turn(gen, env, TASKS, prompts, max_turns=3, max_new_tokens=16, max_model_len=160, sampling=STOP)
+    # every reply ends on a stop string (as in the first test), so each turn steps every rollout
+    assert [(s.turns, s.finish_reason, s.reward) for s in samples] == [(3, "stop", 1.0)] * len(TASKS)
+    assert threading.get_ident() not in env.threads and len(env.threads) >= len(TASKS)
+    # an environment that does not say so is stepped on the caller's thread, one rollout at a time
+    plain = ToolEveryTurn(tok, turns=2)
+    seen = []
+    step = plain.step
+    plain.step = lambda state, ids: (seen.append(threading.get_ident()), step(state, ids))[1]
+    multi_turn(gen, plain, TASKS, prompts, max_turns=2, max_new_tokens=16, max_model_len=160, sampling=STOP)
+    assert seen and set(seen) == {threading.get_ident()}

@@ -30,11 +30,16 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from megarl.rollout import Sample
 
 log = logging.getLogger(__name__)
+# Threads that step one turn's rollouts at once, for an environment with ``concurrent_steps = True``
+# (megarl.reward.environment.Environment): each waits on its tool (a sandbox run, a remote call), so
+# more threads than cores is the point; a turn of more rollouts queues behind these (count).
+ENV_STEP_THREADS = 16
 
 
 @dataclasses.dataclass
@@ -88,8 +93,8 @@ def continue_rollouts(generator, env, tasks: Sequence[Any], firsts: Sequence[Sam
     for s in firsts:
         r = _Rollout(env.reset(tasks[s.prompt_index]), [int(t) for t in s.prompt_ids])
         _take_reply(r, s)
-        _step(env, r, last_turn=max_turns == 1, max_model_len=max_model_len)
         runs.append(r)
+    _step_all(env, runs, last_turn=max_turns == 1, max_model_len=max_model_len)
     _play(generator, env, runs, turns=range(1, max_turns), max_turns=max_turns, max_new_tokens=max_new_tokens,
           max_model_len=max_model_len, sampling=sampling)
     return [_sample(r, s, truncated_score) for r, s in zip(runs, firsts)]
@@ -139,7 +144,7 @@ def _play(generator, env, runs: List[_Rollout], *, turns: range, max_turns: int,
                                          sampling=sampling)
             for r, s in zip(group, samples):
                 _take_reply(r, s)
-                _step(env, r, last_turn=turn == max_turns - 1, max_model_len=max_model_len)
+            _step_all(env, group, last_turn=turn == max_turns - 1, max_model_len=max_model_len)
 
 
 def _sample(r: _Rollout, base: Sample, truncated_score: float) -> Sample:
@@ -165,6 +170,18 @@ def _take_reply(r: _Rollout, s: Sample) -> None:
     r.stop_reason = s.stop_reason
     if s.finish_reason == "length":
         r.done, r.finish = True, "length"
+
+
+def _step_all(env, runs: List[_Rollout], *, last_turn: bool, max_model_len: int) -> None:
+    """:func:`_step` for each rollout: in parallel threads when the environment allows it (each call
+    touches only its own rollout), else in order on this thread. A step's exception ends the turn."""
+    if getattr(env, "concurrent_steps", False) and len(runs) > 1:
+        with ThreadPoolExecutor(max_workers=min(ENV_STEP_THREADS, len(runs)), thread_name_prefix="env-step") as pool:
+            for f in [pool.submit(_step, env, r, last_turn=last_turn, max_model_len=max_model_len) for r in runs]:
+                f.result()
+        return
+    for r in runs:
+        _step(env, r, last_turn=last_turn, max_model_len=max_model_len)
 
 
 def _step(env, r: _Rollout, *, last_turn: bool, max_model_len: int) -> None:

@@ -57,6 +57,12 @@ class StepResult:
 
 
 class Environment(Protocol):
+    """``reset`` and ``step`` (docs/environments.md, "The contract"). An environment whose ``step`` may
+    run for several rollouts at once (no shared mutable state, or its own locking) says so with a class
+    attribute ``concurrent_steps = True``: the multi-turn loop then steps a turn's rollouts in parallel
+    threads (megarl/controller/turns.py), so a slow tool (a sandbox, a remote call) costs one wait per
+    turn, not one per rollout. Absent or False: one rollout at a time, on the calling thread."""
+
     name: str
 
     def reset(self, task: Any) -> EnvState: ...

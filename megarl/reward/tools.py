@@ -77,6 +77,7 @@ class Calculator:
 
     name = "calculator"
     instruction = INSTRUCTION  # what the prompt says (data.instruction: auto takes it)
+    concurrent_steps = True    # step keeps its state in the rollout's EnvState only
 
     def __init__(self, *, tokenizer: Any = None, strict: bool = False, correct: float = 1.0, wrong: float = 0.0,
                  max_calls: int = 4):
