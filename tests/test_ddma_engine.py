@@ -21,6 +21,7 @@ from megarl.algorithms.config import AlgorithmConfig
 from megarl.config import load_config
 from megarl.ddma.layouts import GeneratorTopology, TrainerTopology
 from megarl.ddma.sync import SyncSpec, host_store
+from megarl.ddma.transport import choose_transport
 from megarl.trainer.executor import TrainerExecutor
 from megarl.generator.executor import GeneratorExecutor
 from megarl.models.tiny import make_tiny_hf_checkpoint
@@ -58,7 +59,8 @@ def test_ddma_sync_equals_shm_push(tiny_llama_dir, checkpoint_b, tmp_path, ttp, 
     dims = ModelDims.from_hf_config(read_hf_config(tiny_llama_dir))
     store = host_store()
     spec = SyncSpec(dims, TrainerTopology(ttp, tpp, 1), GeneratorTopology(gtp, 1), "127.0.0.1", store.port,
-                    transport=transport, engine_dtype=dtype, timeout_s=120)
+                    transport=choose_transport(transport, device="cpu", same_host=True), engine_dtype=dtype,
+                    timeout_s=120)
     cpus = [0, 1] if len(os.sched_getaffinity(0)) >= 2 else None
     with TrainerExecutor(TrainerConfig(tp=ttp, pp=tpp), AlgorithmConfig(), checkpoint_b, total_steps=1,
                          run_dir=tmp_path, cpus=cpus) as trainer, \

@@ -23,6 +23,7 @@ import torch
 
 from megarl.ddma.layouts import GeneratorTopology, SrcRank, TrainerTopology
 from megarl.ddma.sync import DdmaReceiver, DdmaSender, DdmaVerifyError, SyncSpec, host_store
+from megarl.ddma.transport import choose_transport
 from megarl.models.layouts import ModelDims, hf_to_local
 from tests.test_ddma_plan import DIMS, _expected_vllm, _random_hf
 
@@ -192,6 +193,7 @@ def _run(dims, src: TrainerTopology, dst: GeneratorTopology, *, transport="zero_
          engine_dtype="bfloat16", trainer_dtype=torch.float32, versions=(1, 2), corrupt=False, via="map",
          coalescing=False, **spec_kw):
     """``coalescing``: nccl's code over CoalescingGlooDouble (NCCL's coalescing branch) instead of gloo."""
+    transport = choose_transport(transport, device="cpu", same_host=True)  # "p2p" -> gloo (host memory)
     store = host_store()
     doubles = ("host_ipc",) * (transport == "cuda_ipc") + ("coalescing",) * coalescing  # the GPU-boundary doubles
     spec = SyncSpec(dims, src, dst, "127.0.0.1", store.port, transport=transport, wire=wire,

@@ -63,6 +63,20 @@ def test_explicit_choice_is_kept_and_a_wrong_one_names_the_fix():
         choose_transport("rdma", device="cpu", same_host=True)
 
 
+@pytest.mark.parametrize("alias", ["auto", "p2p"])
+def test_sync_spec_takes_only_a_resolved_transport(alias):
+    """One resolution path: choose_transport, where the device is known. SyncSpec used to resolve an
+    alias itself as if the bytes were on the CPU, a second and possibly wrong answer."""
+    dims = _dims("llama_kv4_untied")
+    with pytest.raises(ValueError, match="megarl.ddma.transport.choose_transport"):
+        SyncSpec(dims, TrainerTopology(1, 1, 1), GeneratorTopology(1, 1), "127.0.0.1", 1, transport=alias)
+    with pytest.raises(ValueError, match="choose one of"):
+        SyncSpec(dims, TrainerTopology(1, 1, 1), GeneratorTopology(1, 1), "127.0.0.1", 1, transport="rdma")
+    resolved = choose_transport(alias, device="cpu", same_host=True)
+    spec = SyncSpec(dims, TrainerTopology(1, 1, 1), GeneratorTopology(1, 1), "127.0.0.1", 1, transport=resolved)
+    assert spec.transport == resolved
+
+
 def _problems(*overrides):
     from megarl.config import ConfigError, load_config
 

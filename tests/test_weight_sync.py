@@ -57,16 +57,16 @@ def test_ddma_push_verified_and_probe_catches_stale_weights(tiny_llama_tied_dir,
     must stop the job (a lost update), naming the gap."""
     import pytest
 
-    from megarl.controller.loop import model_dims
+    from megarl.controller.loop import model_dims, resolved_sync
     from megarl.controller.weight_sync import ProbeMismatch, WeightSync
 
     cfg = load_config(REPO / "configs" / "tiny_test.yaml", [
         f"model.path={tiny_llama_tied_dir}", "generator.dtype=float32", "generator.max_new_tokens=12",
-        "sync.probe_every=1"])
+        "sync.probe_every=1", "cluster.device=cpu"])
     trainer = LocalTrainer(cfg.trainer, cfg.algorithm, tiny_llama_tied_dir, total_steps=1, run_dir=tmp_path)
     try:
         with GeneratorExecutor(cfg.generator, tiny_llama_tied_dir) as gen:
-            sync = WeightSync(cfg.sync, trainer, gen, dims=model_dims(tiny_llama_tied_dir), generator_cfg=cfg.generator,
+            sync = WeightSync(resolved_sync(cfg), trainer, gen, dims=model_dims(tiny_llama_tied_dir), generator_cfg=cfg.generator,
                               probe_prompt=[1, 504, 3180, 314])
             g = torch.Generator().manual_seed(0)
             with torch.no_grad():

@@ -69,7 +69,8 @@ def probe_due(sync_number: int, probe_every: int) -> bool:
 
 class DdmaPush:
     """``sync.method=ddma``: every trainer rank sends its own shards straight to the generator
-    workers that need them (megarl/ddma/); the controller only hosts the rendezvous store."""
+    workers that need them (megarl/ddma/); the controller only hosts the rendezvous store.
+    ``cfg.transport`` comes resolved (controller/loop.py ``resolved_sync``): SyncSpec refuses an alias."""
 
     def __init__(self, cfg: SyncConfig, trainer: Trainer, generator: Generator, *, dims: ModelDims,
                  generator_cfg: GeneratorConfig):

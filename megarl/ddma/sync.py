@@ -47,9 +47,10 @@ from megarl.ddma.bucket_model import DEFAULT_BUCKET_BYTES
 from megarl.ddma.layouts import (DstRank, GeneratorTopology, SrcRank, TrainerTopology, source_rank_layouts,
                                  vllm_param_layouts)
 from megarl.ddma.plan import Copy, SyncPlan, plan_sync
-from megarl.ddma.transport import TRANSPORTS, choose_transport, get_transport
+from megarl.ddma.transport import TRANSPORTS, get_transport
 from megarl.ddma.transport.base import (FP8, DdmaTransportError, dequant, engine_dtype, gloo_group, is_fp8, key,
                                         outgoing_by_param, plan_buckets, wait_keys)
+from megarl.ddma.transport.choice import ALIASES
 from megarl.ddma.verify import DdmaVerifyError, Segments, checksum_segments, hf_segments
 from megarl.models.layouts import ModelDims
 from megarl.utils.faults import pause_point
@@ -68,9 +69,9 @@ class SyncSpec:
     dst: GeneratorTopology
     store_host: str
     store_port: int
-    transport: str = "zero_copy"   # megarl.ddma.transport: zero_copy | cuda_ipc | gloo | nccl; the aliases
-                                   # "auto" / "p2p" resolve here for host memory on one host (megarl train
-                                   # resolves them first with the real device: controller/loop.py resolved_sync)
+    transport: str = "zero_copy"   # megarl.ddma.transport: zero_copy | cuda_ipc | gloo | nccl, concrete only:
+                                   # "auto" / "p2p" are resolved before, where the device is known, by
+                                   # megarl.ddma.transport.choose_transport (megarl train: loop.py resolved_sync)
     wire: str = "engine"           # "engine": send in engine_dtype | "fp8": e4m3 + per-row scales (2-D weights)
     engine_dtype: str = "bfloat16"  # the dtype the engine loads (its model dtype)
     verify_every: int = 1          # checksum every k-th sync (version % k == 0); 0 = never
@@ -82,10 +83,12 @@ class SyncSpec:
                                    # size of converted wire buffers (sync.bucket_mb)
 
     def __post_init__(self):
-        if self.transport in ("auto", "p2p"):
-            object.__setattr__(self, "transport", choose_transport(self.transport, device="cpu", same_host=True))
+        if self.transport in ALIASES:
+            raise ValueError(f"ddma transport {self.transport!r} is an alias: resolve it with "
+                             f"megarl.ddma.transport.choose_transport({self.transport!r}, device=..., same_host=...) "
+                             f"where the device is known; SyncSpec takes one of {TRANSPORTS}")
         if self.transport not in TRANSPORTS:
-            raise ValueError(f"ddma transport {self.transport!r}: choose one of {TRANSPORTS} (or auto, p2p)")
+            raise ValueError(f"ddma transport {self.transport!r}: choose one of {TRANSPORTS}")
         if self.wire not in WIRES:
             raise ValueError(f"ddma wire {self.wire!r}: choose one of {WIRES}")
         if self.zero_copy_via not in ("map", "read"):

@@ -1,7 +1,9 @@
 """Which DDMA transport a sync uses: one pure function of where the bytes live and where the peers run.
 
 No torch import (config validation calls it before anything starts). The cluster launcher calls
-:func:`choose_transport` for multi-node jobs; ``megarl train`` calls it for local ones.
+:func:`choose_transport` for multi-node jobs; ``megarl train`` calls it for local ones
+(``controller/loop.py`` ``resolved_sync``). It is the only place an alias (``auto``, ``p2p``) resolves:
+:class:`megarl.ddma.sync.SyncSpec` takes only a concrete transport and refuses an alias.
 """
 
 from __future__ import annotations
