@@ -40,7 +40,7 @@ import threading
 import time
 import weakref
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -52,7 +52,7 @@ from megarl.generator.threads import threads_binds
 from megarl.generator.engine import replica_main
 from megarl.generator.replicas import ReplicaHandle, Track, remove_shm_files
 from megarl.generator.errors import GeneratorEngineDied, GeneratorError, GeneratorTimeout
-from megarl.generator.weight_updates import WeightUpdates
+from megarl.generator.weight_updates import WeightUpdater
 from megarl.rollout import Sample
 from megarl.utils.errors import exception_line, remote_error
 from megarl.utils.procs import spawned_from_main_thread
@@ -63,7 +63,7 @@ _POLL_S = 0.25  # granularity of waits: liveness is re-checked this often
 SAMPLING_OVERRIDES = {"temperature", "top_p", "top_k", "stop", "ignore_eos"}  # ignore_eos: benchmarks
 
 
-class GeneratorExecutor(WeightUpdates, ExecutorBase):
+class GeneratorExecutor(ExecutorBase):
     """vLLM engine replicas behind one submit/collect/update interface (the executor protocol of
     megarl/executors/base.py: start, health, close, pids)."""
 
@@ -104,6 +104,10 @@ class GeneratorExecutor(WeightUpdates, ExecutorBase):
         self._log_dir = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="megarl-gen-"))
         self._finalizer = None
         self._closing = False
+        self._weights = WeightUpdater(cfg, replicas=lambda: self._replicas, replies=self._replies, send=self._send,
+                                      wait=self._wait, check_failed=self._check_failed,
+                                      current_version=lambda: self.version, quiesce=self._quiesce_for_update,
+                                      adopt=self._adopt_version)
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> "GeneratorExecutor":
@@ -335,6 +339,41 @@ class GeneratorExecutor(WeightUpdates, ExecutorBase):
         for r, ts in by_replica.items():
             self._send_round(r, ts)
         return len(tracks)
+
+    # ------------------------------------------------------------------ weights (megarl/generator/weight_updates.py)
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
+                       version: int | None = None) -> float:
+        """Load full HF tensors into every engine as policy ``version`` (default: the next one);
+        the seconds it took (:meth:`WeightUpdater.update_weights`)."""
+        return self._weights.update_weights(named_tensors, version)
+
+    def update_weights_from_source(self, source: dict, version: int, *,
+                                   peer_check: Callable[[], None] | None = None) -> float:
+        """Load weights ``version`` from a prepared source (e.g. ``SyncSpec.weight_source``); the
+        seconds it took (:meth:`WeightUpdater.update_weights_from_source`)."""
+        return self._weights.update_weights_from_source(source, version, peer_check=peer_check)
+
+    def inspect_weight(self, vllm_param_name: str, replica: int = 0) -> list[torch.Tensor]:
+        """A parameter as every TP rank of ``replica`` holds it (:meth:`WeightUpdater.inspect_weight`)."""
+        return self._weights.inspect_weight(vllm_param_name, replica)
+
+    def landed_weights(self, replica: int = 0) -> list[dict[str, torch.Tensor]]:
+        """What the last capturing update landed, per TP rank of ``replica``
+        (:meth:`WeightUpdater.landed_weights`)."""
+        return self._weights.landed_weights(replica)
+
+    def _quiesce_for_update(self) -> None:
+        """Before the replicas load new weights: in deterministic mode every round runs under the
+        weights it was submitted with, so the rounds in flight finish first."""
+        if self.deterministic and self._tracks:
+            self.drain()
+
+    def _adopt_version(self, version: int) -> None:
+        """Every replica loaded weights ``version``: it is the policy now; cached partial rollouts
+        resume under it."""
+        self.version = version
+        if self._partials:
+            self.resume_partials()
 
     @property
     def num_outstanding(self) -> int:
