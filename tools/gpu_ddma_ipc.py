@@ -44,6 +44,10 @@ SMALL = dict(model_type="llama", hidden_size=256, intermediate_size=512, num_att
 # ~100M parameters in bf16 (the CPU bench's model): 12 layers of 768 / 3072, vocab 32000
 BENCH = dict(model_type="llama", hidden_size=768, intermediate_size=3072, num_attention_heads=12, num_key_value_heads=4,
              num_hidden_layers=12, vocab_size=32000, rms_norm_eps=1e-5, tie_word_embeddings=False)
+# --bench-model 1b: Llama-3.2-1B's shape untied (1.5 B parameters, 3.0 GB of bf16): a sync at a real model's
+# size, where per-parameter overheads weigh less than at BENCH's 306 MB.
+BENCH_MODELS = {"small": BENCH, "1b": dict(BENCH, hidden_size=2048, intermediate_size=8192, num_attention_heads=32,
+                                          num_key_value_heads=8, num_hidden_layers=16, vocab_size=128256)}
 
 
 class HostIpcStandIn:
@@ -295,8 +299,8 @@ def check_flat(mem: dict, slack: int) -> list[str]:
     return bad
 
 
-def bench(dry: bool, trials: int) -> dict:
-    dims = ModelDims.from_hf_config(BENCH)
+def bench(dry: bool, trials: int, model: str = "small") -> dict:
+    dims = ModelDims.from_hf_config(BENCH_MODELS[model])
     from megarl.ddma.bucket_model import DEFAULT_BUCKET_BYTES
 
     # timed at what a job gets (sync.bucket_mb's default), not the checks' 1 MiB buckets
@@ -323,13 +327,15 @@ def bench(dry: bool, trials: int) -> dict:
             "d2d_copy_GBps": copy_gbps, "ratio": sync_gbps / copy_gbps, "goal_ratio": 0.5,
             "meets_goal": sync_gbps / copy_gbps >= 0.5,
             "transfer_s": best["transfer_s"], "verify_s": best["verify_s"], "bucket_bytes": DEFAULT_BUCKET_BYTES,
-            "digest_on_device": bool(native_function("weighted_checksum_segments_cuda"))}
+            "digest_on_device": bool(native_function("weighted_checksum_segments_cuda")), "model": model}
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--syncs", type=int, default=5)
     ap.add_argument("--bench", action="store_true")
+    ap.add_argument("--bench-model", default="small", choices=sorted(BENCH_MODELS),
+                    help="the bench's model shape: small (306 MB, the check's) or 1b (3.0 GB)")
     ap.add_argument("--trials", type=int, default=3)
     ap.add_argument("--cpu-dry", action="store_true")
     ap.add_argument("--cases", default=",".join(CASES), help=f"comma list of {list(CASES)}")
@@ -337,7 +343,7 @@ def main() -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # killed (gpu_check.sh's deadline): end the children
     plant = os.environ.get("MEGARL_GPU_CHECK_PLANT") == "ipc"
     if args.bench:
-        result = bench(args.cpu_dry, args.trials)
+        result = bench(args.cpu_dry, args.trials, args.bench_model)
         if os.environ.get("MEGARL_GPU_CHECK_PLANT") == "bench":
             result["meets_goal"] = False  # the planted failure
         # the goal is enforced on a GPU (a CPU dry run times Python against memcpy: reported only)
