@@ -144,7 +144,10 @@ def test_sigterm_at_step_2_of_6_checkpoints_and_the_rerun_resumes(tiny_llama_dir
     run = tmp_path / "tiny-test"
     log_path = tmp_path / "first.log"
     with open(log_path, "w") as log:
-        job = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=_env())
+        # held up to 20 s after step 2's line (until the signal): it lands between steps 2 and 3 however
+        # fast a step is (unheld, a quiet machine had started training step 3, which a signal lets finish)
+        job = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
+                               env=dict(_env(), MEGARL_FAULT_PAUSE="step_logged@2=20"))
     try:
         deadline = time.monotonic() + 300
         while job.poll() is None and time.monotonic() < deadline and "step 2/6 |" not in log_path.read_text():

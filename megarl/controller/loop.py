@@ -35,6 +35,7 @@ from megarl.controller.summary import ExecutorActivity
 from megarl.executors.base import Generator, RewardScorer, Trainer
 from megarl.rollout import Sample
 from megarl.utils.metrics import PhaseTimer
+from megarl.utils.faults import pause_point
 from megarl.utils.procs import Preempted, Preemption, parse_cpu_list, signals_raise
 
 if TYPE_CHECKING:  # these import (or may import) torch, which must wait until _select_device has run
@@ -140,6 +141,8 @@ def train(cfg: MegaRLConfig, run: RunFolder, prompts: PromptSource, trainer: Tra
                 if should_save(cfg.trainer, step, steps):
                     metrics["checkpoint/seconds"] = checkpoint(cfg, trainer, rollouts)
                 run.log(step, steps, metrics)
+            pause_point(f"step_logged@{step}", until=lambda: preempt.requested)  # fault tests: a signal here
+                                                                               # lands between two steps
         with preempt.deferred():
             trainer.wait_saves()  # trainer.async_save: the last checkpoint is complete before the job ends
 

@@ -6,7 +6,9 @@ must land inside a window of microseconds (a DDMA transfer of a tiny model) is o
 test loses at random. Points: ``ddma_send`` (a trainer rank after it logs 'sending weights vN', before
 its shards are published to the generator's workers, who are waiting for them);
 ``checkpoint_async_write`` (a trainer rank's background checkpoint writer after it wrote its shards,
-before anything is committed; ``checkpoint_async_write@N``: only the step-N write).
+before anything is committed; ``checkpoint_async_write@N``: only the step-N write); ``step_logged@N``
+(the controller after it logged step N, before step N+1 starts: a signal sent once the log shows step N
+lands between the steps, where on a quiet machine it would race the next step's training).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import functools
 import os
 import time
+from typing import Callable
 
 ENV = "MEGARL_FAULT_PAUSE"
 
@@ -27,8 +30,12 @@ def _pauses(spec: str) -> dict[str, float]:
     return out
 
 
-def pause_point(name: str) -> None:
-    """Sleep at ``name`` if ``MEGARL_FAULT_PAUSE`` asks for it; nothing otherwise."""
+def pause_point(name: str, until: Callable[[], bool] | None = None) -> None:
+    """Sleep at ``name`` if ``MEGARL_FAULT_PAUSE`` asks for it; nothing otherwise. ``until``: end the
+    pause early once it returns True (polled every 50 ms; e.g. a signal was received)."""
     seconds = _pauses(os.environ.get(ENV, "")).get(name)
-    if seconds:
-        time.sleep(seconds)
+    if not seconds:
+        return
+    end = time.monotonic() + seconds
+    while (left := end - time.monotonic()) > 0 and not (until is not None and until()):
+        time.sleep(min(left, 0.05) if until is not None else left)
