@@ -164,3 +164,12 @@ def test_cpu_limit_stays_behind_the_wall_clock_and_is_named():
     import signal
     assert "CPU-time limit of 6s" in sandbox._exit_text(-signal.SIGXCPU, 6)
     assert sandbox._exit_text(-signal.SIGKILL, 6) == "killed by SIGKILL"
+
+
+def test_a_run_ended_by_the_cpu_limit_counts_as_timed_out():
+    # The CPU backstop can end a run first when the scoring process sees its deadline late (a loaded
+    # machine): the kernel's SIGXCPU stands in here for the limit, so the verdict path runs every time.
+    reply = "import os, signal\nos.kill(os.getpid(), signal.SIGXCPU)\n" + GOOD
+    verdict = sandbox.run_tests(reply, TASK["test"], "add", timeout_s=4.0)
+    assert not verdict.passed and verdict.timed_out, verdict
+    assert verdict.reason.startswith("timed out") and "SIGXCPU" in verdict.reason, verdict.reason

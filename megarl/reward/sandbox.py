@@ -313,6 +313,10 @@ def _run(python: str, uid: int, work: Path, program: str, tests: str, entry: str
         raise SandboxError("reward.fn=code: the kernel refused a new network namespace for this run")
     if timed_out:
         return Verdict(False, f"timed out after {timeout_s:.1f}s (the process group was killed)", timed_out=True)
+    if proc.returncode == -signal.SIGXCPU:
+        # the CPU-time backstop ended it before this process saw its deadline (a loaded machine can delay
+        # the poll past CPU_LIMIT_MARGIN_S); either limit is a time-out
+        return Verdict(False, f"timed out: {_exit_text(proc.returncode, cpu_s)}", timed_out=True)
     if buf == b"R" + b"P" + nonce:
         return Verdict(True, "all tests passed")
     if buf.startswith(b"RF") or buf.startswith(b"F"):
