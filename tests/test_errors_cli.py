@@ -17,9 +17,11 @@ from __future__ import annotations
 import errno
 import os
 import re
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -374,3 +376,23 @@ def test_a_child_s_os_error_counts_as_a_refused_write_only_by_its_errno():
                              f'  File "/w/megarl/trainer/checkpoint.py", line 1, in save\n    f.write(b)\n{tb}\n')
         died.remote_error = remote_error(died.args[0].split("\n", 1)[1])
         assert died.remote_error == "OSError" and classify(died).code == code, tb
+
+
+def test_a_controller_that_fails_first_does_not_hold_the_job_for_the_teardown():
+    """`megarl launch`: trainer ranks and generator replicas defer SIGTERM to the controller (a
+    preemption checkpoints through it). Once the controller has exited there is nothing to wait for:
+    a rank still connecting gets ORPHAN_GRACE_S after SIGTERM, not cluster.teardown_timeout_s."""
+    from megarl.cluster.launch import ORPHAN_GRACE_S, Task, supervise
+
+    deferring = ("import time; from megarl.utils.procs import defer_sigterm_to_controller; "
+                 "defer_sigterm_to_controller('trainer rank 0'); time.sleep(120)")
+    ctrl = Task("controller", [sys.executable, "-c", "import time; time.sleep(1.5); raise SystemExit(3)"], dict(os.environ))
+    rank = Task("trainer rank 0", [sys.executable, "-c", deferring], dict(os.environ))
+    teardown_s = 40.0  # the rank ignores SIGTERM, so without the shorter grace supervise takes >= 40 s
+    t0 = time.monotonic()
+    assert supervise([ctrl, rank], teardown_s) == 3
+    took = time.monotonic() - t0
+    assert rank.proc.returncode == -signal.SIGKILL  # it did ignore the SIGTERM: the grace is what ended it
+    # 1.5 s of controller, the grace, then SIGKILL and a reap; 20 s of margin for a loaded machine's
+    # process starts, still half the teardown
+    assert took < 1.5 + ORPHAN_GRACE_S + 20 < teardown_s, took

@@ -37,6 +37,11 @@ log = logging.getLogger("megarl.cluster")
 
 _POLL_S = 0.2
 _LOG_EVERY_S = 30.0
+# Once the controller has exited, the trainer ranks and generator replicas, which defer SIGTERM to it
+# (megarl.utils.procs.defer_sigterm_to_controller), have no one left to checkpoint through: they get
+# this long after SIGTERM (seconds; at most cluster.teardown_timeout_s) before SIGKILL. A task still
+# connecting to a controller that never listened would otherwise hold the job for the whole teardown.
+ORPHAN_GRACE_S = 3.0
 
 
 @dataclass
@@ -239,7 +244,7 @@ def supervise(tasks: list[Task], teardown_s: float, *, preempt_grace_s: float = 
                     if code in (0, PREEMPTED_EXIT):
                         _wait(others, teardown_s, "the trainer and generator tasks to exit after the controller "
                               + ("finished" if code == 0 else "checkpointed"))
-                        _stop(others, teardown_s)
+                        _stop(others, teardown_s, controller_gone=True)
                         bad = [x for x in others if x.proc.returncode not in (0, None)]
                         for x in bad:
                             log.warning("%s %s after the controller finished", x.label, _how(x.proc.returncode))
@@ -249,7 +254,7 @@ def supervise(tasks: list[Task], teardown_s: float, *, preempt_grace_s: float = 
                                 on_preempted()
                         return code
                     log.error("controller %s; stopping every pool", _how(code))
-                    _stop(others, teardown_s)
+                    _stop(others, teardown_s, controller_gone=True)
                     return failed_with(code)
                 # Exit 0 = told to exit by the controller (it is shutting down); anything else is a failure.
                 failed = [x for x in others if x.proc.poll() not in (None, 0)]
@@ -267,7 +272,7 @@ def supervise(tasks: list[Task], teardown_s: float, *, preempt_grace_s: float = 
                               "for the controller to report it, then stopping every pool", f.label,
                               _how(f.proc.returncode), teardown_s)
                     _wait([ctrl], teardown_s, "the controller to stop")
-                    _stop(tasks, teardown_s)
+                    _stop(tasks, teardown_s, controller_gone=ctrl.proc.poll() is not None)
                     code = ctrl.proc.returncode
                     return failed_with(code if code not in (0, None) else (f.proc.returncode or 1))
                 time.sleep(_POLL_S)
@@ -315,18 +320,22 @@ def _signal(task: Task, sig: int) -> None:
         pass
 
 
-def _stop(tasks: list[Task], timeout_s: float) -> None:
-    """SIGTERM every live task's process group, SIGKILL what is left after ``timeout_s``, reap."""
+def _stop(tasks: list[Task], timeout_s: float, *, controller_gone: bool = False) -> None:
+    """SIGTERM every live task's process group, SIGKILL what is left after ``timeout_s``, reap.
+    ``controller_gone``: the controller has exited, so nothing left waits on a checkpoint: the
+    grace is ORPHAN_GRACE_S (at most ``timeout_s``)."""
+    grace_s = min(timeout_s, ORPHAN_GRACE_S) if controller_gone else timeout_s
     live = [x for x in tasks if x.proc is not None and x.proc.poll() is None]
     for x in live:
         log.warning("stopping %s (pid %d): SIGTERM", x.label, x.proc.pid)
         _signal(x, signal.SIGTERM)
-    _wait(live, timeout_s, "the stopped tasks to exit")
+    _wait(live, grace_s, "the stopped tasks to exit" + (" (the controller is gone: no checkpoint to wait for)"
+                                                        if controller_gone else ""))
     for x in tasks:
         if x.proc is None:
             continue
         if x.proc.poll() is None:
-            log.warning("%s (pid %d) ignored SIGTERM for %.0fs; SIGKILL", x.label, x.proc.pid, timeout_s)
+            log.warning("%s (pid %d) still running %.0fs after SIGTERM; SIGKILL", x.label, x.proc.pid, grace_s)
         _signal(x, signal.SIGKILL)  # also whatever it left behind in its session
         try:
             x.proc.wait(10)

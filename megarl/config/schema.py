@@ -162,8 +162,8 @@ class ClusterConfig:
         "0 = derived from SLURM_JOB_ID, so two jobs sharing a node use different ports. Default 0."))
     teardown_timeout_s: float = knob(60.0, help=(
         "Seconds the launcher waits, after any pool or task exits, for the others to exit on their own "
-        "(the controller reports the failure first); then SIGTERM, and SIGKILL after as long again. "
-        "Default 60."))
+        "(the controller reports the failure first); then SIGTERM, and SIGKILL after as long again "
+        "(3 s once the controller has exited: the other tasks defer SIGTERM to it). Default 60."))
 
 
 @dataclass
