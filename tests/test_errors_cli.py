@@ -191,7 +191,7 @@ SCRIPT = textwrap.dedent('''
             raise rank_raised(traceback_of(save), "answer: save step 4")
         if case == "verify":
             from megarl.ddma.verify import DdmaVerifyError
-            from megarl.generator.executor import engine_died
+            from megarl.generator.errors import engine_died
             from megarl.generator.replicas import ReplicaHandle
             def land():
                 raise DdmaVerifyError("ddma verification failed on generator replica 0 tp 0: checksum of "

@@ -34,12 +34,10 @@ import multiprocessing as mp
 import os
 import queue
 import shutil
-import socket
 import tempfile
 import threading
 import time
 import weakref
-import zlib
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -50,11 +48,11 @@ from megarl.executors.base import ExecutorBase, exit_cause, kill_processes
 from megarl.generator.config import GeneratorConfig
 from megarl.generator.threads import threads_binds
 from megarl.generator.engine import replica_main
-from megarl.generator.replicas import ReplicaHandle, Track, remove_shm_files
-from megarl.generator.errors import GeneratorEngineDied, GeneratorError, GeneratorTimeout
+from megarl.generator.replicas import ReplicaHandle, Track, model_vocab_size, remove_shm_files, request_seed
+from megarl.generator.errors import GeneratorEngineDied, GeneratorError, GeneratorTimeout, engine_died
 from megarl.generator.weight_updates import WeightUpdater
 from megarl.rollout import Sample
-from megarl.utils.errors import exception_line, remote_error
+from megarl.utils.errors import exception_line
 from megarl.utils.procs import spawned_from_main_thread
 
 log = logging.getLogger(__name__)
@@ -242,7 +240,7 @@ class GeneratorExecutor(ExecutorBase):
         if limit + 1 > self.cfg.max_model_len:
             raise ValueError(f"max_new_tokens={limit} does not fit generator.max_model_len={self.cfg.max_model_len}")
         prompts = [[int(t) for t in prompt] for prompt in prompts]
-        vocab = _vocab_size(self.model_dir)
+        vocab = model_vocab_size(self.model_dir)
         for i, prompt in enumerate(prompts):  # validate all before queueing any
             if not prompt:
                 raise ValueError(f"prompt {i} is empty")
@@ -594,36 +592,3 @@ class GeneratorExecutor(ExecutorBase):
                 last_log = now
             if self._pump(min(_POLL_S, deadline - now)) and progress_resets:
                 deadline = time.monotonic() + timeout
-
-
-def engine_died(h: ReplicaHandle, cause: str, tb: str = "") -> GeneratorEngineDied:
-    """The error that ends the job for replica ``h``: ``cause`` (how it ended; ``tb``: its
-    traceback when it raised), the tail of its log, and what the command's last line names."""
-    where = f"pid {h.process.pid} on {h.process.host}" if h.remote else f"pid {h.process.pid}"
-    exc = GeneratorEngineDied(f"generator replica {h.index} ({where}) {cause}\n"
-                              f"--- last lines of {h.log_path} ---\n{h.log_tail()}")
-    node = h.process.host if h.remote else socket.gethostname()
-    exc.component = f"generator replica {h.index} (pid {h.process.pid} on {node})"
-    exc.log_path = str(h.log_path)
-    exc.remote_error = remote_error(tb) if tb else None
-    return exc
-
-
-def request_seed(seed: int, t: Track) -> int:
-    """The seed of ``t``'s next round (deterministic mode): a function of generator.seed, the
-    sample's seed key and index, and how many tokens it has, never of timing or batching; a sample
-    submitted without a key (evaluation, the probe) is keyed by its prompt."""
-    key = t.seed_key or f"prompt:{zlib.crc32(repr(t.prompt_ids).encode())}"
-    return zlib.crc32(f"{seed}|{key}|{t.sample_index}|{len(t.ids)}".encode())
-
-
-_VOCAB: dict[str, int] = {}  # model folder -> config.json vocab_size
-
-
-def _vocab_size(model_dir: str) -> int:
-    """config.json's vocab_size (0 when absent): the token ids a replica's engine accepts."""
-    if model_dir not in _VOCAB:
-        import json
-
-        _VOCAB[model_dir] = int(json.loads((Path(model_dir) / "config.json").read_text()).get("vocab_size") or 0)
-    return _VOCAB[model_dir]

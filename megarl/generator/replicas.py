@@ -5,7 +5,9 @@ shared-memory files a replica may leave behind."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
+import zlib
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -26,7 +28,7 @@ class Track:
     max_new_tokens: int
     round_budget: int = 0
     sampling: dict = dataclasses.field(default_factory=dict)
-    seed_key: str = ""  # deterministic mode: what its per-request seeds derive from (executor.request_seed)
+    seed_key: str = ""  # deterministic mode: what its per-request seeds derive from (request_seed)
     replica: int = -1
     rounds: int = 0
     ids: list[int] = dataclasses.field(default_factory=list)
@@ -71,4 +73,22 @@ def remove_shm_files(prefixes: Sequence[str]) -> None:
                     pass
 
 
-__all__ = ["ReplicaHandle", "Track", "remove_shm_files"]
+def request_seed(seed: int, t: Track) -> int:
+    """The seed of ``t``'s next round (deterministic mode): a function of generator.seed, the
+    sample's seed key and index, and how many tokens it has, never of timing or batching; a sample
+    submitted without a key (evaluation, the probe) is keyed by its prompt."""
+    key = t.seed_key or f"prompt:{zlib.crc32(repr(t.prompt_ids).encode())}"
+    return zlib.crc32(f"{seed}|{key}|{t.sample_index}|{len(t.ids)}".encode())
+
+
+_VOCAB: dict[str, int] = {}  # model folder -> config.json vocab_size
+
+
+def model_vocab_size(model_dir: str) -> int:
+    """config.json's vocab_size (0 when absent): the token ids a replica's engine accepts."""
+    if model_dir not in _VOCAB:
+        _VOCAB[model_dir] = int(json.loads((Path(model_dir) / "config.json").read_text()).get("vocab_size") or 0)
+    return _VOCAB[model_dir]
+
+
+__all__ = ["ReplicaHandle", "Track", "model_vocab_size", "remove_shm_files", "request_seed"]
