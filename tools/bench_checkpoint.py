@@ -60,13 +60,10 @@ def mode_stats(runs: list[dict]) -> dict:
 
 
 def plot(result: dict, path: Path) -> None:
-    try:
-        import matplotlib
+    from megarl.utils.plots import pyplot, save
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no PNG")
+    plt = pyplot("the checkpoint bench")
+    if plt is None:
         return
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(10, 3.6))
     modes = ("sync", "async")
@@ -81,9 +78,7 @@ def plot(result: dict, path: Path) -> None:
     bx.set_xlabel("counted step")
     bx.set_ylabel("step time (s)")
     bx.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, path)
 
 
 def main() -> int:

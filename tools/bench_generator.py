@@ -252,12 +252,10 @@ def main() -> None:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench_generator.json").write_text(json.dumps(result, indent=2))
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: skipping the PNG")
+    from megarl.utils.plots import pyplot, save
+
+    plt = pyplot("the generator bench")
+    if plt is None:
         return
     labels = ["generator executor"] + (["raw vLLM"] if raw_runs else []) + [f"transformers {d}" for d in hf_runs]
     values = [max(gen_runs)] + ([max(raw_runs)] if raw_runs else []) + [max(v) for v in hf_runs.values()]
@@ -266,8 +264,7 @@ def main() -> None:
     ax.set_ylabel("generated tokens / s (best repeat)")
     ax.set_title(f"{Path(model_dir).name}: {a.prompts} prompts x {a.new_tokens} tokens, "
                  f"{ratio_best:.1f}x", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(out / "bench_generator.png", dpi=120)
+    save(fig, out / "bench_generator.png", dpi=120)
     print(f"wrote {out / 'bench_generator.json'} and {out / 'bench_generator.png'}")
 
 

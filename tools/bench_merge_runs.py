@@ -69,13 +69,10 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "merge_runs.json").write_text(json.dumps(results, indent=2) + "\n")
     print(f"wrote {out / 'merge_runs.json'}")
-    try:
-        import matplotlib
+    from megarl.utils.plots import pyplot, save
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: skipping the PNG")
+    plt = pyplot("merge_runs")
+    if plt is None:
         return
     fig, ax = plt.subplots(figsize=(6, 4))
     sizes = [r["copies"] for r in results]
@@ -85,8 +82,7 @@ def main() -> None:
     ax.set_ylabel("best time (ms)")
     ax.set_title("merge_contiguous_runs")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(out / "merge_runs.png", dpi=100)
+    save(fig, out / "merge_runs.png", dpi=100)
     print(f"wrote {out / 'merge_runs.png'}")
 
 

@@ -97,11 +97,11 @@ def main() -> None:
 
 
 def _plot(path: Path, lat: list[float], kinds: list[str], r: dict) -> None:
-    import matplotlib
+    from megarl.utils.plots import pyplot, save
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot("the reward bench")
+    if plt is None:
+        return
     fig, ax = plt.subplots(figsize=(7, 3.6))
     for k, color in (("pass", "tab:green"), ("fail", "tab:orange"), ("hang", "tab:red")):
         xs = [x for x, kk in zip(lat, kinds) if kk == k]
@@ -114,8 +114,7 @@ def _plot(path: Path, lat: list[float], kinds: list[str], r: dict) -> None:
     ax.set_title(f"code reward: {r['rewards_per_s']} rewards/s on {r['workers']} workers, "
                  f"{100 * r['timeout_share']:.1f}% timeouts")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save(fig, path)
 
 
 if __name__ == "__main__":

@@ -128,12 +128,10 @@ def preemption_run(c: SlurmCluster, model: Path, out: Path, steps: int) -> dict:
 
 
 def plot(result: dict, path: Path) -> Path | None:
-    try:
-        import matplotlib
+    from megarl.utils.plots import pyplot, save
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot("the Slurm bench")
+    if plt is None:
         return None
     s, lo, p = result["slurm"], result["local"], result["preemption"]
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.8))
@@ -145,9 +143,7 @@ def plot(result: dict, path: Path) -> Path | None:
            color="#dd8452")
     b.set_xlabel("seconds")
     b.set_title(f"preemption: {p['steps_lost']} step(s) lost")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    return path
+    return save(fig, path)
 
 
 def main(argv: list[str] | None = None) -> int:

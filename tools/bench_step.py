@@ -193,13 +193,10 @@ def main() -> int:
 
 
 def plot(result: dict, path: Path) -> None:
-    try:
-        import matplotlib
+    from megarl.utils.plots import pyplot, save
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no PNG")
+    plt = pyplot("the step bench")
+    if plt is None:
         return
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 3.8))
     modes, left = ("sync", "async"), [0.0, 0.0]
@@ -218,9 +215,7 @@ def plot(result: dict, path: Path) -> None:
     bx.set_xlabel("counted step")
     bx.set_ylabel("step time (s)")
     bx.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, path)
 
 
 def _cpu_text(cpus: list[int]) -> str:

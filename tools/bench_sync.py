@@ -468,11 +468,11 @@ def run(args) -> dict:
 
 
 def _plot(summary: dict, path: Path) -> None:
-    import matplotlib
+    from megarl.utils.plots import pyplot, save
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot("the sync bench")
+    if plt is None:
+        return
     buffers = summary["buffers"]
     fig, axes = plt.subplots(1, len(buffers), figsize=(7 * len(buffers), 4.2), squeeze=False)
     for ax, buf in zip(axes[0], buffers):
@@ -493,8 +493,7 @@ def _plot(summary: dict, path: Path) -> None:
         ax.legend(loc="lower right", fontsize=8)
     fig.suptitle(f"weight sync, {summary['model_parameters'] / 1e6:.0f}M params bf16, trainer {summary['trainer']}"
                  f" -> generator {summary['generator']}, landed in vLLM-layout tensors")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    save(fig, path, dpi=100)
 
 
 def _topology(text: str, n: int) -> tuple[int, ...]:

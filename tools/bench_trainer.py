@@ -124,12 +124,10 @@ def _worker(rank: int, world: int, a: argparse.Namespace) -> dict:
 
 
 def _plot(result: dict, path: Path) -> None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: skipping the PNG")
+    from megarl.utils.plots import pyplot, save
+
+    plt = pyplot("the trainer bench")
+    if plt is None:
         return
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9, 3.5))
     ax1.bar(["megarl train_step", "bare megatron"],
@@ -141,8 +139,7 @@ def _plot(result: dict, path: Path) -> None:
     ax2.set_xlabel("repeat")
     ax2.set_ylabel("step time (s)")
     ax2.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save(fig, path, dpi=120)
     print(f"wrote {path}")
 
 

@@ -67,12 +67,10 @@ def _rates(samples: dict, pid: int) -> dict:
 
 def _plot(result: dict, path: Path) -> None:
     """RSS of every sampled process against the step (skipped without matplotlib)."""
-    try:
-        import matplotlib
+    from megarl.utils.plots import pyplot, save
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot("the soak's memory plot")
+    if plt is None:
         return
     roles = {str(g["pid"]): g["role"] for g in result["per_process"]}
     fig, ax = plt.subplots(figsize=(7, 4))
@@ -86,9 +84,7 @@ def _plot(result: dict, path: Path) -> None:
     ax.set_ylabel("RSS growth since the first sample (%)")
     ax.set_title(f"soak: {result['steps']} steps of the tiny async job")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, path)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -152,10 +152,11 @@ def format_summary(res: Mapping[str, Any], with_assumptions: bool = True) -> str
 
 def plot(results: list[Mapping[str, Any]], path: str | Path) -> None:
     """Step times of both modes per setup (paper's as markers), and the ratios."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from megarl.utils.plots import pyplot, save
 
+    plt = pyplot("megarl simulate")
+    if plt is None:
+        return
     names = [r["name"] for r in results]
     x = range(len(results))
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
@@ -178,9 +179,7 @@ def plot(results: list[Mapping[str, Any]], path: str | Path) -> None:
     ax2.set_ylabel("sync / async")
     ax2.set_xticks(list(x), names)
     ax2.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, path)
 
 
 def write_outputs(results: list[Mapping[str, Any]], out_dir: str | Path, stem: str) -> list[Path]:

@@ -107,13 +107,10 @@ def plot_metrics(jsonl_path: str | Path, png_path: str | Path,
     keys = tuple(k for k in keys if any(k in r for r in rows))
     if not rows or not keys:
         return None
-    try:
-        import matplotlib
+    from megarl.utils.plots import pyplot, save
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        log.warning("matplotlib is not installed: no plot (metrics are in %s)", jsonl_path)
+    plt = pyplot(f"metrics are in {jsonl_path}")
+    if plt is None:
         return None
     cols = min(len(keys), 4)
     rows_n = -(-len(keys) // cols)
@@ -126,7 +123,4 @@ def plot_metrics(jsonl_path: str | Path, png_path: str | Path,
         ax.set_title(key)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(png_path, dpi=100)
-    plt.close(fig)
-    return Path(png_path)
+    return save(fig, png_path, dpi=100)
