@@ -176,3 +176,20 @@ def test_an_environment_with_one_turn_is_refused_before_the_job_starts():
     assert "generator.max_turns=1: reward.env='calculator'" in line and "max_turns >= 2" in line
     assert load_config(base, ["reward.env=calculator", "generator.max_turns=2"]).generator.max_turns == 2
     assert load_config(base, []).generator.max_turns == 1  # single turn: no environment, no refusal
+
+
+def test_an_overlong_ramp_with_an_environment_is_refused():
+    """reward.overlong_buffer shapes a single reply's reward; an environment's reward is the whole
+    rollout's and the ramp would be silently ignored: refused in one line naming the key."""
+    import pytest
+
+    from megarl.config import ConfigError, load_config
+
+    base = REPO / "configs" / "tiny_test.yaml"
+    env = ["reward.env=calculator", "generator.max_turns=3"]
+    with pytest.raises(ConfigError) as err:
+        load_config(base, [*env, "reward.overlong_buffer=4"])
+    (line,) = [p for p in str(err.value).splitlines() if "overlong" in p]
+    assert "reward.overlong_buffer=4:" in line and "set reward.overlong_buffer=0" in line, line
+    assert load_config(base, [*env]).reward.overlong_buffer == 0
+    assert load_config(base, ["reward.overlong_buffer=4"]).reward.overlong_buffer == 4  # single turn: allowed

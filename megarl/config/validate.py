@@ -71,6 +71,10 @@ def check(cfg: MegaRLConfig, *, dry_run: bool = False, scan_data: bool = True) -
         problems.append(f"generator.max_turns={g.max_turns}: reward.env={cfg.reward.env!r} answers a reply with an "
                         f"observation, so every rollout would end truncated after its first reply; set "
                         f"generator.max_turns >= 2 (replies per rollout; the calculator recipe uses 5)")
+    if cfg.reward.env and cfg.reward.overlong_buffer > 0:  # the environment's reward is the rollout's, unshaped
+        problems.append(f"reward.overlong_buffer={cfg.reward.overlong_buffer}: the overlong ramp shapes single-turn "
+                        f"replies only, and reward.env={cfg.reward.env!r} scores whole multi-turn rollouts (it would "
+                        f"be ignored); set reward.overlong_buffer=0, or bound a rollout with generator.max_turns")
     problems += cfg.sync.problems(trainer_ranks=t.tp * t.pp * t.dp, on_cuda=cuda_expected(cfg.cluster.device),
                                   same_host=cfg.cluster.launcher == "local")
     for key, value in (("controller.steps", cfg.controller.steps),

@@ -46,7 +46,8 @@ class RewardConfig:
                                       "'length'), whatever it says (reward units); default None = the wrong score")
     overlong_buffer: int = knob(0, help="DAPO soft overlong punishment: the last this-many tokens before "
                                 "generator.max_new_tokens over which a finished reply's penalty ramps linearly "
-                                "from 0 to overlong_penalty (tokens, >= 0); default 0 = off")
+                                "from 0 to overlong_penalty (tokens, >= 0; single-turn replies: refused with reward.env); "
+                                "default 0 = off")
     overlong_penalty: float = knob(1.0, help="penalty subtracted at full length when overlong_buffer > 0 "
                                    "(reward units, >= 0); default 1")
     workers: int = knob(2, help="processes scoring the math reward and import-path rewards (processes); "
