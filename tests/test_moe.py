@@ -62,7 +62,10 @@ def test_moe_problems_in_one_line():
         {**base, "model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"]})
 
 
-LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]  # (tp, ep) on 4 ranks: dp 4, 2, 4, 2
+# (tp, pp, ep) on 4 ranks: dp 4, 2, 4, 2, 2, 2. PP 2 puts the sparse layer 0 on stage 0 and the dense
+# layer 1 on stage 1 (megatron's moe_layer_freq is indexed by global layer: a wrong stage offset would
+# build the dense layer as MoE and fail the load, or load another layer's weights and fail the bound).
+LAYOUTS = [(1, 1, 1), (2, 1, 1), (1, 1, 2), (2, 1, 2), (1, 2, 1), (1, 2, 2)]
 
 
 def _logprobs_worker(rank, world, hf_dir, batch):
@@ -73,18 +76,18 @@ def _logprobs_worker(rank, world, hf_dir, batch):
     from megarl.utils.dist import init_model_parallel
 
     out = {}
-    for tp, ep in LAYOUTS:
-        init_model_parallel(tp, 1, seed=11, ep=ep)
+    for tp, pp, ep in LAYOUTS:
+        init_model_parallel(tp, pp, seed=11, ep=ep)
         model = build_gpt_model(ModelDims.from_hf_config(read_hf_config(hf_dir)), init_weights=False)
         load_pretrained(model, hf_dir)
-        out[(tp, ep)] = compute_logprobs(model, batch, micro_batch_size=2).logprobs
+        out[(tp, pp, ep)] = compute_logprobs(model, batch, micro_batch_size=2).logprobs
     return out
 
 
-def test_moe_logprobs_match_transformers_at_every_tp_and_ep(tiny_qwen3_moe_dir):
+def test_moe_logprobs_match_transformers_at_every_tp_pp_and_ep(tiny_qwen3_moe_dir):
     """HF's router (softmax over 4, top-2, renormalized) and its experts, against megatron's MoE layer
     (top-2 of the logits then softmax over the 2: the same weights) with the experts split over EP
-    (alltoall dispatch on gloo, a different sequence length on each DP rank) and TP."""
+    (alltoall dispatch on gloo, a different sequence length on each DP rank), TP and PP."""
     batch = _sample_batch(49152, seed=2)
     ref = _hf_logprobs(_hf_logits(tiny_qwen3_moe_dir, batch), batch)
     results = run_multiprocess(_logprobs_worker, 4, str(tiny_qwen3_moe_dir), batch, timeout_s=900)
