@@ -164,6 +164,9 @@ def test_config_problems_name_the_key():
     probs = GeneratorConfig(quantization="fp8_per_block", top_p=0.0).problems(on_cpu=True)
     assert any("generator.quantization" in p and "GPU" in p for p in probs)
     assert any("generator.top_p" in p for p in probs)
+    (fp32,) = GeneratorConfig(quantization="fp8_per_channel", dtype="float32").problems(on_cpu=True)
+    assert "generator.quantization='fp8_per_channel' needs generator.dtype=bfloat16 or float16" in fp32, fp32
+    assert GeneratorConfig(quantization="fp8_per_channel", dtype="bfloat16").problems(on_cpu=True) == []
     assert GeneratorConfig(temperature=0.7).trainer_logprob_temperature() == 0.7
     assert GeneratorConfig(temperature=0.7, logprobs_mode="raw").trainer_logprob_temperature() == 1.0
 

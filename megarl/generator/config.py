@@ -104,6 +104,10 @@ class GeneratorConfig:
         elif on_cpu and self.quantization not in CPU_QUANTIZATIONS:
             out.append(f"generator.quantization={self.quantization!r} runs only on GPUs; on CPU use one "
                        f"of {CPU_QUANTIZATIONS}")
+        if self.quantization != "none" and self.dtype == "float32":
+            # vLLM's FP8 methods run bf16 / fp16 activations only (its config check raises at engine start)
+            out.append(f"generator.quantization={self.quantization!r} needs generator.dtype=bfloat16 or float16 "
+                       f"(FP8 weights with half-precision activations), not float32")
         if self.temperature < 0:
             out.append(f"generator.temperature={self.temperature}: must be >= 0 (0 = greedy)")
         if not 0 < self.top_p <= 1:
