@@ -15,6 +15,9 @@ from typing import Sequence
 import torch
 
 
+_PER_ROW = ("input_ids", "lengths", "group_ids")  # fields not shaped [B, S] (input_ids is the reference)
+
+
 @dataclasses.dataclass
 class RolloutBatch:
     """A right-padded batch of rollouts.
@@ -27,6 +30,8 @@ class RolloutBatch:
     versions:       [B, S] long, policy version that generated each token (-1 for prompt/pad).
     prox_logprobs:  optional [B, S] float, proximal-policy logprobs (decoupled PPO and friends).
     ref_logprobs:   optional [B, S] float, reference-policy logprobs (the KL penalty).
+    group_ids:      optional [B] long, the prompt group of each row (its samples share an advantage
+                    baseline); None = every row its own group. :meth:`minibatches` never splits a group.
     """
 
     input_ids: torch.Tensor
@@ -37,18 +42,21 @@ class RolloutBatch:
     versions: torch.Tensor
     prox_logprobs: torch.Tensor | None = None
     ref_logprobs: torch.Tensor | None = None
+    group_ids: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         b, s = self.input_ids.shape
         for f in dataclasses.fields(self):
             t = getattr(self, f.name)
-            if t is None or f.name in ("input_ids", "lengths"):
+            if t is None or f.name in _PER_ROW:
                 continue
             if tuple(t.shape) != (b, s):
                 raise ValueError(f"RolloutBatch.{f.name} has shape {tuple(t.shape)}, expected {(b, s)} "
                                  f"like input_ids")
-        if tuple(self.lengths.shape) != (b,):
-            raise ValueError(f"RolloutBatch.lengths has shape {tuple(self.lengths.shape)}, expected ({b},)")
+        for name in ("lengths", "group_ids"):
+            t = getattr(self, name)
+            if t is not None and tuple(t.shape) != (b,):
+                raise ValueError(f"RolloutBatch.{name} has shape {tuple(t.shape)}, expected ({b},)")
         if b and int(self.lengths.max()) > s:
             raise ValueError("RolloutBatch.lengths exceeds the padded sequence length")
         if s and bool((self.loss_mask[:, 0] != 0).any()):
@@ -98,7 +106,7 @@ class RolloutBatch:
         """Rows of prompt + completion from generator ``megarl.rollout.Sample``s; the loss covers
         the completion tokens the policy sampled (``Sample.loss_mask``: a multi-turn rollout's
         observation tokens are not trained on), which carry their behaviour logprobs and versions."""
-        tokens, masks, behav, versions = [], [], [], []
+        tokens, masks, behav, versions, groups = [], [], [], [], []
         for s in samples:
             p = len(s.prompt_ids)
             tokens.append(s.token_ids)
@@ -106,7 +114,10 @@ class RolloutBatch:
             masks.append([0.0] * p + own)
             behav.append([0.0] * p + list(s.behav_logprobs))
             versions.append([-1] * p + list(s.versions))
-        return cls.from_sequences(tokens, masks, behav, advantages, versions, pad_id=pad_id)
+            groups.append(s.group_id)
+        batch = cls.from_sequences(tokens, masks, behav, advantages, versions, pad_id=pad_id)
+        batch.group_ids = torch.tensor(groups, dtype=torch.long)
+        return batch
 
     @property
     def batch_size(self) -> int:
@@ -121,7 +132,7 @@ class RolloutBatch:
         lengths = self.lengths[rows]
         s = int(lengths.max()) if lengths.numel() else 0
         kw = {f.name: (None if getattr(self, f.name) is None else
-                       getattr(self, f.name)[rows] if f.name == "lengths" else getattr(self, f.name)[rows, :s])
+                       getattr(self, f.name)[rows] if f.name in _PER_ROW[1:] else getattr(self, f.name)[rows, :s])
               for f in dataclasses.fields(self)}
         return RolloutBatch(**kw)
 
@@ -129,6 +140,30 @@ class RolloutBatch:
         """The batch with every tensor on ``device`` (the model's device on GPU machines)."""
         return RolloutBatch(**{f.name: (None if getattr(self, f.name) is None else getattr(self, f.name).to(device))
                                for f in dataclasses.fields(self)})
+
+    def minibatches(self, n: int) -> list["RolloutBatch"]:
+        """The batch split along prompt groups (``group_ids``; a group is never split) into ``n``
+        minibatches of consecutive groups, in order of first appearance, with group counts as equal
+        as they go (the first ``groups % n`` get one more). ``n = 1``: the batch itself."""
+        if n < 1:
+            raise ValueError(f"minibatches must be >= 1, got {n}")
+        if n == 1:
+            return [self]
+        ids = self.group_ids if self.group_ids is not None else torch.arange(self.batch_size)
+        order: dict[int, list[int]] = {}
+        for row, g in enumerate(ids.tolist()):
+            order.setdefault(g, []).append(row)
+        groups = list(order.values())
+        if len(groups) < n:
+            raise ValueError(f"a batch of {len(groups)} prompt group(s) cannot make {n} minibatches (a group is "
+                             f"never split): lower trainer.minibatches or raise controller.prompts_per_step")
+        per, extra = divmod(len(groups), n)
+        out, start = [], 0
+        for i in range(n):
+            take = groups[start:start + per + (i < extra)]
+            start += len(take)
+            out.append(self.select(torch.tensor([r for g in take for r in g], dtype=torch.long)))
+        return out
 
     def micro_batches(self, micro_batch_size: int) -> list["RolloutBatch"]:
         """Consecutive micro-batches of ``micro_batch_size`` rows (the last may be smaller)."""

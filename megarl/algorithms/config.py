@@ -19,7 +19,7 @@ AGGREGATIONS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
 TIS_MODES = ("none", "token", "sequence")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 
-LOSS_NAMES = ("aipo", "ppo", "grpo", "decoupled_ppo", "a3po", "vaco")
+LOSS_NAMES = ("aipo", "ppo", "grpo", "decoupled_ppo", "a3po", "vaco", "sao")
 ADVANTAGE_NAMES = ("grpo", "dr_grpo", "rloo")
 
 
@@ -29,9 +29,9 @@ class AlgorithmConfig:
                      "REINFORCE, the default for async training", choices=LOSS_NAMES)
     rho: float = knob(4.0, help="aipo: cap on the importance weight pi/mu (dimensionless, > 0; LlamaRL uses 2..10); "
                       "default 4")
-    eps_low: float = knob(0.2, help="ppo/grpo/decoupled_ppo/a3po: lower clip, ratio floor 1 - eps_low "
+    eps_low: float = knob(0.2, help="ppo/grpo/decoupled_ppo/a3po/sao: lower clip, ratio floor 1 - eps_low "
                           "(dimensionless, in [0, 1)); default 0.2")
-    eps_high: float = knob(0.2, help="ppo/grpo/decoupled_ppo/a3po: upper clip, ratio ceiling 1 + eps_high "
+    eps_high: float = knob(0.2, help="ppo/grpo/decoupled_ppo/a3po/sao: upper clip, ratio ceiling 1 + eps_high "
                            "(dimensionless, >= 0; DAPO's clip-higher uses 0.28); default 0.2")
     dual_clip_c: Optional[float] = knob(None, help="ppo-family dual clip: caps the loss of negative-advantage "
                                         "tokens at -A*c (dimensionless, > 1, e.g. 3); default None = off")
@@ -39,6 +39,11 @@ class AlgorithmConfig:
                                              "prox/mu at this value (dimensionless, > 0); default None = untruncated")
     tv_delta: float = knob(0.2, help="vaco: total-variation budget delta; filtering starts when the batch TV "
                            "estimate exceeds delta/2 (dimensionless, > 0); default 0.2")
+    prox_check: bool = knob(False, help="a3po: also recompute the proximal logprobs (one no-grad forward pass "
+                            "of the policy before the step's first update, as decoupled_ppo does) and log the "
+                            "mean |approximated - recomputed| log prox over loss tokens as train/loss/prox_error "
+                            "(nats; AReaL's metrics mode). Costs the forward pass A-3PO saves; training still uses "
+                            "the approximation. default False")
     tis: str = knob("none", help="truncated importance sampling for train/inference mismatch: 'token' or "
                     "'sequence' level weight min(prox/mu, tis_cap); needs the trainer-recomputed prox "
                     "logprobs; default 'none'", choices=TIS_MODES)
@@ -81,6 +86,9 @@ class AlgorithmConfig:
                   ("behav_weight_cap", self.behav_weight_cap is None or self.behav_weight_cap > 0),
                   ("tv_delta", self.tv_delta > 0), ("tis_cap", self.tis_cap > 0), ("kl_coef", self.kl_coef >= 0),
                   ("entropy_coef", self.entropy_coef >= 0), ("adv_eps", self.adv_eps >= 0)]
+        if self.prox_check and self.loss != "a3po":
+            found.append(f"algorithm.prox_check=true compares a3po's approximated proximal logprobs with recomputed "
+                         f"ones; loss {self.loss!r} has no approximation (set algorithm.loss=a3po or prox_check=false)")
         found += [f"algorithm.{name}={getattr(self, name)!r} is out of range: {helps[name]}"
                   for name, ok in checks if not ok]
         return found
@@ -94,9 +102,10 @@ OWN_BEHAVIOUR_CORRECTION = ("decoupled_ppo", "a3po")
 def needs_prox(cfg: AlgorithmConfig) -> bool:
     """Whether the step needs trainer-recomputed proximal logprobs (a no-grad forward pass of the
     current policy before the update): decoupled_ppo's proximal policy, or TIS's recomputation of
-    the sampling policy. Not a3po, which approximates them from the token versions."""
+    the sampling policy. Not a3po, which approximates them from the token versions, unless
+    ``prox_check`` asks for the recomputed ones to compare (never to train with)."""
     if cfg.loss == "a3po":
-        return False
+        return bool(cfg.prox_check)
     return cfg.loss == "decoupled_ppo" or cfg.tis != "none"
 
 

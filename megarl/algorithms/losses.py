@@ -36,6 +36,9 @@ class LossInputs:
     anchor_logprobs: Tensor         # log mu, or the trainer-side prox logprobs under TIS
     prox_logprobs: Optional[Tensor] = None   # log pi_prox (decoupled PPO), detached
     staleness: Optional[Tensor] = None       # long: current_version - version of the token (a3po)
+    # Statistics of the whole minibatch (all micro-batches, all DP ranks), summed before this call by
+    # the trainer (``batch_sums`` of the loss); None: the loss decides on its own tokens.
+    batch_stats: Optional[Dict[str, float]] = None
 
 
 @dataclasses.dataclass
@@ -45,6 +48,7 @@ class LossTerms:
     per_token: Tensor               # [batch, seq] loss per token (zero where masked)
     clipped: Tensor                 # [batch, seq] bool: this token's weight was clipped/truncated/filtered
     metrics: Dict[str, Tensor] = dataclasses.field(default_factory=dict)   # loss-specific, 0-d tensors
+    prox_logprobs: Optional[Tensor] = None  # the proximal anchor the loss used (decoupled family), detached
 
 
 def _check_positive(name: str, value: float, loss: str, *, above: float = 0.0) -> None:
@@ -129,7 +133,7 @@ def _decoupled(inp: LossInputs, log_prox: Tensor, eps_low: float, eps_high: floa
     metrics.update({f"{name}/{k}": v for k, v in ppo_metrics.items()})
     metrics[f"{name}/behav_weight_mean"] = masked_mean(behav_weight, inp.mask)
     metrics[f"{name}/behav_weight_max"] = masked_max(behav_weight, inp.mask)
-    return LossTerms(behav_weight * per_token, clipped, metrics)
+    return LossTerms(behav_weight * per_token, clipped, metrics, prox_logprobs=log_prox.detach())
 
 
 @register_loss("decoupled_ppo")
@@ -156,7 +160,10 @@ def a3po_alpha(staleness: Tensor) -> Tensor:
 @register_loss("a3po")
 def a3po_loss(inp: LossInputs, *, eps_low: float = 0.2, eps_high: float = 0.2,
               dual_clip_c: Optional[float] = None, behav_weight_cap: Optional[float] = None) -> LossTerms:
-    """A-3PO: decoupled PPO with log prox = log mu + alpha (sg(log pi) - log mu), alpha from staleness."""
+    """A-3PO (arXiv 2512.06547, section 3): decoupled PPO with log prox = log mu + alpha (sg(log pi) - log mu),
+    alpha from staleness. log pi is the training forward's own: at the step's first minibatch update that
+    is the policy the step started from; later updates interpolate towards the moved policy (the paper's
+    "tensors already available from the training loop", with no extra forward pass)."""
     if inp.prox_logprobs is not None:
         raise ValueError("loss 'a3po' approximates the proximal logprobs itself; drop prox_logprobs, or use loss "
                          "'decoupled_ppo' to train with the supplied ones")
@@ -170,6 +177,7 @@ def a3po_loss(inp: LossInputs, *, eps_low: float = 0.2, eps_high: float = 0.2,
 
 
 a3po_loss.owns_behaviour_correction = True  # type: ignore[attr-defined]
+a3po_loss.approximates_prox = True  # type: ignore[attr-defined]  (prox_check compares it with a recompute)
 
 
 @register_loss("vaco")
@@ -178,14 +186,48 @@ def vaco_loss(inp: LossInputs, *, tv_delta: float = 0.2) -> LossTerms:
 
     TV = 0.5 * E_tokens |pi/mu - 1|. When TV > tv_delta / 2, the tokens whose gradient step would
     increase it (A * sign(pi - mu) > 0) are dropped (zero loss, still counted in the mean);
-    otherwise every token is kept.
+    otherwise every token is kept. The expectation is over the whole minibatch (VACO, arXiv
+    2603.01365 section 4.2.2: the filter is decided per minibatch), which the trainer sums with :func:`vaco_batch_sums`
+    over every micro-batch and DP rank before the update and passes in ``inp.batch_stats``; without
+    it, over the tokens given.
     """
     _check_positive("tv_delta", tv_delta, "vaco")
     ratio = (inp.logprobs - inp.anchor_logprobs).exp()
     r = ratio.detach()
-    tv = 0.5 * masked_mean((r - 1.0).abs(), inp.mask)
+    sums = inp.batch_stats if inp.batch_stats is not None else vaco_batch_sums(inp.logprobs, inp.anchor_logprobs,
+                                                                              inp.mask)
+    tv = torch.as_tensor(0.5 * float(sums["vaco/abs_dev"]) / max(float(sums["vaco/tokens"]), 1.0))
     active = tv > 0.5 * float(tv_delta)
     drop = active & (inp.advantages * (r - 1.0) > 0) & inp.mask
     per_token = torch.where(drop, torch.zeros_like(ratio), -inp.advantages * ratio)
     return LossTerms(per_token, drop, {"vaco/tv": tv, "vaco/filter_active": active.float(),
                                        "vaco/filter_frac": fraction(drop, inp.mask)})
+
+
+def vaco_batch_sums(logprobs: Tensor, anchor_logprobs: Tensor, mask: Tensor) -> Dict[str, float]:
+    """The sums VACO's TV estimate is made of, over the given tokens: sum |pi/mu - 1| and the token
+    count. They add up over micro-batches and DP ranks, so the trainer reduces them to the minibatch's."""
+    r = (logprobs.detach() - anchor_logprobs).exp()
+    return {"vaco/abs_dev": float(torch.where(mask, (r - 1.0).abs(), torch.zeros_like(r)).double().sum()),
+            "vaco/tokens": float(mask.sum())}
+
+
+vaco_loss.batch_sums = vaco_batch_sums  # type: ignore[attr-defined]
+
+
+@register_loss("sao")
+def sao_loss(inp: LossInputs, *, eps_low: float = 0.2, eps_high: float = 0.2) -> LossTerms:
+    """SAO's clip (arXiv 2607.07508): the importance-weighted surrogate -A * pi/mu, where a token whose
+    ratio pi/mu has left the band [1 - eps_low, 1 + eps_high] around the rollout policy stops updating,
+    whatever the sign of its advantage (PPO's clip stops only the moves that go on in the direction A
+    already pushed). Out of the band the value is kept (-A * r, constant) and the gradient is zero; a
+    ratio exactly on the band's edge still updates.
+    """
+    if not (0.0 <= float(eps_low) < 1.0) or not float(eps_high) >= 0.0:
+        raise ValueError(f"loss 'sao': need 0 <= eps_low < 1 and eps_high >= 0, got eps_low={eps_low!r}, "
+                         f"eps_high={eps_high!r}")
+    ratio = (inp.logprobs - inp.anchor_logprobs).exp()
+    r = ratio.detach()
+    out = ((r < 1.0 - float(eps_low)) | (r > 1.0 + float(eps_high))) & inp.mask
+    per_token = torch.where(out, -inp.advantages * r, -inp.advantages * ratio)
+    return LossTerms(per_token, out, {"sao/out_of_band_frac": fraction(out, inp.mask)})

@@ -154,7 +154,8 @@ def policy_loss(name: str, *, logprobs: Tensor, behav_logprobs: Tensor, advantag
                 behav_full_logprobs: Optional[Tensor] = None, aggregation: str = "token-mean",
                 agg_denominator: Optional[Union[float, Tensor]] = None, tis: str = "none", tis_cap: float = 2.0,
                 score_centering: bool = False, kl_coef: float = 0.0, kl_estimator: str = "k3",
-                entropy_coef: float = 0.0, **params: Any) -> Tuple[Tensor, Dict[str, float]]:
+                entropy_coef: float = 0.0, batch_stats: Optional[Dict[str, float]] = None,
+                prox_reference: Optional[Tensor] = None, **params: Any) -> Tuple[Tensor, Dict[str, float]]:
     """Policy loss ``name`` over per-token ``[batch, seq]`` tensors; returns ``(loss, metrics)``.
 
     Args:
@@ -176,6 +177,10 @@ def policy_loss(name: str, *, logprobs: Tensor, behav_logprobs: Tensor, advantag
         score_centering: replace grad log pi(y) by its centered version (see centered_score_logprobs).
         kl_coef, kl_estimator: weight and estimator (k1/k2/k3) of the KL(pi || ref) penalty.
         entropy_coef: weight of the entropy bonus (subtracted from the loss).
+        batch_stats: the loss's ``batch_sums`` over the whole minibatch (see :func:`loss_batch_sums`),
+            for a loss that decides on a batch statistic (vaco's TV); None: over these tokens.
+        prox_reference: recomputed proximal logprobs to compare with the proximal anchor the loss
+            used (a3po's approximation): ``prox_error`` = mean |anchor - reference| over loss tokens.
         **params: the loss's own knobs (rho, eps_low, eps_high, dual_clip_c, ...).
 
     Returns:
@@ -237,7 +242,12 @@ def policy_loss(name: str, *, logprobs: Tensor, behav_logprobs: Tensor, advantag
         metrics.update(tis_metrics)
         anchor = prox
 
-    terms = fn(LossInputs(pg_logprobs, mu, adv, m, anchor, prox, staleness), **params)
+    terms = fn(LossInputs(pg_logprobs, mu, adv, m, anchor, prox, staleness, batch_stats), **params)
+    if prox_reference is not None:
+        if terms.prox_logprobs is None:
+            raise ValueError(f"prox_reference: loss {name!r} has no proximal anchor to compare it with")
+        ref_prox = _as_tokens("prox_reference", prox_reference, shape, m, dtype=compute_dtype)
+        metrics["prox_error"] = masked_mean((terms.prox_logprobs - ref_prox).abs(), m)
     per_token = terms.per_token if tis_weight is None else terms.per_token * tis_weight
     pg_loss = aggregate(per_token, m, aggregation, agg_denominator)
     loss = pg_loss
@@ -267,3 +277,25 @@ def policy_loss(name: str, *, logprobs: Tensor, behav_logprobs: Tensor, advantag
     out.update(metrics)
     out.update(terms.metrics)
     return loss, to_floats(out)
+
+
+def loss_batch_sums(name: str, *, logprobs: Tensor, behav_logprobs: Tensor, mask: Tensor,
+                    prox_logprobs: Optional[Tensor] = None, tis: str = "none", **_: Any) -> Optional[Dict[str, float]]:
+    """The sums a loss decides on over a whole minibatch (its ``batch_sums``, e.g. vaco's TV), from
+    one micro-batch's tokens: they add up over micro-batches and DP ranks, and the total goes back to
+    :func:`policy_loss` as ``batch_stats``. None for a loss that decides per token. Its anchor is the
+    one ``policy_loss`` would give the loss: the trainer's prox under TIS, else the sampler's log mu."""
+    sums_of = getattr(get_loss(name), "batch_sums", None)
+    if sums_of is None:
+        return None
+    m = mask.bool()
+    lp = torch.where(m, logprobs.detach().float(), torch.zeros((), device=logprobs.device))
+    anchor = prox_logprobs if tis != "none" else behav_logprobs
+    if anchor is None:
+        raise ValueError("tis needs prox_logprobs (the trainer's recomputation of the sampling policy)")
+    return sums_of(lp, _as_tokens("anchor", anchor, lp.shape, m, dtype=torch.float32), m)
+
+
+def has_batch_sums(name: str) -> bool:
+    """Whether loss ``name`` decides on a statistic of the whole minibatch (see :func:`loss_batch_sums`)."""
+    return getattr(get_loss(name), "batch_sums", None) is not None

@@ -96,6 +96,7 @@ def check(cfg: MegaRLConfig, *, dry_run: bool = False, scan_data: bool = True) -
             f"generator.n_samples={g.n_samples} = {rows} sequences does not split evenly over {t.dp} data-parallel "
             f"ranks; use trainer.dp={fits[-1]} (a divisor of {rows}) or set controller.prompts_per_step="
             f"{_round_up(cfg.controller.prompts_per_step, t.dp // math.gcd(t.dp, g.n_samples))}")
+    problems += minibatch_problems(cfg)
     if cfg.algorithm.tis != "none" and cfg.algorithm.loss in OWN_BEHAVIOUR_CORRECTION:
         problems.append(
             f"algorithm.tis={cfg.algorithm.tis!r}: loss {cfg.algorithm.loss!r} already corrects the "
@@ -190,6 +191,25 @@ def check(cfg: MegaRLConfig, *, dry_run: bool = False, scan_data: bool = True) -
             f"generator tp*replicas={counts['generator']} = {counts['total']} ranks; change trainer.dp / "
             f"generator.replicas or the job's size")
     return problems
+
+
+def minibatch_problems(cfg: MegaRLConfig) -> list[str]:
+    """trainer.minibatches splits a step's prompt groups evenly, and each minibatch over trainer.dp."""
+    t, prompts, n = cfg.trainer, cfg.controller.prompts_per_step, cfg.generator.n_samples
+    if t.minibatches < 1 or prompts < 1 or t.dp < 1:
+        return []  # the range checks name these
+    if prompts % t.minibatches:
+        fits = [d for d in divisors(prompts) if d <= t.minibatches] or [1]
+        return [f"trainer.minibatches={t.minibatches}: a step's controller.prompts_per_step={prompts} prompt groups "
+                f"do not split evenly into {t.minibatches} minibatches (a group is never split); use "
+                f"trainer.minibatches={fits[-1]} or controller.prompts_per_step="
+                f"{_round_up(prompts, t.minibatches)}"]
+    rows = prompts // t.minibatches * n
+    if t.minibatches > 1 and rows % t.dp:
+        return [f"trainer.minibatches={t.minibatches}: each minibatch of {prompts // t.minibatches} prompts x "
+                f"generator.n_samples={n} = {rows} sequences does not split over trainer.dp={t.dp} ranks; use fewer "
+                f"minibatches or a controller.prompts_per_step that makes it a multiple of {t.dp}"]
+    return []
 
 
 def absent_paths(cfg: MegaRLConfig) -> list[str]:

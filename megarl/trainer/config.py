@@ -37,14 +37,27 @@ class TrainerConfig:
                                  "replica (sequences); a step's rollout batch is split over DP, "
                                  "then into micro-batches (gradient accumulation). Default 4.")
 
+    minibatches: int = knob(1, help="Optimizer updates per pass over a step's rollout batch (count, >= 1): the "
+                            "batch is split along prompt groups (a group is never split) into this many "
+                            "minibatches of about equal groups, each one optimizer update (PPO's minibatches; "
+                            "A-3PO's recipes use 4, VACO's forward lag N). Behaviour logprobs stay the "
+                            "generator's; the proximal policy (decoupled_ppo, tis) is computed once before the "
+                            "first update and frozen for the step. controller.prompts_per_step must divide by it. "
+                            "Default 1.")
+    epochs: int = knob(1, help="Passes over a step's rollout batch (count, >= 1); a step makes minibatches x "
+                       "epochs optimizer updates (train/updates), in the same minibatch order each pass. The "
+                       "policy version still advances once per step. Default 1.")
+
     # --- optimizer (AdamW) ---
     lr: float = knob(1.0e-6, help="Peak learning rate (per step, AdamW). Default 1e-6.")
     min_lr: float = knob(0.0, help="Floor of the decayed learning rate (linear/cosine). Default 0.")
-    lr_warmup_steps: int = knob(0, help="Linear warmup over this many optimizer steps (steps): "
-                                "megatron's schedule gives step s the lr*s/lr_warmup_steps, so "
-                                "step 0 runs at lr 0. Default 0.")
-    lr_decay_steps: int = knob(0, help="Steps over which lr decays to min_lr after warmup (steps); "
-                               "0 = controller.steps. Default 0.")
+    lr_warmup_steps: int = knob(0, help="Linear warmup over this many optimizer updates (updates: a step "
+                                "makes trainer.minibatches x trainer.epochs of them): megatron's schedule "
+                                "gives update u the lr*u/lr_warmup_steps, so the first update runs at lr 0. "
+                                "Default 0.")
+    lr_decay_steps: int = knob(0, help="Optimizer updates over which lr decays to min_lr after warmup "
+                               "(updates, as lr_warmup_steps); 0 = every update of the run (controller.steps x "
+                               "minibatches x epochs). Default 0.")
     lr_decay_style: str = knob("constant", choices=LR_DECAY_STYLES,
                                help="LR schedule after warmup: constant, linear or cosine. Default "
                                "constant.")
@@ -64,10 +77,10 @@ class TrainerConfig:
     seed: int = knob(1234, help="Trainer seed: weight init where random, dropout RNG trackers. "
                      "Default 1234.")
 
-    max_skipped_steps: int = knob(3, help="A step whose loss or gradient is NaN/inf is skipped (no "
-                                  "update, no LR-schedule step; a WARNING in the rank log and train/skipped = 1 "
-                                  "in the step's metrics, train/skipped_steps the run's total); this many "
-                                  "skipped in a row stop the job naming the cause (steps, >= 1). Default 3.")
+    max_skipped_steps: int = knob(3, help="An optimizer update whose loss or gradient is NaN/inf is skipped (no "
+                                  "update, no LR-schedule step; a WARNING in the rank log, train/skipped = the "
+                                  "step's skipped updates, train/skipped_steps the run's total); this many "
+                                  "skipped in a row stop the job naming the cause (updates, >= 1). Default 3.")
 
     # --- logprobs ---
     logprob_temperature: float = knob(1.0, help="Temperature the trainer divides logits by before "
@@ -121,7 +134,8 @@ class TrainerConfig:
     def problems(self) -> list[str]:
         """Problems this section alone can see, each naming the key and what to change."""
         out = []
-        for key in ("tp", "pp", "dp", "ep", "micro_batch_size", "keep_checkpoints", "max_skipped_steps"):
+        for key in ("tp", "pp", "dp", "ep", "micro_batch_size", "minibatches", "epochs", "keep_checkpoints",
+                    "max_skipped_steps"):
             if getattr(self, key) < 1:
                 out.append(f"trainer.{key}={getattr(self, key)}: must be >= 1")
         for key in ("lr_warmup_steps", "lr_decay_steps", "checkpoint_interval"):

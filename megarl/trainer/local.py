@@ -81,7 +81,8 @@ class RankTrainer:
         from megarl.trainer.router_stats import RouterStats
 
         self.router_stats = RouterStats(self.model)  # MoE: tokens per expert of each training pass
-        self.objs = build_training(cfg, self.model, total_steps)
+        # the LR schedule counts optimizer updates: trainer.minibatches x trainer.epochs a step
+        self.objs = build_training(cfg, self.model, total_steps * cfg.minibatches * cfg.epochs)
         # The KL reference: the initial policy (from model_dir even on resume), frozen, built only if used.
         self.ref_model = None
         if needs_ref(algo):
@@ -110,9 +111,10 @@ class RankTrainer:
         return self.progress.step
 
     def step(self, batch: RolloutBatch) -> dict:
-        """One optimizer step on ``batch`` (the whole global batch; each DP rank trains on its
-        share), after the no-grad passes its loss needs (proximal and reference logprobs);
-        returns the step's metrics (the same on every rank)."""
+        """One step on ``batch`` (the whole global batch; each DP rank trains on its share):
+        trainer.epochs passes of trainer.minibatches optimizer updates, after the no-grad passes
+        its loss needs (proximal and reference logprobs, once, before the first update); returns
+        the step's metrics (the same on every rank)."""
         from megarl.trainer.train_step import prepare_batch, train_step
 
         if self.writer is not None:
@@ -122,7 +124,8 @@ class RankTrainer:
         with self.router_stats.counting():
             metrics = train_step(self.objs, batch, loss_name=self.algo.loss, loss_params=loss_params(self.algo),
                                  micro_batch_size=self.cfg.micro_batch_size,
-                                 temperature=self.cfg.logprob_temperature, current_version=self.progress.step)
+                                 temperature=self.cfg.logprob_temperature, current_version=self.progress.step,
+                                 minibatches=self.cfg.minibatches, epochs=self.cfg.epochs)
         metrics.update(prep)
         metrics.update(self.router_stats.metrics())
         self.progress.step += 1

@@ -1,15 +1,25 @@
-"""One optimizer step of the policy on a batch of rollouts (TP x PP x DP, megatron schedules).
+"""A training step of the policy on a batch of rollouts (TP x PP x DP, megatron schedules).
 
-Every trainer rank calls :func:`train_step` with the same global batch; DP rank ``r`` trains on
-its contiguous share of the rows, split into micro-batches (gradient accumulation), through
-megatron's forward-backward pipeline schedule, then megatron DDP reduces the gradients and the
-(distributed) optimizer clips and steps, and the LR scheduler advances.
+A step is ``epochs`` passes over the batch split into ``minibatches`` along prompt groups
+(``RolloutBatch.minibatches``), each minibatch one optimizer update (:func:`train_update`): the
+PPO-style step the seeds run (A-3PO: 4 updates per rollout batch; VACO: the forward lag N). What
+the loss compares against is fixed before the first update (behaviour logprobs from the generator,
+proximal and reference logprobs from :func:`prepare_batch`), so later updates see the policy move
+away from it: that is where the PPO-family clips act.
 
-Loss normalisation: each micro-batch loss is ``policy_loss(..., agg_denominator=D)`` with ``D``
-the *global* count (loss tokens for ``token-mean``, sequences for the ``seq-mean-*``
-aggregations), so the micro-batch losses of all DP ranks sum to the loss of the whole batch. The
-result is independent of micro-batch size, DP and TP (up to float rounding). Megatron divides each
-micro-batch loss by the number of micro-batches and DDP averages over DP; we pre-multiply by both.
+One update: every trainer rank calls :func:`train_update` with the same minibatch; DP rank ``r``
+trains on its contiguous share of the rows, split into micro-batches (gradient accumulation),
+through megatron's forward-backward pipeline schedule, then megatron DDP reduces the gradients and
+the (distributed) optimizer clips and steps, and the LR scheduler advances (it counts updates).
+
+Normalisation is over the minibatch, never the micro-batch: each micro-batch loss is
+``policy_loss(..., agg_denominator=D)`` with ``D`` the minibatch's count over every DP rank (loss
+tokens for ``token-mean``, sequences for the ``seq-mean-*`` aggregations), so the micro-batch
+losses of all DP ranks sum to the loss of the whole minibatch; a loss that decides on a batch
+statistic (VACO's TV) gets it summed over every micro-batch and DP rank by a no-grad pass before
+the update (:func:`minibatch_stats`). The result is independent of micro-batch size, DP and TP (up
+to float rounding). Megatron divides each micro-batch loss by the number of micro-batches and DDP
+averages over DP; we pre-multiply by both.
 """
 
 from __future__ import annotations
@@ -20,6 +30,12 @@ import torch
 
 from megarl.batch import RolloutBatch
 from megarl.trainer.logprobs import dp_share, run_pipeline, token_logprobs
+
+# How a step's updates reduce to the step's metrics: every loss metric is the mean over the step's
+# updates weighted by each update's loss tokens; "tokens" counts one pass over the batch; the
+# optimizer's figures as below (grad_norm: the mean, with grad_norm_max beside it).
+_STEP_REDUCE = {"lr": "last", "skipped_steps": "last", "skipped": "sum", "update_successful": "all",
+                "micro_batches": "sum", "grad_norm": "mean"}
 
 
 # policy_loss metrics aggregated with agg_denominator (the global count): each micro-batch's value
@@ -62,8 +78,51 @@ def _broadcast_metrics(metrics: dict | None) -> dict:
 
 
 def train_step(objs, batch: RolloutBatch, *, loss_name: str, loss_params: dict[str, Any] | None = None,
-               micro_batch_size: int, temperature: float = 1.0, current_version: int | None = None) -> dict:
-    """One optimizer step on ``batch`` (the same global batch on every trainer rank).
+               micro_batch_size: int, temperature: float = 1.0, current_version: int | None = None,
+               minibatches: int = 1, epochs: int = 1) -> dict:
+    """A step on ``batch`` (the same global batch on every trainer rank): ``epochs`` passes over its
+    ``minibatches`` (split along prompt groups), one :func:`train_update` each. Returns the step's
+    metrics (on every rank): ``updates``, ``grad_norm_max`` and each update's metrics reduced over the
+    step (``_STEP_REDUCE``; loss metrics token-weighted over the updates)."""
+    if epochs < 1:
+        raise ValueError(f"epochs must be >= 1, got {epochs}")
+    parts = batch.minibatches(minibatches)
+    updates = [train_update(objs, part, loss_name=loss_name, loss_params=loss_params,
+                            micro_batch_size=micro_batch_size, temperature=temperature,
+                            current_version=current_version)
+               for _ in range(epochs) for part in parts]
+    return reduce_updates(updates, per_pass=len(parts))
+
+
+def reduce_updates(updates: list[dict], per_pass: int) -> dict:
+    """One step's metrics from its updates' (see ``_STEP_REDUCE``); ``per_pass``: updates in one epoch."""
+    weights = [max(u.get("tokens", 0.0), 0.0) for u in updates]
+    total = sum(weights) or 1.0
+    out: dict = {}
+    for key in dict.fromkeys(k for u in updates for k in u):
+        values = [(u[key], w) for u, w in zip(updates, weights) if key in u]
+        how = _STEP_REDUCE.get(key)
+        if key == "tokens":
+            out[key] = sum(u.get("tokens", 0.0) for u in updates[:per_pass])
+        elif how == "last":
+            out[key] = values[-1][0]
+        elif how == "sum":
+            out[key] = sum(v for v, _ in values)
+        elif how == "all":
+            out[key] = all(bool(v) for v, _ in values)
+        elif how == "mean":
+            out[key] = sum(v for v, _ in values) / len(values)
+        else:  # loss metrics: weighted by the update's loss tokens
+            w = sum(w for _, w in values)
+            out[key] = sum(v * w for v, w in values) / w if w else sum(v for v, _ in values) / len(values)
+    out["updates"] = float(len(updates))
+    out["grad_norm_max"] = max(float(u.get("grad_norm", float("nan"))) for u in updates)
+    return out
+
+
+def train_update(objs, batch: RolloutBatch, *, loss_name: str, loss_params: dict[str, Any] | None = None,
+                 micro_batch_size: int, temperature: float = 1.0, current_version: int | None = None) -> dict:
+    """One optimizer update on ``batch`` (a minibatch; the same on every trainer rank).
 
     Args:
         objs: ``megarl.trainer.optimizer.TrainingObjects`` (DDP model chunk, optimizer, scheduler).
@@ -72,7 +131,7 @@ def train_step(objs, batch: RolloutBatch, *, loss_name: str, loss_params: dict[s
         micro_batch_size: sequences per forward/backward on one DP rank.
         temperature: logits are divided by it before log-softmax (see ``logprobs.py`` convention).
         current_version: the policy version being trained (staleness metrics, a3po).
-    Returns (on every rank): ``loss`` (the whole batch's loss), ``grad_norm``, ``lr``,
+    Returns (on every rank): ``loss`` (the whole minibatch's loss), ``grad_norm``, ``lr``,
     ``update_successful``, ``skipped`` (1 when a NaN/inf loss or gradient skipped the update) and
     ``skipped_steps`` (the run's total so far), ``tokens`` (loss tokens), ``micro_batches`` and the loss's metrics
     averaged over loss tokens (prefixed ``loss/``).
@@ -80,7 +139,8 @@ def train_step(objs, batch: RolloutBatch, *, loss_name: str, loss_params: dict[s
     from megatron.core import parallel_state as ps
 
     # the submodule, not the package attribute: importing the submodule rebinds that name to it
-    from megarl.algorithms.policy_loss import policy_loss
+    from megarl.algorithms.policy_loss import has_batch_sums, policy_loss
+    from megarl.algorithms.registry import get_loss
     from megarl.trainer.model import unwrap
     from megarl.trainer.optimizer import optimizer_step
 
@@ -96,6 +156,9 @@ def train_step(objs, batch: RolloutBatch, *, loss_name: str, loss_params: dict[s
     vocab = unwrap(model).megarl_dims.vocab_size
     micro = dp_share(batch).micro_batches(micro_batch_size)
     scale = len(micro) * ps.get_data_parallel_world_size()  # undo megatron's 1/num_mb and DDP's 1/dp
+    # a3po with algorithm.prox_check: the recomputed prox is only compared with its approximation
+    compare_prox = getattr(get_loss(loss_name), "approximates_prox", False)
+    stats = minibatch_stats(model, micro, loss_name, params, vocab, temperature) if has_batch_sums(loss_name) else None
     sums: dict[str, float] = {}
     weight = 0.0
 
@@ -104,9 +167,10 @@ def train_step(objs, batch: RolloutBatch, *, loss_name: str, loss_params: dict[s
         logprobs, entropy = token_logprobs(logits, mb.input_ids, vocab, temperature, with_entropy=with_entropy)
         loss, metrics = policy_loss(
             loss_name, logprobs=logprobs, behav_logprobs=mb.behav_logprobs, advantages=mb.advantages,
-            mask=mb.loss_mask, prox_logprobs=mb.prox_logprobs, versions=mb.versions,
+            mask=mb.loss_mask, prox_logprobs=None if compare_prox else mb.prox_logprobs, versions=mb.versions,
             current_version=current_version, ref_logprobs=mb.ref_logprobs, entropy=entropy,
-            agg_denominator=denominator, **params)
+            agg_denominator=denominator, batch_stats=stats,
+            prox_reference=mb.prox_logprobs if compare_prox else None, **params)
         w = float(mb.loss_mask.sum())
         for k, v in metrics.items():
             if k in ("tokens", "loss"):
@@ -126,6 +190,37 @@ def train_step(objs, batch: RolloutBatch, *, loss_name: str, loss_params: dict[s
            "micro_batches": len(micro), **step}
     out.update({f"loss/{k}": v for k, v in metrics.items() if k not in ("loss", "tokens")})
     return out
+
+
+def minibatch_stats(model, micro: list[RolloutBatch], loss_name: str, params: dict, vocab: int,
+                    temperature: float) -> dict[str, float] | None:
+    """The statistic a loss decides on (``loss_batch_sums``, e.g. VACO's TV), summed over this DP
+    rank's micro-batches and then over DP ranks: a no-grad forward pass over the minibatch at the
+    current weights, before the update's own pass (which sees the same weights, so the same
+    logprobs). A forward pass more per update, for such losses only. The sums live on the last PP
+    stage, the only one that computes the loss; other stages return None."""
+    from megatron.core import parallel_state as ps
+
+    from megarl.algorithms.policy_loss import loss_batch_sums
+
+    sums: dict[str, float] = {}
+
+    def on_logits(mb: RolloutBatch, logits: torch.Tensor):
+        logprobs, _ = token_logprobs(logits, mb.input_ids, vocab, temperature)
+        for k, v in loss_batch_sums(loss_name, logprobs=logprobs, behav_logprobs=mb.behav_logprobs,
+                                    mask=mb.loss_mask, prox_logprobs=mb.prox_logprobs,
+                                    tis=params.get("tis", "none")).items():
+            sums[k] = sums.get(k, 0.0) + v
+        return torch.zeros(()), {}
+
+    with torch.no_grad():
+        run_pipeline(model, micro, on_logits, forward_only=True)
+    if not ps.is_pipeline_last_stage():
+        return None
+    keys = sorted(sums)  # the loss's fixed names: the same on every DP rank of the last stage
+    vec = torch.tensor([sums[k] for k in keys], dtype=torch.float64)
+    torch.distributed.all_reduce(vec, group=ps.get_data_parallel_group())
+    return {k: float(v) for k, v in zip(keys, vec)}
 
 
 def build_reference_model(model_dir, params_dtype: torch.dtype = torch.float32):
