@@ -242,11 +242,77 @@ def test_vaco_tv_below_threshold_keeps_every_token():
     expect_grad(grad, [-1.5 / 4, -0.5 / 4, 1.0 / 4, 0.8 / 4])
 
 
+def test_vaco_decides_on_the_minibatch_statistic_it_is_given():
+    # The same 4 tokens as above (their own TV 0.15 > 0.1 would filter) inside a minibatch whose other
+    # tokens sit at r = 1: |r - 1| sums to 1.2 over 16 tokens -> TV = 0.5 * 1.2 / 16 = 0.0375 < 0.1.
+    from megarl.algorithms.policy_loss import loss_batch_sums
+
+    mask = torch.ones(1, 4, dtype=torch.bool)
+    own = loss_batch_sums("vaco", logprobs=VACO_PI, behav_logprobs=VACO_MU, mask=mask)
+    assert own == pytest.approx({"vaco/abs_dev": 1.2, "vaco/tokens": 4.0})
+    rest = loss_batch_sums("vaco", logprobs=VACO_MU.repeat(1, 3), behav_logprobs=VACO_MU.repeat(1, 3),
+                           mask=torch.ones(1, 12, dtype=torch.bool))
+    stats = {k: own[k] + rest[k] for k in own}  # what the trainer sums over micro-batches and DP ranks
+    loss, grad, m = run("vaco", VACO_PI, VACO_MU, VACO_ADV, tv_delta=0.2, batch_stats=stats)
+    assert m["vaco/tv"] == pytest.approx(0.0375) and m["vaco/filter_active"] == 0.0
+    expect_grad(grad, [-1.5 / 4, -0.5 / 4, 1.0 / 4, 0.8 / 4])  # every token kept, as below the threshold
+    assert loss_batch_sums("ppo", logprobs=VACO_PI, behav_logprobs=VACO_MU, mask=mask) is None
+
+
+# ------------------------------------------------------------------------------------------ sao
+
+def test_sao_stops_tokens_outside_the_band_whatever_the_advantage():
+    # r = pi/mu = 1.5, .5, 1, .8 (as vaco's); band [0.8, 1.2]. Out: tokens 0 (r 1.5) and 1 (r .5):
+    # token 0 has A = +1 (PPO would also stop it), token 1 has A = +1 with r < 1 (PPO keeps it:
+    # the update moves it back towards the band; SAO stops it anyway). Token 3 sits on the edge 0.8:
+    # kept. Loss = mean(-A r) with the out-of-band values kept: (-1.5 - .5 + 1 + .8) / 4.
+    loss, grad, m = run("sao", VACO_PI, VACO_MU, [1.0, 1.0, -1.0, -1.0], eps_low=0.2, eps_high=0.2)
+    assert loss == pytest.approx((-1.5 - 0.5 + 1.0 + 0.8) / 4, rel=1e-12)  # float64: ~1e-15 rounding
+    expect_grad(grad, [0.0, 0.0, 1.0 / 4, 0.8 / 4])  # d(-A r)/d log pi = -A r on the kept tokens
+    assert m["clip_frac"] == m["sao/out_of_band_frac"] == pytest.approx(0.5)
+    # PPO on the same tokens keeps token 1's gradient (-A r = -0.5 / 4): the difference SAO makes
+    _, ppo_grad, _ = run("ppo", VACO_PI, VACO_MU, [1.0, 1.0, -1.0, -1.0], eps_low=0.2, eps_high=0.2)
+    assert float(ppo_grad[0, 1]) == pytest.approx(-0.5 / 4)
+    with pytest.raises(ValueError, match="eps_low"):
+        run("sao", VACO_PI, VACO_MU, VACO_ADV, eps_low=1.0)
+
+
+def test_a3po_prox_error_against_a_recomputed_prox():
+    # staleness 2 and 4 as in test_a3po_stale_tokens_hand_values: approximated log prox = log mu +
+    # alpha (log pi - log mu) = log .4 and log(.05 * 16^.75) = log .4. Against a recomputed prox of
+    # .5 and .2: |log .4 - log .5| and |log .4 - log .2| = log 1.25 and log 2, mean over 2 tokens.
+    mu, pi = logp(0.2, 0.05), logp(0.8, 0.8)
+    versions = torch.tensor([[8, 6]])
+    _, _, m = run("a3po", pi, mu, [1.0, -1.0], versions=versions, current_version=10,
+                  prox_reference=logp(0.5, 0.2))
+    assert m["prox_error"] == pytest.approx((math.log(1.25) + math.log(2)) / 2, rel=1e-9)
+    # decoupled_ppo's anchor is the prox it is given: no error against itself
+    _, _, m = run("decoupled_ppo", pi, mu, [1.0, -1.0], prox_logprobs=logp(0.5, 0.2), prox_reference=logp(0.5, 0.2))
+    assert m["prox_error"] == 0.0
+    with pytest.raises(ValueError, match="no proximal anchor"):
+        run("ppo", pi, mu, [1.0, -1.0], prox_reference=mu)
+
+
+def test_a_step_reduces_its_updates_token_weighted():
+    from megarl.trainer.train_step import reduce_updates
+
+    u1 = {"loss": 1.0, "tokens": 10.0, "loss/clip_frac": 0.0, "grad_norm": 2.0, "lr": 1e-3, "skipped": 0.0,
+          "skipped_steps": 0.0, "update_successful": True, "micro_batches": 2}
+    u2 = {**u1, "loss": 4.0, "tokens": 30.0, "loss/clip_frac": 0.5, "grad_norm": 4.0, "lr": 5e-4}
+    m = reduce_updates([u1, u2, u1, u2], per_pass=2)  # 2 epochs of 2 minibatches
+    assert m["loss"] == pytest.approx((1 * 10 + 4 * 30) / 40)  # each update weighted by its loss tokens
+    assert m["loss/clip_frac"] == pytest.approx(0.5 * 30 / 40)
+    assert m["tokens"] == 40.0  # one pass over the batch
+    assert m["grad_norm"] == 3.0 and m["grad_norm_max"] == 4.0 and m["lr"] == 5e-4
+    assert m["updates"] == 4.0 and m["micro_batches"] == 8 and m["update_successful"] is True
+    assert reduce_updates([{**u1, "skipped": 1.0, "update_successful": False}, u2], per_pass=2)["skipped"] == 1.0
+
+
 # ------------------------------------------------------------------------------ shared edge cases
 
 def _all_losses_kwargs():
     versions = torch.tensor([5, 3])
-    return {"aipo": {}, "ppo": {}, "grpo": {}, "vaco": {"tv_delta": 0.01},
+    return {"aipo": {}, "ppo": {}, "grpo": {}, "vaco": {"tv_delta": 0.01}, "sao": {},
             "decoupled_ppo": {"prox_logprobs": None}, "a3po": {"versions": versions, "current_version": 5}}
 
 

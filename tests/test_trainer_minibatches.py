@@ -241,3 +241,32 @@ def test_vaco_and_ppo_steps_do_not_depend_on_micro_batch_size_or_dp(tiny_llama_d
             for key in ("loss", "loss/clip_frac", "loss/vaco/tv", "loss/vaco/filter_active"):
                 if key in metrics:
                     assert other[1][key] == pytest.approx(metrics[key], rel=1e-5, abs=1e-7), key
+
+
+def test_the_lr_schedule_counts_updates_and_a_resume_between_steps_is_bit_exact(setup, tiny_llama_dir, tmp_path):
+    """2 steps of 2 x 2 updates under a linear decay over the run's 8 updates; the second step run
+    straight and run again from the first step's checkpoint in fresh rank processes."""
+    batch = setup[0]
+    algo = AlgorithmConfig(loss="decoupled_ppo")
+
+    def cfg(**kw):
+        return TrainerConfig(lr=LR, adam_eps=ADAM_EPS, micro_batch_size=4, minibatches=MINIBATCHES, epochs=EPOCHS,
+                             lr_decay_style="linear", checkpoint_dir=str(tmp_path / "ckpt"), **kw)
+
+    with TrainerExecutor(cfg(resume_from=None), algo, tiny_llama_dir, total_steps=2, run_dir=tmp_path / "a",
+                         cpus=CPUS) as trainer:
+        first = trainer.step(batch)
+        saved = trainer.save()
+        second = trainer.step(batch)
+        straight = dict(trainer.hf_weights())
+    # megatron's linear decay: lr * (1 - updates / 8) after each update; a schedule in steps would say
+    # 1 - 1/2 after the first step and 0 after the second
+    assert first["lr"] == pytest.approx(LR * (1 - 4 / 8)) and second["lr"] == pytest.approx(0.0, abs=1e-12)
+    with TrainerExecutor(cfg(resume_from=str(saved)), algo, tiny_llama_dir, total_steps=2, run_dir=tmp_path / "b",
+                         cpus=CPUS) as trainer:
+        assert trainer.step_count == 1
+        again = trainer.step(batch)
+        resumed = dict(trainer.hf_weights())
+    assert again["loss"] == second["loss"] and again["lr"] == second["lr"]
+    for name, w in straight.items():
+        assert torch.equal(w, resumed[name]), name
