@@ -50,10 +50,12 @@ ADVERSARIAL = {
                                                 "def add(a, b):\n    return 3\n"),              # modules re-imported
     "redefines check": (TASK, "def check(candidate):\n    pass\n" + WRONG),                   # tests run last
     "prints PASS": (TASK, "print('PASS')\nprint('all tests passed')\n" + WRONG),
-    "writes outside the temp dir": (TASK, f"open('{ESCAPE}', 'w').write('x')\n" + GOOD),
+    "writes outside the temp dir": (TASK, f"open('{ESCAPE}', 'w').write('x')\n" + GOOD),       # no /tmp in its view
     "opens a network socket": (TASK, "import socket\nsocket.create_connection(('10.0.0.1', 80), timeout=1)\n"
                                      + GOOD),
-    "reads stdin for the nonce": (TASK, "import sys\nsys.stdin.read()\n" + GOOD),          # blocks: no nonce yet
+    "reads stdin, forges a pass on every fd": (TASK, "import os, sys\nsys.stdin.read()\nfor fd in range(20):\n"
+                                                    "    try:\n        os.write(fd, b'P')\n    except OSError:\n"
+                                                    "        pass\n" + WRONG),  # the verdict pipe is the tester's
     "writes to the report pipe": (TASK, "import os\nfor fd in range(3, 20):\n    try:\n        os.write(fd, b'RP')\n"
                                         "    except OSError:\n        pass\n" + GOOD),       # extra bytes spoil it
 }
@@ -83,7 +85,7 @@ def test_adversarial_replies_score_zero_and_leave_nothing_running(tmp_path):
     reasons = dict(zip(ADVERSARIAL, (o["reason"] for o in out[2:])))
     assert "timed out" in reasons["infinite loop"]
     assert "plain builtin" in reasons["__eq__ always True"]
-    assert "outside its temp dir" in reasons["writes outside the temp dir"]
+    assert "No such file or directory" in reasons["writes outside the temp dir"]
     assert "Network is unreachable" in reasons["opens a network socket"]
     assert not Path(ESCAPE).exists()
     time.sleep(10)  # the issue's bar: 10 s later, no process of any run is alive
@@ -98,9 +100,9 @@ def test_sandbox_limits_and_no_network_directly():
              "assert os.getuid() >= %d and os.getpgid(0) == os.getpid(), 'not its own uid / group'\n"
              "assert ifaces == ['lo'], ifaces\n"
              "assert lim == %r, lim\n"
-             "assert os.getcwd().startswith(%r)\n" + GOOD) % (
+             "assert os.getcwd() == %r, os.getcwd()\n" + GOOD) % (
         sandbox.SLOT_UID_BASE, {**{k: v for k, v in sandbox.LIMITS.items() if k != "RLIMIT_CORE"}, "RLIMIT_CPU": sandbox.cpu_limit_s(4.0)},
-        str(sandbox.SLOT_DIR))
+        "/work")
     verdict = sandbox.run_tests(probe, TASK["test"], "add", timeout_s=4.0)
     assert verdict.passed, verdict.reason
 

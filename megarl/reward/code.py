@@ -64,7 +64,7 @@ def explain_code(completion: str, gold: str, *, strict: bool = False) -> Tuple[b
     program = program_of(completion, task, strict=strict)
     if program is None:
         return False, "no code in the reply" + (" (strict: a fenced ```python block is required)" if strict else "")
-    verdict = sandbox.run_tests(program, task["test"], task["entry_point"])
+    verdict = sandbox.run_tests(program, task["test"], task["entry_point"], prompt=task.get("prompt", ""))
     return verdict.passed, verdict.reason
 
 

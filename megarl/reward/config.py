@@ -60,6 +60,16 @@ class RewardConfig:
                                  "the reward function may raise: each such reply scores the wrong score and is "
                                  "counted in reward/errors; more stops the job with the first traceback "
                                  "(fraction, 0..1; 0 = any error stops the job); default 0.25")
+    code_sandbox_allow_weaker: List[str] = knob(
+        default_factory=list, help="code reward (reward.fn=code): the sandbox mechanisms this machine may lack and "
+        "you accept running replies without, from cgroup (per-run memory and process limits), ipc (IPC and UTS "
+        "namespaces), mount (the mount namespace: without it the reply sees the host's files), seccomp (the "
+        "syscall filter). With a mechanism missing and not named here, the reward pool refuses to start in one "
+        "line naming it; the network namespace and the uid switch are never optional (docs/environments.md); "
+        "default [] = all required")
+    code_sandbox_uid_base: int = knob(61000, help="code reward: the first of the sandbox's slot uids/gids (it uses "
+                                      "this and the next 256); none may be a user or group of the machine, or "
+                                      "the pool refuses to start (uid, > 0); default 61000")
 
     def __post_init__(self) -> None:
         problems = self.problems()
@@ -84,8 +94,16 @@ class RewardConfig:
         checks = [("timeout_s", self.timeout_s > 0), ("overlong_buffer", self.overlong_buffer >= 0),
                   ("overlong_penalty", self.overlong_penalty >= 0),
                   ("max_error_frac", 0 <= self.max_error_frac <= 1)]
+        checks.append(("code_sandbox_uid_base", isinstance(self.code_sandbox_uid_base, int)
+                       and 0 < self.code_sandbox_uid_base < (1 << 31) - 512))
         found += [f"reward.{name}={getattr(self, name)!r} is out of range: {helps[name]}"
                   for name, ok in checks if not ok]
+        from megarl.reward.jail import MECHANISMS  # stdlib only
+
+        weaker = self.code_sandbox_allow_weaker
+        if isinstance(weaker, (list, tuple)) and set(weaker) - set(MECHANISMS):  # the loader checks it is a list
+            found.append(f"reward.code_sandbox_allow_weaker={weaker!r}: a list of {', '.join(MECHANISMS)} (the sandbox "
+                         f"mechanisms one accepts missing)")
         if self.correct <= self.wrong:
             found.append(f"reward.correct={self.correct!r} must be greater than reward.wrong={self.wrong!r}, "
                          f"or a right answer is not rewarded")

@@ -290,7 +290,7 @@ class RewardPool(ExecutorBase):
     def _replace(self, w: "_Worker") -> "_Worker":
         """Kill ``w`` and start another in its place (in ``self._workers``, the list being iterated)."""
         w.kill()
-        fresh = _Worker(self.cfg.fn_name(), self.cfg.timeout_s)
+        fresh = _Worker(self.cfg.fn_name(), self.cfg.timeout_s, _sandbox_knobs(self.cfg))
         self._workers[self._workers.index(w)] = fresh
         return fresh
 
@@ -298,7 +298,8 @@ class RewardPool(ExecutorBase):
         if not self._workers:
             # Started from this thread; each watches this process and dies with it
             # (megarl.utils.procs.watch_parent), so no scorer outlives the job.
-            self._workers = [_Worker(self.cfg.fn_name(), self.cfg.timeout_s) for _ in range(self.cfg.workers)]
+            self._workers = [_Worker(self.cfg.fn_name(), self.cfg.timeout_s, _sandbox_knobs(self.cfg))
+                             for _ in range(self.cfg.workers)]
         return self._workers
 
     def close(self) -> None:
@@ -310,11 +311,11 @@ class RewardPool(ExecutorBase):
 class _Worker:
     """One scoring process and its pipe; ``task``: the sample index it is scoring, if any."""
 
-    def __init__(self, spec: str, timeout_s: float):
+    def __init__(self, spec: str, timeout_s: float, sandbox_knobs: Optional[dict] = None):
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=_worker_main, name="megarl-reward", daemon=True,
-                                args=(child, spec, timeout_s, os.getpid(), spawned_from_main_thread()))
+                                args=(child, spec, timeout_s, os.getpid(), spawned_from_main_thread(), sandbox_knobs))
         self.proc.start()
         child.close()
         self.spawned, self.given = time.monotonic(), 0.0
@@ -344,19 +345,28 @@ def _safe_call(fn: Callable, completion: str, gold: str, strict: bool) -> _Verdi
         return _Verdict(False, "error", traceback.format_exc())
 
 
-def _init_worker(timeout_s: float, parent_pid: Optional[int] = None, pdeathsig: bool = True) -> None:
+def _sandbox_knobs(cfg) -> dict:
+    """The code sandbox's knobs, for sandbox.configure in each scoring process."""
+    return {"allow_weaker": list(cfg.code_sandbox_allow_weaker), "uid_base": cfg.code_sandbox_uid_base}
+
+
+def _init_worker(timeout_s: float, parent_pid: Optional[int] = None, pdeathsig: bool = True,
+                 sandbox_knobs: Optional[dict] = None) -> None:
     watch_parent(parent_pid, pdeathsig=pdeathsig)  # first: a worker dies with the job's controller
     from megarl.reward import rewards, sandbox
 
     rewards.MATH_TIMEOUT_S = max(1, int(timeout_s))
     # The code sandbox's run ends (and sweeps its processes) before the pool would kill this worker.
     sandbox.WALL_TIMEOUT_S = max(0.5, 0.8 * timeout_s - 0.5)
+    if sandbox_knobs is not None:
+        sandbox.configure(**sandbox_knobs)
 
 
-def _worker_main(conn, spec: str, timeout_s: float, parent_pid: Optional[int], pdeathsig: bool) -> None:
+def _worker_main(conn, spec: str, timeout_s: float, parent_pid: Optional[int], pdeathsig: bool,
+                 sandbox_knobs: Optional[dict] = None) -> None:
     """A scoring process: load the reward, say ready, then score one (index, completion, gold,
     strict) at a time from its main thread (math-verify's signal.alarm needs it) until EOF."""
-    _init_worker(timeout_s, parent_pid, pdeathsig)
+    _init_worker(timeout_s, parent_pid, pdeathsig, sandbox_knobs)
     try:
         fn = get_reward(spec)
         prepare = reward_meta(fn).get("prepare")
