@@ -41,7 +41,11 @@ def test_strict_scorer(reply, gold, finish, want):
     ("\\boxed{3} no wait \\boxed{4}", "3", "stop", (False, True)),
     ("The answer is 3", "3", "stop", (False, False)),                # no box: unformatted, wrong
     ("Solve $x^2 = 9$ for $x > 0$.", "3", "stop", (False, False)),   # restating the question
-    ("\\boxed{12+7}", "19", "stop", (False, True)),                 # no algebra in the strict scorer
+    # A numeric gold needs a number: equivalence (sympy, math-verify, LlamaRL's score) would take 12+7 = 19,
+    # and a policy learns to box the question's own arithmetic. Planted: dropping the _literal guard
+    # in strict_boxed_correct makes these two rows correct.
+    ("\\boxed{12+7}", "19", "stop", (False, True)),
+    ("\\boxed{2 \\cdot 3}", "6", "stop", (False, True)),
     ("\\boxed{3}", "3", "length", (False, False)),                  # truncated
     ("\\boxed{3", "3", "stop", (False, False)),                     # unclosed
     ("\\boxed{}", "3", "stop", (False, False)),
@@ -49,6 +53,30 @@ def test_strict_scorer(reply, gold, finish, want):
 def test_strict_scorer_on_boxed_data(reply, gold, finish, want):
     """MATH-style held-out data: the last \\boxed{} of a finished reply against the gold."""
     assert strict_correct(reply, gold, finish, style="boxed") == want
+
+
+@pytest.mark.parametrize("reply, gold, question, want", [
+    # equivalent forms the exact-text scorer missed, now equal by math-verify (as the math reward and
+    # LlamaRL arXiv 2505.24034 sec. 8 score them). Planted: returning exact_a == exact_g / text equality
+    # instead of _equivalent fails these rows.
+    ("\\boxed{\\sqrt{18}}", "3\\sqrt{2}", "What is $\\sqrt{2}\\cdot 3$?", True),
+    ("\\boxed{\\frac{\\sqrt{2}}{2}}", "\\frac{1}{\\sqrt{2}}", "Find $\\sin 45^\\circ$.", True),
+    ("\\boxed{\\$18}", "18", "How many dollars?", True),                      # currency aside
+    ("\\boxed{18 \\text{ dollars}}", "18", "How many dollars?", True),        # a unit aside
+    ("\\boxed{x = 3}", "3", "Solve $2x = 6$.", True),
+    ("\\boxed{\\frac{12}{24}}", "0.5", "Halve 1.", True),                       # a fraction is a number
+    ("\\boxed{2x+1}", "2x + 1", "Simplify $(x+1)^2 - x^2$.", True),
+    # echo: the question's own expression, equivalent to the gold but not an answer. Planted: dropping
+    # the echo guard makes this row correct.
+    ("\\boxed{(x+1)^2 - x^2}", "2x+1", "Simplify $(x+1)^2 - x^2$.", False),
+    ("\\boxed{\\sqrt{18}}", "3\\sqrt{2}", "Simplify $\\sqrt{18}$.", False),
+    # the gold's own text in the question is still the answer
+    ("\\boxed{\\pi}", "\\pi", "Is the area of a unit circle $\\pi$ or $2\\pi$?", True),
+    ("\\boxed{x^2}", "2x", "Differentiate $x^2$.", False),                     # echo, and not equal anyway
+    ("\\boxed{12+7}", "19", "", False),                                          # no question: the number guard
+])
+def test_boxed_scoring_is_equivalence_with_guards(reply, gold, question, want):
+    assert strict_correct(reply, gold, "stop", style="boxed", question=question) == (want, True)
 
 
 def test_last_number_is_exact():

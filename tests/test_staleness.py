@@ -310,3 +310,31 @@ def test_batch_loop_admits_what_the_per_sample_gate_admits(lag):
         assert len(keep) == batch and again == []
         engines.version = step  # trained: the engines get weights v = step
     assert batches == steps
+
+
+@pytest.mark.parametrize("every,lag", [(1, 0), (2, 1), (2, 2), (3, 2), (3, 4)])
+def test_sync_every_admits_from_the_generators_version(every, lag):
+    """sync.every K: the engines get weights only after steps K, 2K, ... (push_due), admission counts from
+    the version they hold (pushed_version). Every sample is then within the lag bound (none regenerated),
+    and a batch's tokens carry the version pushed when it was admitted: the last push at or before
+    version max(0, step - 1 - lag) (admitted as soon as pushed_version(s - 1) + lag + 1 reached it).
+    Planted: held = step - 1 in RolloutQueue.fill (the trainer's version) regenerates groups at K = 2,
+    lag 1 (batch 3 admitted at version 0, trained at 2), failing the regenerated count."""
+    from megarl.controller.staleness import push_due, pushed_version
+
+    per_step, n, steps = 2, 2, 9
+    engines = _Engines()
+    queue = RolloutQueue(engines, _Prompts(), prompts_per_step=per_step, n_samples=n, max_policy_lag=lag,
+                         last_step=steps, sync_every=every)
+    for step in range(1, steps + 1):
+        version = step - 1
+        assert engines.version == pushed_version(version, every) or step == 1
+        queue.fill(step)
+        _, _, samples, lag_metrics = queue.take(step, version)
+        admitted_at = next(s for s in range(1, step + 1) if pushed_version(s - 1, every) + lag + 1 >= step)
+        assert {v for s in samples for v in s.versions} == {pushed_version(admitted_at - 1, every)}, step
+        assert lag_metrics["lag/max"] <= lag and queue.regenerated == 0
+        if push_due(step, steps, every):
+            engines.version = step
+    assert [s for s in range(1, steps + 1) if push_due(s, steps, every)] == \
+        sorted({*range(every, steps + 1, every), steps})

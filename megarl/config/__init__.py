@@ -19,7 +19,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     than the controller, which never read the data (the controller scans it once, before it starts)."""
     from megarl.config.schema import MegaRLConfig
     from megarl.config.lag import apply_policy_lag
-    from megarl.config.validate import check, cuda_expected
+    from megarl.config.validate import check, cuda_expected, sync_period_problems
 
     tree = load_yaml_tree(path) if path else {}
     tree = apply_overrides(tree, overrides or [])
@@ -40,4 +40,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         apply_policy_lag(cfg, on_gpu=cuda_expected(cfg.cluster.device))
     except ValueError as e:
         raise ConfigError([str(e)], str(path or "")) from None
+    problems = sync_period_problems(cfg)  # against the lag as resolved
+    if problems:
+        raise ConfigError(problems, str(path or ""))
     return cfg

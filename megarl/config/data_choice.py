@@ -9,6 +9,9 @@ first lines and ``megarl train --dry-run`` prints.
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 from megarl.data.tasks import source_schema
 from megarl.reward.config import AUTO
 
@@ -28,6 +31,10 @@ def apply_data_choice(cfg, *, missing_ok: bool = False) -> None:
     if d.eval_path and (not missing_ok or _here(d.eval_path)):
         held, held_where = source_schema(d.eval_path, **keys)
         parts.append(f"data.eval_path: {held.describe()}, recognised from {held_where}")
+    for name, path in eval_sets(d):
+        if not missing_ok or _here(path):
+            held, held_where = source_schema(path, **keys)
+            parts.append(f"data.eval_paths {name}: {held.describe()}, recognised from {held_where}")
     if cfg.reward.fn == AUTO:
         cfg.reward.fn = train.reward
         parts.append(f"reward.fn={train.reward} (auto: the {train.label} schema's reward"
@@ -38,6 +45,43 @@ def apply_data_choice(cfg, *, missing_ok: bool = False) -> None:
         parts.append(f"text prompts get {instruction_for(cfg, train)!r} (data.instruction auto"
                      f"{f', reward.env={cfg.reward.env}' if cfg.reward.env else ''})")
     d.choice = "; ".join(parts)
+
+
+_NAME = re.compile(r"[A-Za-z0-9_.-]+")
+
+
+def eval_sets(data) -> list[tuple[str, str]]:
+    """``data.eval_paths`` as (name, path): 'NAME=PATH' as written, a bare path named by its file name
+    without extension or shard pattern ('data/gsm8k/main/test-*.parquet' -> 'test')."""
+    out = []
+    for entry in data.eval_paths:
+        name, sep, path = entry.partition("=")
+        if not sep or not _NAME.fullmatch(name.strip()):
+            path = entry
+            stem = Path(entry.rstrip("/")).name
+            name = re.split(r"[*?\[]|-\d{3,}|\.(?:jsonl|json|parquet)$", stem)[0].rstrip("-_.")
+        out.append((name.strip(), path.strip()))
+    return out
+
+
+def eval_set_problems(data) -> list[str]:
+    """data.eval_paths against data.eval_path, and its names: one line each, naming the knob."""
+    if not data.eval_paths:
+        return []
+    out = []
+    if data.eval_path:
+        out.append(f"data.eval_paths and data.eval_path={data.eval_path!r} are both set: give every held-out set in "
+                   f"data.eval_paths (the first is the headline eval/accuracy) and set data.eval_path=''")
+    names = [n for n, _ in eval_sets(data)]
+    for (name, path), entry in zip(eval_sets(data), data.eval_paths):
+        if not _NAME.fullmatch(name) or not path:
+            out.append(f"data.eval_paths: {entry!r} gives no usable name or path; write 'NAME=PATH' (NAME of letters, "
+                       f"digits, '_', '-', '.')")
+        elif names.count(name) > 1:
+            out.append(f"data.eval_paths: two held-out sets are named {name!r} (metrics eval/{name}/...); name them, "
+                       f"e.g. 'math500={path}'")
+            names = [n for n in names if n != name]
+    return out
 
 
 def _here(source: str) -> bool:

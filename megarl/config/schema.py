@@ -41,8 +41,24 @@ class DataConfig:
         "as chat messages, 'reward_model.ground_truth'), plain ('prompt', 'answer'); other columns are "
         "ignored. Default builtin:arithmetic."))
     eval_path: str = knob("", help=(
-        "Held-out prompts, any format train_path takes ('' = a disjoint slice of train_path). Default ''."))
-    eval_size: int = knob(64, help="Number of held-out prompts for greedy evaluation (prompts).")
+        "Held-out prompts, any format train_path takes ('' = a disjoint slice of train_path, unless eval_paths "
+        "is set). Logged as eval/accuracy, eval/format_rate, ... Default ''."))
+    eval_paths: list[str] = knob(default_factory=list, help=(
+        "Several held-out sets in one run, instead of eval_path: a list of 'NAME=PATH' (or a bare PATH, named "
+        "by its file name without extension and shard pattern: 'data/MATH-500/test.jsonl' -> 'test'), each "
+        "any format train_path takes, each evaluated at every eval and logged under its own name "
+        "(eval/NAME/accuracy, eval/NAME/format_rate, ...); the first set is also the run's headline "
+        "(eval/accuracy, ...: the plot, the summary and the reward-hacking watch). Every set is kept "
+        "disjoint from the training prompts; data.eval_size caps each. Names: letters, digits, '_', '-', "
+        "'.', distinct. Default [] (none)."))
+    eval_size: int = knob(64, help="Number of held-out prompts for greedy evaluation, per held-out set (prompts).")
+    eval_answer: str = knob("auto", choices=("auto", "number", "boxed"), help=(
+        "How held-out replies are scored (megarl/controller/evaluation.py): 'number' = the last number of a "
+        "finished reply, exactly equal to the gold; 'boxed' = the last \\boxed{} of a finished reply, "
+        "math-verify equivalent to the gold (a numeric gold needs a number written out, and an expression "
+        "copied from the question does not count); 'auto' = each held-out set's row schema's own (boxed for "
+        "MATH and verl rows, number for GSM8K, plain and arithmetic rows). Set boxed when a numeric-answer "
+        "set is prompted for \\boxed{} (GSM8K with a chain-of-thought prompt). Default auto."))
     max_prompt_tokens: int = knob(256, help="Prompts longer than this are dropped (tokens).")
     chat_template: bool = knob(True, help="Wrap each prompt in the tokenizer's chat template.")
     seed: int = knob(1234, help="Shuffling seed for the prompt stream.")

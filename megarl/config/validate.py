@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from megarl.algorithms.config import OWN_BEHAVIOUR_CORRECTION
+from megarl.config.data_choice import eval_set_problems, eval_sets
 from megarl.config.model_source import REPO_ROOT, hub_cache, is_hub_id, local_model_dir, shipped_config
 from megarl.config.placement import device_plan
 from megarl.data.tasks import data_problems
@@ -159,7 +160,9 @@ def check(cfg: MegaRLConfig, *, dry_run: bool = False, scan_data: bool = True) -
         elif not (mp / "config.json").is_file():
             problems.append(f"model.path={cfg.model.path!r}: has no config.json; is it an HF model folder?")
     # Data: every file named is read through (a stream) so a bad row stops the job here, naming file:line.
-    problems += data_problems({"data.train_path": cfg.data.train_path, "data.eval_path": cfg.data.eval_path},
+    problems += eval_set_problems(cfg.data)
+    sets = {f"data.eval_paths {name}": path for name, path in eval_sets(cfg.data)}
+    problems += data_problems({"data.train_path": cfg.data.train_path, "data.eval_path": cfg.data.eval_path, **sets},
                               prompt_key=cfg.data.prompt_key, answer_key=cfg.data.answer_key, missing_ok=dry_run,
                               scan_rows=scan_data)
 
@@ -212,6 +215,27 @@ def minibatch_problems(cfg: MegaRLConfig) -> list[str]:
     return []
 
 
+def sync_period_problems(cfg: MegaRLConfig) -> list[str]:
+    """sync.every K against the resolved controller.max_policy_lag (trainer version - token version,
+    which reaches K - 1 between pushes: megarl/controller/staleness.py) and controller.eval_every (an
+    eval measures the generator's weights, the trainer's only right after a push)."""
+    k, c = cfg.sync.every, cfg.controller
+    if k <= 1 or c.max_policy_lag == "auto":
+        return []
+    out = []
+    if c.max_policy_lag < k - 1:
+        how = f" (max_policy_lag auto: {c.lag_choice})" if "(auto:" in c.lag_choice else ""
+        out.append(f"controller.max_policy_lag={c.max_policy_lag}: with sync.every={k} the generator holds weights "
+                   f"up to {k - 1} version(s) behind the trainer between pushes, so no batch would ever be fresh "
+                   f"enough to train; set controller.max_policy_lag={k - 1} or more, or sync.every="
+                   f"{c.max_policy_lag + 1}{how}")
+    if c.eval_every and c.eval_every % k:
+        out.append(f"controller.eval_every={c.eval_every}: not a multiple of sync.every={k}, so an eval would "
+                   f"measure weights older than the trainer's; set controller.eval_every="
+                   f"{_round_up(c.eval_every, k)} (or sync.every to a divisor of it)")
+    return out
+
+
 def absent_paths(cfg: MegaRLConfig) -> list[str]:
     """What a dry run could not see on this machine (the model's weights, data files), one line each."""
     from megarl.data.sources import DataError, data_files
@@ -221,13 +245,13 @@ def absent_paths(cfg: MegaRLConfig) -> list[str]:
         shipped = shipped_config(cfg.model.path)
         out.append(f"model.path={cfg.model.path!r} is not on this machine (nor in {hub_cache()}); its shape is read "
                    f"from {shipped.relative_to(REPO_ROOT) if shipped else '(nothing)'}")
-    for key in ("train_path", "eval_path"):
-        value = getattr(cfg.data, key)
+    named = [(f"data.eval_paths {name}", path) for name, path in eval_sets(cfg.data)]
+    for key, value in [(f"data.{k}", getattr(cfg.data, k)) for k in ("train_path", "eval_path")] + named:
         if value and value != "builtin:arithmetic":
             try:
                 data_files(value)
             except DataError as e:
-                out.append(f"data.{key}={value!r}: not here ({str(e).removeprefix(f'{value}: ')}); its rows are "
+                out.append(f"{key}={value!r}: not here ({str(e).removeprefix(f'{value}: ')}); its rows are "
                            f"checked when the job starts")
     return out
 

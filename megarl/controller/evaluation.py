@@ -1,16 +1,28 @@
 """Held-out evaluation that the policy cannot game: a strict scorer independent of the training reward.
 
 The training reward is pluggable and may be lenient (flexible formats, shaping); evaluation is not.
-Its scorer is written here on its own, shares no code with ``megarl.reward``, and evaluates no
-expression: the answer is the last number of a reply that *finished* (a truncated reply is wrong,
+Its scorer is written here on its own and shares no code with ``megarl.reward``. By default it
+evaluates no expression: the answer is the last number of a reply that *finished* (a truncated reply is wrong,
 whatever it contains), compared with the gold number exactly (as a fraction). A reply that restates
 the question ("To find 12 + 7, ...") ends in 7 and is wrong.
 
-Data whose answers are boxed (MATH: the row schema's ``eval_answer`` is ``boxed``) is judged on the
-reply's last ``\\boxed{...}`` instead: equal to the gold as an exact number when both are numbers
-(``\\frac{1}{2}`` and ``0.5``), else as normalised text (spaces, ``\\left``/``\\right``, ``\\dfrac``
-and ``$`` do not count). No boxed answer, or an unfinished reply, is wrong. Stricter than the
-``math`` reward (no symbolic algebra: ``\\boxed{12+7}`` is not 19), and independent of it.
+Data whose answers are boxed (MATH: the row schema's ``eval_answer`` is ``boxed``; any data with
+``data.eval_answer: boxed``) is judged on the reply's last ``\\boxed{...}`` by mathematical equivalence
+with the gold (math-verify, the library of the ``math`` training reward and the sympy-equivalence score
+of LlamaRL arXiv 2505.24034 sec. 8, called here on its own), so ``\\frac{1}{2}`` = ``0.5``,
+``\\sqrt{18}`` = ``3\\sqrt{2}``, ``\\$18`` = ``18``. Equivalence alone can be gamed, so two guards, each
+a reply a policy could learn to write instead of solving:
+
+- **A numeric gold needs a number.** When the gold is a number, the boxed answer must be a number
+  written out (an integer, a decimal, ``\\frac{a}{b}`` or ``a/b``; units, ``\\$``, ``%``, ``^\\circ``
+  and a leading ``x =`` aside), never an expression left to evaluate: ``\\boxed{12+7}`` is not 19,
+  though sympy (and LlamaRL's score) would take it; boxing the question's own arithmetic is exactly
+  what a policy learns when expressions score.
+- **No echo.** A symbolic answer (not a number) copied from the question (its normalised text inside
+  the question's) is wrong unless it is the gold's own text: ``\\boxed{(x+1)^2 - x^2}`` for "Simplify
+  $(x+1)^2 - x^2$" is not ``2x+1``.
+
+No boxed answer, an unfinished reply, or a math-verify timeout or error is wrong.
 """
 
 from __future__ import annotations
@@ -62,26 +74,67 @@ def _tex_number(text: str) -> Fraction | None:
     return None
 
 
-def strict_boxed_correct(reply: str, gold: str, finish_reason: str | None) -> tuple[bool, bool]:
-    """(correct, formatted) for boxed data: formatted = the reply finished with a ``\\boxed{}``
-    answer; correct = that answer equals ``gold`` (an exact number, else normalised text)."""
+_UNIT_NOISE = re.compile(r"\\(?:text|mbox|mathrm)\{[^{}]*\}|\^\{?\\circ\}?|\\%|%|\\\$|\\left|\\right|\\!|\\,|\\;|\\ |\$|\s+")
+_LITERAL = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|-?\.\d+|-?\\[dt]?frac\{\d+\}\{\d+\}|-?\d+/\d+")
+MATH_VERIFY_TIMEOUT_S = 5  # per parse / verify; a slower one is judged wrong
+
+
+def _literal(text: str) -> bool:
+    """Whether ``text`` is a number written out (units, currency, percent, degrees, ``x =`` aside)."""
+    key = re.sub(r"^[a-zA-Z]\s*=", "", _UNIT_NOISE.sub("", text).removesuffix("."))
+    return bool(_LITERAL.fullmatch(key))
+
+
+def _echo_key(text: str) -> str:
+    return _UNIT_NOISE.sub("", text).replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac").lower()
+
+
+def _equivalent(answer: str, gold: str) -> bool:
+    """math-verify: ``answer`` and ``gold`` (both boxed contents) are mathematically equal; False on a
+    parse failure, an error or a timeout (signal-based, so only on the main thread)."""
+    import threading
+
+    from math_verify import parse, verify
+
+    timeout = MATH_VERIFY_TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
+    try:
+        g = parse(f"\\boxed{{{gold}}}", parsing_timeout=timeout)
+        a = parse(f"\\boxed{{{answer}}}", parsing_timeout=timeout)
+        return bool(g and a and verify(g, a, timeout_seconds=timeout))
+    except Exception:  # math-verify's own timeout or a sympy error on odd input: not shown equal
+        return False
+
+
+def strict_boxed_correct(reply: str, gold: str, finish_reason: str | None, question: str = "") -> tuple[bool, bool]:
+    """(correct, formatted) for boxed data: formatted = the reply finished with a ``\\boxed{}`` answer;
+    correct = that answer is equivalent to ``gold`` (math-verify) and passes the guards of the module
+    doc (a number for a numeric gold; not an expression copied from ``question``)."""
     if finish_reason == "length":
         return False, False
     answer = last_boxed(reply)
     if answer is None or not answer.strip():
         return False, False
-    gold = last_boxed(gold) or gold
-    a, g = _tex_number(answer), _tex_number(gold)
-    if a is not None and g is not None:
-        return a == g, True
-    return _tex_key(answer) == _tex_key(gold) and bool(_tex_key(gold)), True
+    gold = (last_boxed(gold) or gold).strip()
+    if not gold:
+        return False, True
+    if _tex_number(gold) is not None:  # a numeric gold: the answer must be a number written out
+        if not _literal(answer):
+            return False, True
+    elif question and _echo_key(answer) != _echo_key(gold) and _echo_key(answer) in _echo_key(question):
+        return False, True
+    exact_a, exact_g = _tex_number(answer), _tex_number(gold)
+    if exact_a is not None and exact_g is not None:  # plain numbers: exact, no library needed
+        return exact_a == exact_g, True
+    return _equivalent(answer, gold), True
 
 
-def strict_correct(reply: str, gold: str, finish_reason: str | None, style: str = "number") -> tuple[bool, bool]:
+def strict_correct(reply: str, gold: str, finish_reason: str | None, style: str = "number",
+                   question: str = "") -> tuple[bool, bool]:
     """(correct, formatted): formatted = the reply finished and contains a number; correct = that
-    number, the reply's last, equals ``gold``. ``style='boxed'``: :func:`strict_boxed_correct`."""
+    number, the reply's last, equals ``gold``. ``style='boxed'``: :func:`strict_boxed_correct`
+    (``question``: the prompt's text, for its echo guard)."""
     if style == "boxed":
-        return strict_boxed_correct(reply, gold, finish_reason)
+        return strict_boxed_correct(reply, gold, finish_reason, question)
     if finish_reason == "length":
         return False, False
     answer = last_number(reply)
@@ -123,20 +176,22 @@ class StrictScorer:
     """The strict held-out scorer behind the ``RewardScorer`` call the training reward takes, so
     evaluation reads the same records: ``correct`` / ``formatted`` by :func:`strict_correct`, and
     ``reward`` 1 for a correct reply, else 0 (never the training reward's shaping). ``style``: how a
-    reply's final answer is read, the held-out data's (``number`` or ``boxed``)."""
+    reply's final answer is read, the held-out data's (``number`` or ``boxed``); ``questions[i]``: the
+    text of prompt ``i`` (the boxed style's echo guard; empty: no guard)."""
 
-    def __init__(self, style: str = "number"):
+    def __init__(self, style: str = "number", questions: Sequence[str] = ()):
         if style not in ANSWER_STYLES:
             raise ValueError(f"answer style {style!r}: expected one of {ANSWER_STYLES}")
-        self.style = style
+        self.style, self.questions = style, list(questions)
 
     def score(self, samples: Sequence[Sample], answers: Sequence[str],
               decode: Callable[[Sequence[int]], str]) -> None:
         """Set every sample's ``correct``, ``formatted`` and ``reward``; ``answers[i]``: the gold
         answer of prompt ``i``."""
         for s in samples:
+            question = self.questions[s.prompt_index] if self.questions else ""
             s.correct, s.formatted = strict_correct(decode(s.completion_ids), answers[s.prompt_index], s.finish_reason,
-                                                    self.style)
+                                                    self.style, question)
             s.reward = float(s.correct)
 
 

@@ -29,6 +29,7 @@ from megarl.config.schema import BUILTIN_SMOLLM2, MegaRLConfig
 from megarl.controller.evaluation import EvalResult, StrictScorer
 from megarl.controller.prompts import PromptSource
 from megarl.controller.rollouts import RolloutQueue, prompts_crc32, trained_record
+from megarl.controller.staleness import push_due
 from megarl.controller.run import RunFolder, claim_run_folder
 from megarl.controller.state import stage_controller_state
 from megarl.controller.summary import ExecutorActivity
@@ -102,11 +103,12 @@ def train(cfg: MegaRLConfig, run: RunFolder, prompts: PromptSource, trainer: Tra
 
     steps, every = cfg.controller.steps, cfg.controller.eval_every
     weights.push(trainer.step_count)  # resume-safe start: the engines get the trainer's weights
+    held = trainer.step_count  # the version the generator holds (sync.every: it advances only at a push)
     if every and trainer.step_count == 0:  # the baseline the run improves on
         run.log_eval(0, steps, evaluate(generator, prompts, run, step=0))
     rollouts = RolloutQueue(generator, prompts, prompts_per_step=cfg.controller.prompts_per_step,
                             n_samples=cfg.generator.n_samples, max_policy_lag=cfg.controller.max_policy_lag,
-                            last_step=steps, deterministic=cfg.controller.deterministic)
+                            last_step=steps, deterministic=cfg.controller.deterministic, sync_every=cfg.sync.every)
     resume_controller(cfg, run, trainer.step_count, rollouts)
     activity = ExecutorActivity(generator)
     turns = environment_turns(cfg, generator, prompts)  # None: single turn, each reply scored by reward.fn
@@ -129,8 +131,11 @@ def train(cfg: MegaRLConfig, run: RunFolder, prompts: PromptSource, trainer: Tra
                 advantages = group_advantages(cfg, samples, [s.reward for s in samples])
                 with timer.phase("train"):
                     train_metrics = trainer.step(RolloutBatch.from_samples(samples, advantages, pad_id=prompts.pad_id))
-                with timer.phase("sync"):
-                    sync_metrics = weights.push(trainer.step_count)
+                with timer.phase("sync"):  # sync.every: after steps K, 2K, ... and the last (staleness.push_due)
+                    pushed = push_due(step, steps, cfg.sync.every)
+                    sync_metrics = weights.push(trainer.step_count) if pushed else {}
+                    held = trainer.step_count if pushed else held
+                sync_metrics.update({"sync/pushed": float(pushed), "sync/generator_version": float(held)})
                 times = timer.finish()
                 metrics = step_metrics(train_metrics, times, activity.end(times), sync_metrics, lag_metrics, samples,
                                        prompt_ids)
@@ -252,15 +257,23 @@ def checkpoint(cfg: MegaRLConfig, trainer: Trainer, rollouts: RolloutQueue) -> f
 
 
 def evaluate(generator: Generator, prompts: PromptSource, run: RunFolder, *, step: int) -> dict[str, float]:
-    """Greedy replies to the held-out prompts, scored strictly (never by the training reward)."""
+    """Greedy replies to every held-out set, scored strictly (never by the training reward): eval/* for
+    the single set; with data.eval_paths eval/<name>/* for each, and the first's also as eval/*."""
     t0 = time.monotonic()
-    tasks, prompt_ids = prompts.eval_set()
-    samples = generator.generate(prompt_ids, n_samples=1, sampling={"temperature": 0.0})
-    StrictScorer(getattr(prompts, "eval_answer", "number")).score(samples, [t.answer for t in tasks], prompts.decode)
-    run.write_eval_samples(step, [{"question": tasks[s.prompt_index].question, "gold": tasks[s.prompt_index].answer,
-                                   "reply": prompts.decode(s.completion_ids), "finish_reason": s.finish_reason,
-                                   "correct": s.correct} for s in samples])
-    return {**EvalResult.of_samples(samples).metrics(), "eval/seconds": time.monotonic() - t0}
+    out: dict[str, float] = {}
+    for name, tasks, prompt_ids, style in prompts.eval_sets():
+        samples = generator.generate(prompt_ids, n_samples=1, sampling={"temperature": 0.0})
+        StrictScorer(style, questions=[t.question for t in tasks]).score(samples, [t.answer for t in tasks],
+                                                                          prompts.decode)
+        run.write_eval_samples(step, [{**({"set": name} if name else {}), "question": tasks[s.prompt_index].question,
+                                       "gold": tasks[s.prompt_index].answer, "reply": prompts.decode(s.completion_ids),
+                                       "finish_reason": s.finish_reason, "correct": s.correct} for s in samples])
+        metrics = EvalResult.of_samples(samples).metrics()
+        if name:
+            out.update({k.replace("eval/", f"eval/{name}/", 1): v for k, v in metrics.items()})
+        if "eval/accuracy" not in out:  # the headline: the first set
+            out.update(metrics)
+    return {**out, "eval/seconds": time.monotonic() - t0}
 
 
 def group_advantages(cfg: MegaRLConfig, samples: list[Sample], rewards: list[float]) -> list[float]:

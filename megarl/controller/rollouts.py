@@ -7,7 +7,8 @@ later batches with the weights it has; weight updates land between decode steps,
 tokens carry the versions that produced them. A batch generated for step ``s + k`` starts at weights
 ``s - 1`` or newer and is trained at trainer version ``s + k - 1``: lag at most ``k <= max_policy_lag``.
 ``max_policy_lag: 0`` submits one batch at a time: the synchronous, strictly on-policy baseline, with
-the same code.
+the same code. With ``sync.every: K`` the generator's version advances only at a push, and admission
+counts from it (staleness.py: batches up to ``pushed_version(step - 1) + max_policy_lag + 1``).
 
 ``take(step, version)`` waits for that step's groups and re-checks the bound on every sample
 (``staleness.policy_lag``). A group with a token older than the bound (e.g. a partial rollout resumed
@@ -38,7 +39,7 @@ import zlib
 from collections.abc import Sequence
 
 from megarl.controller.prompts import PromptSource
-from megarl.controller.staleness import admission_capacity, policy_lag
+from megarl.controller.staleness import admission_capacity, policy_lag, pushed_version
 from megarl.data import Task
 from megarl.executors.base import Generator
 from megarl.rollout import Sample
@@ -50,10 +51,11 @@ class RolloutQueue:
     """The batches of the steps ahead, generating; ``n_samples`` per prompt (a GRPO group)."""
 
     def __init__(self, generator: Generator, prompts: PromptSource, *, prompts_per_step: int, n_samples: int,
-                 max_policy_lag: int, last_step: int, deterministic: bool = False):
+                 max_policy_lag: int, last_step: int, deterministic: bool = False, sync_every: int = 1):
         self.generator, self.prompts = generator, prompts
         self.per_step, self.lag, self.last_step = prompts_per_step, max_policy_lag, last_step
         self.n_samples = n_samples
+        self.sync_every = sync_every  # sync.every: the generator holds pushed_version(trainer version)
         self.deterministic = deterministic
         self.pending: dict[int, tuple[list[Task], list[list[int]], list[int]]] = {}  # step -> (tasks, ids, groups)
         self.pool: dict[int, list[Sample]] = collections.defaultdict(list)  # group id -> finished samples
@@ -62,16 +64,19 @@ class RolloutQueue:
         self.regenerated = 0  # groups generated again because a sample was older than the bound
 
     def fill(self, step: int) -> None:
-        """Submit every batch up to step ``step + max_policy_lag`` not yet submitted."""
+        """Submit every batch up to step ``pushed_version(step - 1) + max_policy_lag + 1`` (``step +
+        max_policy_lag`` with sync.every 1) not yet submitted."""
         if self.next_step is None:
             self.next_step = step
         batch = self.per_step * self.n_samples
-        # The admission rule (staleness.admission_capacity) at batch granularity: at trainer version
-        # step - 1, (next_step - 1) batches have been admitted since the job began (trained, buffered
-        # or running; a regenerated group replaces one, it adds none), so there is room for another
-        # batch exactly while next_step <= step + max_policy_lag.
+        # The admission rule (staleness.admission_capacity) at batch granularity, at the generator's
+        # version p = pushed_version(step - 1) (= step - 1 with sync.every 1): (next_step - 1) batches
+        # have been admitted since the job began (trained, buffered or running; a regenerated group
+        # replaces one, it adds none), so there is room for another batch exactly while
+        # next_step <= p + max_policy_lag + 1.
+        held = pushed_version(step - 1, self.sync_every)
         while (self.next_step <= self.last_step and
-               admission_capacity(self.lag, batch, step - 1, accepted=(self.next_step - 1) * batch, running=0) >= batch):
+               admission_capacity(self.lag, batch, held, accepted=(self.next_step - 1) * batch, running=0) >= batch):
             tasks, prompt_ids = self.prompts.batch(self.next_step - 1, self.per_step)
             indices = list(range(len(prompt_ids)))
             groups = self.generator.submit(prompt_ids, self.n_samples, prompt_indices=indices,

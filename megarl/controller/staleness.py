@@ -21,6 +21,26 @@ that the batch loop admits exactly what it admits.
 
 ``max_policy_lag: 0`` is the synchronous baseline with the same code: capacity is one batch per
 version and every trained token comes from the trainer's current version.
+
+``sync.every: K`` (the sync period): weights are pushed after steps K, 2K, ... (and the last), so the
+generator holds ``pushed_version(v, K) = K * floor(v / K)`` while the trainer is at ``v``, and every
+token is stamped with that version. The lag bound is unchanged (trainer version - token version <=
+max_policy_lag, in versions = steps), and the admission rule reads the *generator's* version, not the
+trainer's: batches of steps up to ``pushed_version(v) + max_policy_lag + 1`` generate. The batch of
+step ``t`` is trained at version ``t - 1`` and its oldest token is at least the version admitted at,
+``>= t - 1 - max_policy_lag``, so no admitted batch is ever stale. The batch of the step about to
+train is admissible only if ``max_policy_lag >= K - 1`` (its tokens can be K - 1 versions old:
+between pushes the generator falls behind by one version a step), which the loader checks. With K = 1
+the generator's version is the trainer's and the rule is the one above. ``K`` = L + 1 gives "one
+generation, K updates": after each push K batches generate from the same weights and train at lags
+0 .. K - 1 (the forward lag of VACO arXiv 2603.01365 sec. 5.3, here one version per step).
+
+A resume pushes the resumed weights (version v) at start, newer than ``pushed_version(v)``: the rule
+above then admits as a run that never stopped would (so the data stream and the push cadence, by
+absolute step, continue) and every bound still holds, but the batches generated before the next push
+come from version v instead of ``pushed_version(v)`` (the older weights are in no checkpoint), so
+with ``controller.deterministic`` a resume is bit-exact only at a checkpoint on a push step
+(``trainer.checkpoint_interval`` a multiple of K).
 """
 
 from __future__ import annotations
@@ -33,6 +53,18 @@ def admission_capacity(max_policy_lag: int, batch_size: int, version: int, accep
     """``(max_policy_lag + version + 1) * batch_size - (accepted + running)``, never negative:
     how many samples may be submitted now."""
     return max(0, (max_policy_lag + version + 1) * batch_size - (accepted + running))
+
+
+def pushed_version(version: int, every: int) -> int:
+    """The version the generator holds while the trainer is at ``version`` in a run that pushes after
+    every ``every``-th step (sync.every): the last multiple of ``every`` (the start's push is version 0)."""
+    return version - version % every
+
+
+def push_due(step: int, last_step: int, every: int) -> bool:
+    """Whether the weights are pushed after ``step``: every ``every``-th step of the run, and the last
+    one (the final eval and whatever serves the weights next see the trained ones)."""
+    return step % every == 0 or step == last_step
 
 
 def policy_lag(versions: Sequence[int], trainer_version: int) -> int:

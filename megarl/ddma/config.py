@@ -64,6 +64,16 @@ class SyncConfig:
         "weights, the wire and the engine: 1e-3 float32, 0.25 bfloat16/float16, 1.0 with FP8 weights or "
         "sync.wire=fp8; see megarl/controller/weight_sync.py)."))
     timeout_s: float = knob(300.0, help="Longest wait of any sync step (seconds). Default 300.")
+    every: int = knob(1, help=(
+        "Sync period: the trainer's weights are pushed to the generator after every K-th step (steps K, 2K, ... "
+        "of the run, counted from step 0 also across a resume) and after the last step, so the generator holds "
+        "version K*floor(v/K) while the trainer is at version v; the sync period is a hyperparameter of its own "
+        "(e.g. K rollout batches from one policy). Versions stay the trainer's step count; "
+        "controller.max_policy_lag still bounds trainer version - token version, so it must be >= K-1 (a batch "
+        "generated just before training is up to K-1 versions old), and batches are admitted ahead of the "
+        "generator's version, not the trainer's (megarl/controller/staleness.py). controller.eval_every must "
+        "be a multiple of K (an eval measures the generator's weights). A resume pushes the resumed weights at "
+        "start (steps, >= 1). Default 1."))
 
     def problems(self, trainer_ranks: int, on_cuda: bool | None = None, same_host: bool = True) -> list[str]:
         """Range checks, and (with ``on_cuda`` known) whether ``transport`` fits where the bytes live."""
@@ -83,6 +93,8 @@ class SyncConfig:
         for key, zero in (("verify_every", "never"), ("probe_every", "only the first sync")):
             if getattr(self, key) < 0:
                 out.append(f"sync.{key}={getattr(self, key)}: must be >= 0 (0 = {zero})")
+        if self.every < 1:
+            out.append(f"sync.every={self.every}: must be >= 1 (steps between weight pushes; 1 = every step)")
         if self.probe_max_gap < 0 or self.timeout_s <= 0:
             out.append("sync.probe_max_gap must be >= 0 and sync.timeout_s > 0")
         return out
