@@ -41,7 +41,7 @@ def _controllers_v2(root: Path) -> set:
         return set()
 
 
-def layout(root: Path = ROOT) -> str:
+def layout(root: Path) -> str:
     """'v2', 'v1', or raises :class:`CgroupError` naming what is missing."""
     if {"memory", "pids"} <= _controllers_v2(root):
         return "v2"
@@ -54,7 +54,8 @@ class SlotCgroups:
     """The cgroups of one slot: ``procs`` (the cgroup.procs files a run's first process writes its
     pid to) and :meth:`oom_kills` (how many times the kernel killed inside them)."""
 
-    def __init__(self, n: int, root: Path = ROOT):
+    def __init__(self, n: int, root: Optional[Path] = None):
+        root = ROOT if root is None else root
         self.kind = layout(root)
         name = f"slot-{n}"
         if self.kind == "v2":
@@ -104,9 +105,10 @@ class SlotCgroups:
         return out
 
 
-def probe(root: Path = ROOT) -> str:
+def probe(root: Optional[Path] = None) -> str:
     """What this machine offers ('cgroup v1: memory + pids'); raises :class:`CgroupError` when a slot's
     cgroup cannot be made or limited (a container without a writable cgroupfs)."""
+    root = ROOT if root is None else root
     try:
         SlotCgroups(0, root)
     except OSError as exc:
