@@ -30,8 +30,9 @@ MAX_MESSAGE = 16 << 20  # bytes of one channel message; a larger one is a fail
 MAX_DEPTH = 100         # nesting of one encoded value
 
 
-class ChannelError(Exception):
-    pass
+class ChannelError(BaseException):
+    """The channel broke or carried garbage: a fail however the test handles it (a BaseException, so a
+    test's ``except Exception`` cannot swallow it, and remembered by the tester besides)."""
 
 
 def encode(value, depth=0):
@@ -112,7 +113,7 @@ def receive(fd):
         raise ChannelError(f"a channel message of {n} bytes (more than {MAX_MESSAGE})")
     try:
         return json.loads(_read_exact(fd, n))
-    except ValueError:
+    except (ValueError, RecursionError):
         raise ChannelError("a malformed message on the channel") from None
 
 
@@ -161,14 +162,22 @@ def tester_main(req_fd, resp_fd, verdict_fd):
     def verdict(data):
         os.write(verdict_fd, data[:400])
 
+    broken = []
+
     def candidate(*args, **kwargs):
-        send(req_fd, [encode(list(args)), encode(kwargs)])
-        answer = receive(resp_fd)
-        if answer[0] == "ok":
-            return decode(answer[1])
-        if answer[0] == "raise":
-            raise _raised(str(answer[1]), str(answer[2]))
-        raise ChannelError("an unexpected message on the channel")
+        if broken:
+            raise broken[0]
+        try:
+            send(req_fd, [encode(list(args)), encode(kwargs)])
+            answer = receive(resp_fd)
+            if answer[0] == "ok":
+                return decode(answer[1])
+            if answer[0] != "raise":
+                raise ChannelError("an unexpected message on the channel")
+        except (ChannelError, OSError, TypeError, IndexError, KeyError) as e:  # a protocol the reply broke
+            broken.append(e if isinstance(e, ChannelError) else ChannelError(f"the channel failed ({e})"))
+            raise broken[0] from None
+        raise _raised(str(answer[1]), str(answer[2]))
 
     ns = {"__name__": "__tests__"}
     prompt = job.get("prompt") or ""
@@ -190,6 +199,8 @@ def tester_main(req_fd, resp_fd, verdict_fd):
     try:
         exec(compile(job["test"], "test.py", "exec"), ns)
         ns["check"](candidate)
+        if broken:
+            raise broken[0]
     except ChannelError as e:
         verdict(f"F{e}".encode())
         return
