@@ -31,6 +31,8 @@ def test_every_recipe_passes_dry_run_with_a_memory_plan(recipe, capsys):
     text = recipe.read_text()
     # each says where its numbers come from, its GPU layout and how to submit it
     assert re.search(r"sec\. \d|Appendix|Table \d", text) and "GPU layout:" in text
+    # papers cited by arXiv id, never by a path on some machine
+    assert re.search(r"arXiv \d{4}\.\d{5}", text) and not re.search(r"/work/|seeds/|/home/|/tmp/", text)
     assert re.search(r"^# Run: +sbatch .*launch/slurm.*\.sbatch configs/recipes/" + re.escape(recipe.name), text, re.M)
     assert main(["train", str(recipe), "--dry-run"]) == 0
     out = capsys.readouterr().out

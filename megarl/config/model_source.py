@@ -63,7 +63,7 @@ def local_model_dir(path: str) -> Optional[Path]:
 def shipped_config(path: str) -> Optional[Path]:
     """``configs/models/<name>.json`` for a hub id or folder name, or None."""
     name = Path(path.rstrip("/")).name.lower()
-    for candidate in (name, re.sub(r"-(instruct|chat|it)$", "", name)):
+    for candidate in (name, re.sub(r"-(instruct|chat|it|base)$", "", name)):  # a base checkpoint: same shape
         f = SHIPPED / f"{candidate}.json"
         if f.is_file():
             return f
