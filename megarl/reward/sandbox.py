@@ -47,7 +47,7 @@ import time
 from pathlib import Path
 from typing import Iterable, Optional
 
-from megarl.reward import cgroups, jail
+from megarl.reward import cgroups, harness, jail
 from megarl.reward.slots import Slot, SlotsBusy, alive, outside, sweep  # noqa: F401 - alive is part of this API
 
 log = logging.getLogger(__name__)
@@ -271,9 +271,9 @@ def run_tests(program: str, tests: str, entry_point: str, *, timeout_s: Optional
         try:
             verdict = _run(setup, slot.uid, private, groups, program, tests, entry_point, prompt, timeout_s)
         finally:
-            sweep(slot.uid)
             shutil.rmtree(private, ignore_errors=True)
-        left = outside(slot.uid) if "mount" in setup.weaker else []  # with the jail, no host path is writable
+    # after the slot's exit sweep: nothing of the run is alive to write more
+    left = outside(slot.uid) if "mount" in setup.weaker else []  # with the jail, no host path is writable
     if left:
         verdict = Verdict(False, f"wrote outside its temp dir: {', '.join(left[:3])} (removed)")
     return dataclasses.replace(verdict, seconds=time.monotonic() - start)
@@ -336,7 +336,7 @@ def _run(setup: _Setup, uid: int, private: Path, groups: Optional[cgroups.SlotCg
         os.close(req_w), os.close(resp_r), os.close(verdict_w)
         req_w = resp_r = verdict_w = -1
         try:
-            tester.stdin.write(json.dumps({"prompt": prompt, "test": tests, "entry_point": entry}).encode())
+            tester.stdin.write(harness.encode({"prompt": prompt, "test": tests, "entry_point": entry}))
             tester.stdin.close()
         except OSError:
             pass  # it died: no verdict, said below
