@@ -313,6 +313,12 @@ def _run(setup: _Setup, uid: int, private: Path, groups: Optional[cgroups.SlotCg
         cgroup_procs=groups.procs if groups else (), host_work=str(host_work), filter_program=setup.filter_program)
     reply = tester = None
     try:
+        # the tester first: its interpreter starts while the reply's jail is being built
+        tester = subprocess.Popen([setup.python, "-I", "-S", "-c", HARNESS_SOURCE, "tester", str(req_w), str(resp_r),
+                                   str(verdict_w)], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                                  stderr=tester_err, pass_fds=(req_w, resp_r, verdict_w),
+                                  start_new_session=True, cwd="/", env={"LANG": "C.UTF-8"},
+                                  preexec_fn=lambda: _tester_preexec(setup.tester_uid, cpu_s))
         try:
             reply = subprocess.Popen([setup.python, "-I", "-S", "-c", HARNESS_SOURCE, "reply", entry, str(req_r),
                                       str(resp_w)], stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
@@ -328,11 +334,6 @@ def _run(setup: _Setup, uid: int, private: Path, groups: Optional[cgroups.SlotCg
                 if fd >= 0:
                     os.close(fd)
             os.close(status_r)
-        tester = subprocess.Popen([setup.python, "-I", "-S", "-c", HARNESS_SOURCE, "tester", str(req_w), str(resp_r),
-                                   str(verdict_w)], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                                  stderr=tester_err, pass_fds=(req_w, resp_r, verdict_w),
-                                  start_new_session=True, cwd="/", env={"LANG": "C.UTF-8"},
-                                  preexec_fn=lambda: _tester_preexec(setup.tester_uid, cpu_s))
         os.close(req_w), os.close(resp_r), os.close(verdict_w)
         req_w = resp_r = verdict_w = -1
         try:
