@@ -100,3 +100,28 @@ def test_sync_every_2_pushes_on_its_cadence_and_resumes_between_pushes(tiny_llam
             if s["tokens"]:
                 assert set(s["versions"]) <= want, (step, s)
                 assert (step - 1) - s["versions"][0] <= LAG, (step, s)
+
+
+def test_sync_every_config_errors_are_one_line_naming_the_knob(tiny_llama_dir):
+    """A lag below K - 1 could never train a batch (each would be regenerated forever); an eval between
+    pushes would measure old weights; K < 1 is no period. Each is refused at load, naming the knob."""
+    import pytest
+
+    from megarl.config import ConfigError, load_config
+
+    base = [f"model.path={tiny_llama_dir}", "controller.eval_every=0"]
+    cases = [(["sync.every=3", "controller.max_policy_lag=1"],
+              "controller.max_policy_lag=1: with sync.every=3 the generator holds weights up to 2 version(s) behind "
+              "the trainer between pushes, so no batch would ever be fresh enough to train; set "
+              "controller.max_policy_lag=2 or more, or sync.every=2"),
+             (["sync.every=2", "controller.max_policy_lag=1", "controller.eval_every=3"],
+              "controller.eval_every=3: not a multiple of sync.every=2"),
+             (["sync.every=0"], "sync.every=0: must be >= 1")]
+    for overrides, want in cases:
+        with pytest.raises(ConfigError) as e:
+            load_config(str(REPO / "configs" / "tiny_test.yaml"), base + overrides)
+        assert any(p.startswith(want) and "\n" not in p for p in e.value.problems), e.value.problems
+    # the bound K - 1 itself, and eval_every a multiple of K, load
+    cfg = load_config(str(REPO / "configs" / "tiny_test.yaml"),
+                      base + ["sync.every=3", "controller.max_policy_lag=2", "controller.eval_every=6"])
+    assert cfg.sync.every == 3

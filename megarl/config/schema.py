@@ -51,7 +51,8 @@ class DataConfig:
         "(eval/accuracy, ...: the plot, the summary and the reward-hacking watch). Every set is kept "
         "disjoint from the training prompts; data.eval_size caps each. Names: letters, digits, '_', '-', "
         "'.', distinct. Default [] (none)."))
-    eval_size: int = knob(64, help="Number of held-out prompts for greedy evaluation, per held-out set (prompts).")
+    eval_size: int = knob(64, help="Number of held-out prompts for greedy evaluation, per held-out set (prompts). "
+                          "Default 64.")
     eval_answer: str = knob("auto", choices=("auto", "number", "boxed"), help=(
         "How held-out replies are scored (megarl/controller/evaluation.py): 'number' = the last number of a "
         "finished reply, exactly equal to the gold; 'boxed' = the last \\boxed{} of a finished reply, "
