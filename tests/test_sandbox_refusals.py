@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 
 import pytest
 
@@ -66,3 +67,32 @@ def test_the_knobs_reach_the_scoring_processes():
         RewardConfig(fn="code", code_sandbox_allow_weaker=["network"])
     with pytest.raises(sandbox.SandboxError, match="unknown mechanism"):
         sandbox.configure(allow_weaker=["network"])
+
+
+def test_the_tester_server_restarts_and_leaves_no_tester_behind():
+    # Fails with testers.start neither checking the server nor retrying (planted: the `poll()` test and
+    # the retry removed): the run after the server's death raises instead of scoring.
+    from megarl.reward import testers
+
+    hang = "def add(a, b):\n    while True:\n        pass\n"
+    assert not sandbox.run_tests(hang, TASK["test"], "add", timeout_s=1).passed  # a tester killed mid-test
+    old = testers._zygote.proc
+    old.kill()
+    old.wait(timeout=5)
+    verdict = sandbox.run_tests(GOOD, TASK["test"], "add", timeout_s=10)
+    assert verdict.passed, verdict.reason
+    zygote = testers._zygote.proc.pid
+    assert zygote != old.pid
+    end = time.monotonic() + 5  # a killed process takes a moment to exit
+    while [p for p in sandbox.alive(65534) if _ppid(p) == zygote] and time.monotonic() < end:
+        time.sleep(0.05)
+    children = [p for p in sandbox.alive(65534) if _ppid(p) == zygote]
+    assert children == [], children  # each run's tester ended with it (the kernel reaps them)
+
+
+def _ppid(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            return int(fh.read().rsplit(b")", 1)[1].split()[1])
+    except OSError:
+        return -1

@@ -4,7 +4,7 @@
 (the reply's program, the only code in its folder), says ``ready`` on the channel, then serves calls:
 each request is the arguments of one call of the entry point, each answer its value or exception.
 
-``tester`` runs outside the jail, as another uid, and holds what the reply must not see: the task's
+``tester`` (forked per run by ``zygote``) runs outside the jail, as another uid, and holds what the reply must not see: the task's
 prompt (the helpers the tests may use, e.g. HumanEval's ``poly``) and its tests. It waits for the
 reply's ``ready``, runs ``check(candidate)`` where ``candidate`` (also bound to the entry point's
 name) calls across the channel, and writes the verdict to ``VERDICT_FD``, a pipe only it and the
@@ -192,10 +192,11 @@ def _raised(name, text):
     return RuntimeError(f"{name}: {text}")
 
 
-def tester_main(req_fd, resp_fd, verdict_fd):
-    """Outside the jail: read the job from stdin, run the task's tests against the channel's candidate,
-    write ``P`` (all passed) or ``F<reason>`` to ``verdict_fd``."""
-    job = decode(sys.stdin.buffer.read())
+def tester_main(job_fd, req_fd, resp_fd, verdict_fd):
+    """Outside the jail: read the job from ``job_fd``, run the task's tests against the channel's
+    candidate, write ``P`` (all passed) or ``F<reason>`` to ``verdict_fd``."""
+    with os.fdopen(job_fd, "rb") as fh:
+        job = decode(fh.read())
     entry = job["entry_point"]
 
     def verdict(data):
@@ -249,9 +250,55 @@ def tester_main(req_fd, resp_fd, verdict_fd):
     verdict(b"P")
 
 
+def zygote_main(sock_fd):
+    """The scoring process's tester server (megarl/reward/testers.py), already the tester uid: for each
+    run it receives (job, req, resp, verdict, stderr) descriptors and a CPU limit, forks a tester for
+    them, and answers with a pidfd of it (the scoring process kills through it, race-free). Forking this
+    small, single-threaded process costs ~1 ms where a fresh interpreter costs ~10 ms of CPU per run."""
+    import resource
+    import signal
+    import socket
+
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # testers are reaped by the kernel
+    sock = socket.socket(fileno=sock_fd)
+    while True:
+        try:
+            msg, fds, _, _ = socket.recv_fds(sock, 64, 5)
+        except OSError:
+            return
+        if not msg:
+            return  # the scoring process is gone
+        if len(fds) != 5:
+            for fd in fds:
+                os.close(fd)
+            continue
+        pid = os.fork()
+        if pid == 0:
+            try:
+                sock.close()
+                signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+                os.setsid()
+                cpu_s, as_bytes = int(msg[:8]), int(msg[8:24])
+                resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s + 1))
+                resource.setrlimit(resource.RLIMIT_AS, (as_bytes, as_bytes))
+                os.dup2(fds[4], 2)
+                tester_main(*fds[:4])
+            finally:
+                os._exit(0)
+        pidfd = os.pidfd_open(pid)
+        for fd in fds:
+            os.close(fd)
+        try:
+            socket.send_fds(sock, [b"ok"], [pidfd])
+        except OSError:
+            return
+        finally:
+            os.close(pidfd)
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "reply":
         reply_main(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
-    else:
-        tester_main(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))
+    elif sys.argv[1] == "zygote":
+        zygote_main(int(sys.argv[2]))
     os._exit(0)

@@ -8,7 +8,8 @@ sandbox"):
   run), new network, IPC, UTS and mount namespaces whose root holds only the Python runtime
   (read-only) and ``/work`` (a 16 MiB tmpfs with ``reply.py``), rlimits, ``no_new_privs`` and a
   seccomp filter; it answers calls of the entry point on a channel (two pipes);
-- the **tester** process (harness.py ``tester``) runs as ``nobody`` outside the jail with the task's
+- the **tester** process (harness.py ``tester``, forked per run by a tester server started once per
+  scoring process: megarl/reward/testers.py) runs as ``nobody`` outside the jail with the task's
   prompt and tests, calls the candidate across the channel, and writes the verdict on a pipe only
   it and this process hold. The reply's process never has the tests, the verdict or a way to see
   the tester (no /proc in its view, another uid).
@@ -37,7 +38,6 @@ import logging
 import math
 import os
 import pwd
-import resource
 import select
 import shutil
 import signal
@@ -47,12 +47,11 @@ import time
 from pathlib import Path
 from typing import Iterable, Optional
 
-from megarl.reward import cgroups, harness, jail
+from megarl.reward import cgroups, harness, jail, testers
 from megarl.reward.slots import Slot, SlotsBusy, alive, outside, sweep  # noqa: F401 - alive is part of this API
 
 log = logging.getLogger(__name__)
 
-PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
 SLOT_UID_BASE = 61000      # slot n runs as uid/gid SLOT_UID_BASE + n; reward.code_sandbox_uid_base sets it
 SLOTS = 256                # concurrent sandbox runs on one machine (slots); uid SLOT_UID_BASE + SLOTS probes
@@ -279,15 +278,6 @@ def run_tests(program: str, tests: str, entry_point: str, *, timeout_s: Optional
     return dataclasses.replace(verdict, seconds=time.monotonic() - start)
 
 
-def _tester_preexec(uid: int, cpu_s: int) -> None:
-    _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # dies with its scoring process
-    resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s + 1))
-    resource.setrlimit(resource.RLIMIT_AS, (TESTER_AS, TESTER_AS))
-    os.setgroups([])
-    os.setgid(uid)
-    os.setuid(uid)
-
-
 def _run(setup: _Setup, uid: int, private: Path, groups: Optional[cgroups.SlotCgroups], program: str, tests: str,
          entry: str, prompt: str, timeout_s: float) -> Verdict:
     cpu_s = cpu_limit_s(timeout_s)
@@ -312,13 +302,17 @@ def _run(setup: _Setup, uid: int, private: Path, groups: Optional[cgroups.SlotCg
         root=str(SLOT_DIR / "root"), runtime=setup.runtime, files={"reply.py": program},
         cgroup_procs=groups.procs if groups else (), host_work=str(host_work), filter_program=setup.filter_program)
     reply = tester = None
+    job_w = -1
     try:
-        # the tester first: its interpreter starts while the reply's jail is being built
-        tester = subprocess.Popen([setup.python, "-I", "-S", "-c", HARNESS_SOURCE, "tester", str(req_w), str(resp_r),
-                                   str(verdict_w)], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                                  stderr=tester_err, pass_fds=(req_w, resp_r, verdict_w),
-                                  start_new_session=True, cwd="/", env={"LANG": "C.UTF-8"},
-                                  preexec_fn=lambda: _tester_preexec(setup.tester_uid, cpu_s))
+        # the tester first (a fork of this process's tester server), then the reply's jail
+        job_r, job_w = os.pipe()
+        try:
+            tester = testers.start(setup.python, HARNESS_SOURCE, setup.tester_uid,
+                                   (job_r, req_w, resp_r, verdict_w, tester_err.fileno()), cpu_s, TESTER_AS)
+        except testers.TesterError as exc:
+            raise SandboxError(f"reward.fn=code: {exc}") from None
+        finally:
+            os.close(job_r)
         try:
             reply = subprocess.Popen([setup.python, "-I", "-S", "-c", HARNESS_SOURCE, "reply", entry, str(req_r),
                                       str(resp_w)], stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
@@ -337,19 +331,21 @@ def _run(setup: _Setup, uid: int, private: Path, groups: Optional[cgroups.SlotCg
         os.close(req_w), os.close(resp_r), os.close(verdict_w)
         req_w = resp_r = verdict_w = -1
         try:
-            tester.stdin.write(harness.encode({"prompt": prompt, "test": tests, "entry_point": entry}))
-            tester.stdin.close()
+            with os.fdopen(job_w, "wb") as fh:
+                job_w = -1
+                fh.write(harness.encode({"prompt": prompt, "test": tests, "entry_point": entry}))
         except OSError:
             pass  # it died: no verdict, said below
-        buf, timed_out = _wait_verdict(verdict_r, tester, timeout_s)
+        buf, timed_out = _wait_verdict(verdict_r, timeout_s)
     finally:
-        for fd in (req_w, resp_r, verdict_w):
+        for fd in (req_w, resp_r, verdict_w, job_w):
             if fd >= 0:
                 os.close(fd)
         os.close(verdict_r)
-        for proc in (reply, tester):
-            if proc is not None:
-                _kill_group(proc)
+        if tester is not None:
+            testers.kill(tester)
+        if reply is not None:
+            _kill_group(reply)
         out.seek(0)
         tail = out.read()[-OUTPUT_TAIL:].decode("utf-8", "replace").strip()
         out.close()
@@ -373,31 +369,23 @@ def _run(setup: _Setup, uid: int, private: Path, groups: Optional[cgroups.SlotCg
         if "channel closed" in reason:
             reason += f" (reply: {how}{'; output: ' + repr(tail[-160:]) if tail else ''})"
         return Verdict(False, memory + reason)
-    return Verdict(False, f"{memory}no verdict from the tester (tester: {_exit_text(tester.returncode, cpu_s)}"
-                          f"{'; ' + err if err else ''}; reply: {how})")
+    return Verdict(False, f"{memory}no verdict from the tester ({err or 'it said nothing'}; reply: {how})")
 
 
-def _wait_verdict(fd: int, tester: subprocess.Popen, timeout_s: float) -> tuple[bytes, bool]:
-    """The tester's verdict bytes (until it closes the pipe), and whether the wall clock ran out first."""
+def _wait_verdict(fd: int, timeout_s: float) -> tuple[bytes, bool]:
+    """The tester's verdict bytes (until its end closes the pipe), and whether the wall clock ran out first."""
     buf = b""
     deadline = time.monotonic() + timeout_s
     while True:
         left = deadline - time.monotonic()
         if left <= 0:
             return buf, True
-        ready, _, _ = select.select([fd], [], [], min(left, 0.05))
+        ready, _, _ = select.select([fd], [], [], min(left, 0.5))
         if ready:
             chunk = os.read(fd, 4096)
             if not chunk or len(buf) > 4096:
                 return buf, False
             buf += chunk
-        elif tester.poll() is not None:
-            return buf + _drain(fd), False
-
-
-def _drain(fd: int) -> bytes:
-    ready, _, _ = select.select([fd], [], [], 0)
-    return os.read(fd, 4096) if ready else b""
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
