@@ -40,15 +40,15 @@ ADVERSARIAL = {
                         "        pass\n"),                                                     # NPROC + group kill
     "memory hog": (TASK, "x = []\nwhile True:\n    x.append(bytearray(1 << 24))\n" + GOOD),   # RLIMIT_AS
     "sys.exit(0) before the asserts": (TASK, WRONG + "import sys\nsys.exit(0)\n"),           # SystemExit = fail
-    "os._exit(0) before the asserts": (TASK, WRONG + "import os\nos._exit(0)\n"),            # no nonce
-    "os._exit(0) inside the call": (TASK, "def add(a, b):\n    import os\n    os._exit(0)\n"),  # no nonce
+    "os._exit(0) before the asserts": (TASK, WRONG + "import os\nos._exit(0)\n"),            # no "ready" on the channel
+    "os._exit(0) inside the call": (TASK, "def add(a, b):\n    import os\n    os._exit(0)\n"),  # channel closed mid-call
     "__eq__ always True": (TASK, "class Any:\n    def __eq__(self, other):\n        return True\n"
-                                 "def add(a, b):\n    return Any()\n"),                         # plain-type guard
+                                 "def add(a, b):\n    return Any()\n"),                         # only plain values cross
     "monkeypatched builtins.abs": (HELPER_TASK, "import builtins\nbuiltins.abs = lambda x: 0\n"
-                                                "def add(a, b):\n    return 12\n"),            # clean builtins
+                                                "def add(a, b):\n    return 12\n"),            # tests in another process
     "monkeypatched math.isclose": (HELPER_TASK, "import math\nmath.isclose = lambda *a, **k: True\n"
-                                                "def add(a, b):\n    return 3\n"),              # modules re-imported
-    "redefines check": (TASK, "def check(candidate):\n    pass\n" + WRONG),                   # tests run last
+                                                "def add(a, b):\n    return 3\n"),              # tests in another process
+    "redefines check": (TASK, "def check(candidate):\n    pass\n" + WRONG),                   # the tester has its own check
     "prints PASS": (TASK, "print('PASS')\nprint('all tests passed')\n" + WRONG),
     "writes outside the temp dir": (TASK, f"open('{ESCAPE}', 'w').write('x')\n" + GOOD),       # no /tmp in its view
     "opens a network socket": (TASK, "import socket\nsocket.create_connection(('10.0.0.1', 80), timeout=1)\n"
