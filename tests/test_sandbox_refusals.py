@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from megarl.reward import RewardConfig, RewardPool, cgroups, sandbox
+from megarl.reward import RewardConfig, RewardPool, cgroups, jail, sandbox
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the code sandbox needs root (uid switch, namespaces)")
 TASK = {"prompt": "def add(a, b):\n", "test": "def check(candidate):\n    assert candidate(1, 2) == 3\n",
@@ -24,8 +24,9 @@ def fresh_sandbox():
     """The sandbox's knobs and machine check start from defaults and are put back afterwards."""
     root = cgroups.ROOT
     sandbox.configure()
+    size = jail.WORK_TMPFS_MB
     yield
-    cgroups.ROOT = root
+    cgroups.ROOT, jail.WORK_TMPFS_MB = root, size
     sandbox.configure()
 
 
@@ -43,6 +44,22 @@ def test_a_missing_mechanism_is_refused_in_one_line_unless_accepted(fresh_sandbo
     assert verdict.passed, verdict.reason
     assert "running WITHOUT ['cgroup']" in caplog.text
     assert sorted(os.listdir(tmp_path)) == []  # no cgroup was made there: the run went without one
+
+
+def test_a_jail_step_the_kernel_refuses_is_refused_at_start_unless_accepted(fresh_sandbox, caplog):
+    # Fails with the probe planted to go on without a failed step (check_sandbox: `weaker.add(exc.mechanism);
+    # continue` whatever the knob says): replies then run without the mount namespace, silently.
+    jail.WORK_TMPFS_MB = "bogus"  # the kernel refuses this tmpfs (EINVAL): a mount the jail cannot make
+    with pytest.raises(sandbox.SandboxError) as err:
+        sandbox.check_sandbox()
+    line = str(err.value)
+    assert "\n" not in line and "mount" in line and "reward.code_sandbox_allow_weaker=[mount]" in line, line
+    sandbox.configure(allow_weaker=["mount"])
+    with caplog.at_level(logging.WARNING, logger="megarl.reward.sandbox"):
+        verdict = sandbox.run_tests(GOOD + "import os\nassert os.getcwd() != '/work'\n", TASK["test"], "add",
+                                    timeout_s=10)
+    assert verdict.passed, verdict.reason  # the weaker sandbox, in a host dir, as accepted
+    assert "running WITHOUT ['mount']" in caplog.text
 
 
 def test_slot_uids_that_are_users_are_refused(fresh_sandbox):

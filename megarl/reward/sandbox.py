@@ -144,6 +144,10 @@ def taken_uids(base: int, count: int) -> list[str]:
 
 
 def _refuse(mechanism: str, why: str) -> SandboxError:
+    if mechanism not in jail.MECHANISMS:  # netns, the uid switch: never optional
+        return SandboxError(f"reward.fn=code: the code sandbox's {mechanism} set-up failed here ({why}); it cannot be "
+                            f"given up: run the reward pool as root with CAP_SYS_ADMIN (in a container: --cap-add "
+                            f"SYS_ADMIN), or use another reward")
     return SandboxError(f"reward.fn=code: the code sandbox's {mechanism} is not available here ({why}); replies are "
                         f"not run in a weaker sandbox unless {KNOB} names it (e.g. {KNOB}=[{mechanism}]), or use "
                         f"another reward")
