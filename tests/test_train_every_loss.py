@@ -35,6 +35,7 @@ OPTIONS = {
     "decoupled_ppo": {},
     "a3po": {},
     "vaco": {"tis": "token"},
+    "sao": {},
 }
 
 

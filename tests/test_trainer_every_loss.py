@@ -16,7 +16,7 @@ from megarl.trainer.config import TrainerConfig
 
 CASES = [(loss, {}) for loss in LOSS_NAMES] + [
     ("aipo", {"tis": "token"}), ("aipo", {"tis": "sequence"}), ("grpo", {"tis": "token"}),
-    ("aipo", {"kl_coef": 0.01}), ("aipo", {"entropy_coef": 0.01}),
+    ("aipo", {"kl_coef": 0.01}), ("aipo", {"entropy_coef": 0.01}), ("a3po", {"prox_check": True}),
 ]
 NOISE = 0.05  # behaviour logprobs = the trainer's + N(0, NOISE): a sampler close to the learner
 
@@ -70,6 +70,11 @@ def test_local_trainer_step_trains(tiny_llama_dir, tmp_path, loss, options):
         if loss == "decoupled_ppo":  # prox was filled with the pre-update policy's logprobs
             # prox recomputed in micro-batches of 2 (here 8): fp32 GEMM order, ~1e-6 per logprob; w ~ 1 -> 1e-5 abs
             assert m["loss/decoupled_ppo/behav_weight_mean"] == pytest.approx(_masked_mean(w, mask), abs=1e-5)
+        if options.get("prox_check"):  # versions 0 at step 0: staleness 0, so a3po's prox is mu itself
+            # the recomputed prox (micro-batches of 2) vs this test's pass (8): ~1e-6 per logprob; 1e-5 abs
+            assert m["loss/prox_error"] == pytest.approx(
+                _masked_mean((before.logprobs - batch.behav_logprobs).abs(), mask), abs=1e-5)
+            assert m["loss/prox_error"] > NOISE / 2  # E|N(0, s)| = 0.8 s: the check sees the sampler's noise
         if options.get("tis") == "token":
             # as above (prox vs this test's pass: ~1e-6 per logprob, w ~ 1)
             assert m["loss/tis/weight_mean"] == pytest.approx(_masked_mean(w.clamp(max=2.0), mask), abs=1e-5)
@@ -138,5 +143,6 @@ def test_losses_that_correct_themselves_match_the_registry():
     assert {n for n in LOSS_NAMES if getattr(get_loss(n), "owns_behaviour_correction", False)} == \
         set(OWN_BEHAVIOUR_CORRECTION)
     assert not needs_prox(AlgorithmConfig(loss="a3po")) and needs_prox(AlgorithmConfig(loss="decoupled_ppo"))
+    assert needs_prox(AlgorithmConfig(loss="a3po", prox_check=True))  # recomputed to compare, not to train with
     assert needs_prox(AlgorithmConfig(tis="sequence")) and not needs_prox(AlgorithmConfig())
     assert needs_ref(AlgorithmConfig(kl_coef=0.1)) and not needs_ref(AlgorithmConfig())
