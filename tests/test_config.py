@@ -213,6 +213,21 @@ def test_global_batch_must_split_over_trainer_dp(tmp_path, model_dir):
     assert load_config(cfg, ["controller.prompts_per_step=4", "generator.n_samples=2", "trainer.dp=4"])
 
 
+def test_minibatches_must_split_the_prompt_groups_and_each_over_dp(tmp_path, model_dir):
+    cfg = write(tmp_path / "c.yaml", f"model: {{path: {model_dir}}}\n")
+    # 6 prompt groups never split into 4 minibatches: the divisor below (3) and the rounded-up prompts (8)
+    (msg,) = problems_of(cfg, ["controller.prompts_per_step=6", "trainer.minibatches=4"])
+    assert msg.startswith("trainer.minibatches=4") and "use trainer.minibatches=3" in msg
+    assert "controller.prompts_per_step=8" in msg
+    # 4 prompts x 1 sample in 4 minibatches: 1 sequence each does not split over dp 2 (the step's 4 does)
+    (msg,) = problems_of(cfg, ["controller.prompts_per_step=4", "generator.n_samples=1", "trainer.minibatches=4",
+                               "trainer.dp=2"])
+    assert msg.startswith("trainer.minibatches=4") and "1 sequences does not split over trainer.dp=2" in msg
+    assert load_config(cfg, ["controller.prompts_per_step=8", "generator.n_samples=1", "trainer.minibatches=4",
+                             "trainer.dp=2", "trainer.epochs=2"]).trainer.epochs == 2
+    assert problems_of(cfg, ["trainer.epochs=0"]) == ["trainer.epochs=0: must be >= 1"]
+
+
 @pytest.mark.parametrize("loss", ["decoupled_ppo", "a3po"])
 def test_tis_with_a_loss_that_corrects_itself_is_rejected(tmp_path, model_dir, loss):
     cfg = write(tmp_path / "c.yaml", f"model: {{path: {model_dir}}}\n")
