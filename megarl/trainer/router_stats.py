@@ -38,7 +38,8 @@ class RouterStats:
 
     @contextlib.contextmanager
     def counting(self) -> Iterator[None]:
-        """Count the routing of the forwards run inside (the training pass of one step)."""
+        """Count the routing of the forwards run inside: a step's, i.e. every update's training pass
+        (trainer.minibatches x trainer.epochs of them) and a batch-statistic pass (vaco) where the loss has one."""
         self.counts, self._on = {}, True
         try:
             yield
