@@ -142,6 +142,7 @@ def _plot(result: dict, path: Path) -> None:
     ax1.bar([i - 0.2 for i in x], approx, 0.4, label="a3po approximation", color="C0")
     ax1.bar([i + 0.2 for i in x], recompute, 0.4, label="recompute forward", color="C3")
     ax1.set_yscale("log")
+    ax1.set_ylim(top=max(recompute) * 50)  # room above the bars for the legend
     ax1.set_xticks(list(x), names)
     ax1.set_ylabel("seconds (median)")
     ax1.set_title("proximal logprobs")
