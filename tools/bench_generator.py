@@ -134,8 +134,10 @@ class _RawVllm:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="builtin:smollm2", help="HF folder or builtin:smollm2")
-    p.add_argument("--data", default="/work/shared/data/gsm8k/train.jsonl"
-                   if Path("/work/shared/data/gsm8k/train.jsonl").exists() else "builtin:arithmetic")
+    gsm8k = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k" / "train.jsonl"  # ../shared beside the checkout
+    p.add_argument("--data", default=str(gsm8k) if gsm8k.exists() else "builtin:arithmetic",
+                   help="prompts: a data file (default: GSM8K's train split in ../shared when there, else "
+                        "builtin:arithmetic)")
     p.add_argument("--prompts", type=int, default=32)
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=2)
