@@ -67,6 +67,15 @@ class AlgorithmConfig:
                                "default True (False gives Dr.GRPO)")
     adv_eps: float = knob(1e-6, help="grpo: added to the group std before dividing (reward units); default 1e-6")
 
+    dynamic_sampling: bool = knob(False, help="DAPO's dynamic sampling: a prompt group whose rewards are all equal "
+                                  "(advantage 0 for every sample: pure cost) is dropped from the step's batch and the "
+                                  "batch is refilled from further prompts until controller.prompts_per_step groups "
+                                  "vary or max_refill_rounds is spent (metrics batch/dropped_groups, "
+                                  "batch/refill_rounds); default False")
+    max_refill_rounds: int = knob(4, help="dynamic_sampling: refill rounds a step may take (count, >= 0); a step "
+                                  "still short after them trains on the varying groups it has, or on the dropped "
+                                  "ones if none varies (logged); default 4")
+
     def __post_init__(self) -> None:
         problems = self.problems()
         if problems:
@@ -85,7 +94,8 @@ class AlgorithmConfig:
                   ("dual_clip_c", self.dual_clip_c is None or self.dual_clip_c > 1),
                   ("behav_weight_cap", self.behav_weight_cap is None or self.behav_weight_cap > 0),
                   ("tv_delta", self.tv_delta > 0), ("tis_cap", self.tis_cap > 0), ("kl_coef", self.kl_coef >= 0),
-                  ("entropy_coef", self.entropy_coef >= 0), ("adv_eps", self.adv_eps >= 0)]
+                  ("entropy_coef", self.entropy_coef >= 0), ("adv_eps", self.adv_eps >= 0),
+                  ("max_refill_rounds", self.max_refill_rounds >= 0)]
         if self.prox_check and self.loss != "a3po":
             found.append(f"algorithm.prox_check=true compares a3po's approximated proximal logprobs with recomputed "
                          f"ones; loss {self.loss!r} has no approximation (set algorithm.loss=a3po or prox_check=false)")

@@ -14,6 +14,7 @@ from megarl.utils.knobs import knob
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
 PARAMS_DTYPES = ("float32", "bfloat16")
+RECOMPUTE_MODES = ("none", "selective", "full")
 
 
 @dataclasses.dataclass
@@ -36,6 +37,22 @@ class TrainerConfig:
     micro_batch_size: int = knob(4, help="Sequences per forward/backward micro-batch on one DP "
                                  "replica (sequences); a step's rollout batch is split over DP, "
                                  "then into micro-batches (gradient accumulation). Default 4.")
+
+    packing: bool = knob(True, help="Pack a micro-batch's sequences without padding (first-fit decreasing into "
+                         "rows no longer than the micro-batch's longest sequence; each sequence keeps its own "
+                         "positions 0..len-1 and attends only to itself), for the logprob passes and training. "
+                         "Exact: the same logprobs and gradients as padded rows up to float summation order. "
+                         "false = right-padded rows. Default true.")
+    max_tokens_per_micro_batch: int = knob(0, help="Token budget of one micro-batch (tokens, >= 0): micro-batches "
+                                           "are formed by length so each holds at most this many real tokens (a "
+                                           "longer sequence goes alone), DP ranks get balanced token counts, "
+                                           "and pipeline stages agree on the micro-batch count. 0 = count "
+                                           "sequences (trainer.micro_batch_size). Default 0.")
+    recompute: str = knob("none", choices=RECOMPUTE_MODES,
+                          help="Activation recompute (megatron-core's recompute_granularity): none; selective "
+                          "(recompute the core attention, whose [b, heads, s, s] scores are the largest "
+                          "activation); full (every transformer layer, keeping only its input). Trades a forward "
+                          "pass's compute for memory. Default none.")
 
     minibatches: int = knob(1, help="Optimizer updates per pass over a step's rollout batch (count, >= 1): the "
                             "batch is split along prompt groups (a group is never split) into this many "
@@ -138,7 +155,7 @@ class TrainerConfig:
                     "max_skipped_steps"):
             if getattr(self, key) < 1:
                 out.append(f"trainer.{key}={getattr(self, key)}: must be >= 1")
-        for key in ("lr_warmup_steps", "lr_decay_steps", "checkpoint_interval"):
+        for key in ("lr_warmup_steps", "lr_decay_steps", "checkpoint_interval", "max_tokens_per_micro_batch"):
             if getattr(self, key) < 0:
                 out.append(f"trainer.{key}={getattr(self, key)}: must be >= 0")
         if self.moe_aux_loss_coeff < 0:
@@ -155,6 +172,8 @@ class TrainerConfig:
                     "shutdown_timeout_s"):
             if getattr(self, key) <= 0:
                 out.append(f"trainer.{key}={getattr(self, key)}: must be > 0 (seconds)")
+        if self.recompute not in RECOMPUTE_MODES:
+            out.append(f"trainer.recompute={self.recompute!r}: must be one of {', '.join(RECOMPUTE_MODES)}")
         if self.logprob_temperature <= 0:
             out.append(f"trainer.logprob_temperature={self.logprob_temperature}: must be > 0")
         return out
