@@ -145,14 +145,21 @@ def test_a_reply_exiting_97_is_a_fail_not_a_sandbox_error(tmp_path):
 def test_memory_is_limited_per_run_not_per_process():
     # Fails without the run's cgroup (planted: jail.enter skips join_cgroups): 3 processes of 400 MiB each
     # (under RLIMIT_AS each) hold 1.2 GiB together and the reply scores 1.
-    # The reply waits until all 3 hold their memory or one of them died (no clock of its own: a loaded
-    # machine only makes it slower; the sandbox's wall limit bounds it).
-    reply = ("import os, select, time\nr, w = os.pipe()\nfor _ in range(3):\n    if os.fork() == 0:\n"
-             "        x = b'\\1' * (400 << 20)\n        os.write(w, b'y')\n        time.sleep(60)\n        os._exit(0)\n"
-             "got, died = b'', False\nwhile len(got) < 3 and not died:\n"
-             "    if select.select([r], [], [], 0.05)[0]:\n        got += os.read(r, 3)\n"
-             "    died = os.waitpid(-1, os.WNOHANG)[0] != 0\n"
-             "ALL = len(got) == 3\ndef add(a, b):\n    return a + b if ALL else 0\n")
+    # The reply waits until all 3 hold their memory or one of them died, then asks each to answer again:
+    # only a process still alive can answer, so 3 answers prove 1.2 GiB held at once. Counting the first
+    # "holding" bytes alone raced: the OOM killer may pick a process that already wrote its byte, and a
+    # loaded parent could read the third byte before it reaped the victim (CI scored 1 that way).
+    # No clock of its own: a loaded machine only makes it slower; the sandbox's wall limit bounds it.
+    reply = ("import os, select, time\nr, w = os.pipe()\ngo_r, go_w = os.pipe()\nfor _ in range(3):\n"
+             "    if os.fork() == 0:\n        x = b'\\1' * (400 << 20)\n        os.write(w, b'y')\n"
+             "        os.read(go_r, 1)\n        os.write(w, b'z' if x[-1] == 1 else b'n')\n"
+             "        time.sleep(60)\n        os._exit(0)\n"
+             "def collect(n):\n    got, died = b'', False\n    while len(got) < n and not died:\n"
+             "        if select.select([r], [], [], 0.05)[0]:\n            got += os.read(r, n - len(got))\n"
+             "        died = died or os.waitpid(-1, os.WNOHANG)[0] != 0\n    return got, died\n"
+             "held, died = collect(3)\nALL = False\nif held == b'yyy' and not died:\n"
+             "    os.write(go_w, b'ggg')\n    again, died = collect(3)\n    ALL = again == b'zzz' and not died\n"
+             "def add(a, b):\n    return a + b if ALL else 0\n")
     verdict = sandbox.run_tests(reply, ADD["test"], "add", timeout_s=20)
     assert not verdict.passed, verdict
     assert "memory limit" in verdict.reason, verdict.reason
