@@ -6,6 +6,7 @@ import pytest
 from megarl.config import ConfigError, load_config
 from megarl.config.schema import MegaRLConfig
 from megarl.config.placement import device_plan
+from megarl.utils.devices import cuda_visible
 
 
 def _cfg(**over):
@@ -65,3 +66,21 @@ def test_validation_rejects_overlap_before_anything_starts():
     with pytest.raises(ConfigError, match="given to both the trainer and the generator"):
         load_config("configs/tiny_test.yaml", ["cluster.trainer_devices=0-1", "cluster.generator_devices=1"],
                     )
+
+
+@pytest.mark.parametrize("visible, ordinals, want", [
+    (None, [0, 1], "0,1"),                      # nothing set: the ordinals are the physical ids
+    ("", [2], "2"),
+    ("4,5,6,7", [0], "4"),                      # a job given GPUs 4-7 runs on them, not on 0-3
+    ("4,5,6,7", [2, 3], "6,7"),                 # a TP2 replica's two devices
+    (" 3 , 1 ", [1, 0], "1,3"),                 # order and spaces as the user wrote them
+    ("GPU-aa11,MIG-bb22", [1], "MIG-bb22"),     # UUIDs pass through
+])
+def test_a_child_sees_the_plan_ordinal_as_the_controller_sees_it(visible, ordinals, want):
+    env = {} if visible is None else {"CUDA_VISIBLE_DEVICES": visible}
+    assert cuda_visible(ordinals, env) == want
+
+
+def test_an_ordinal_past_the_visible_devices_is_refused_naming_them():
+    with pytest.raises(ValueError, match=r"ordinal\(s\) \[4\] .* 4 device\(s\) .*'4,5,6,7'"):
+        cuda_visible([4], {"CUDA_VISIBLE_DEVICES": "4,5,6,7"})

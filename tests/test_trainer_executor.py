@@ -128,11 +128,14 @@ def _tp_attributes(rank, world, model_dir):
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS), ids=str)
-def test_step_matches_single_rank(tiny_llama_dir, tmp_path, reference, layout):
+def test_step_matches_single_rank(tiny_llama_dir, tmp_path, reference, layout, monkeypatch):
     batch, expected = reference
     tp, pp, dp = LAYOUTS[layout]
-    # Placement reaches each rank before CUDA starts (ids past any device here: no CUDA either way)
-    with _executor(tiny_llama_dir, tmp_path, (tp, pp, dp), devices=[14, 15]) as ex:
+    # Placement reaches each rank before CUDA starts, as the ordinal's entry of our own CUDA_VISIBLE_DEVICES
+    # (a job given GPUs 10-15 puts ordinal 4 on GPU 14); ids past any device here: no CUDA either way
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "10,11,12,13,14,15")
+    with _executor(tiny_llama_dir, tmp_path, (tp, pp, dp), devices=[4, 5]) as ex:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
         pids = ex.pids
         health = ex.health()
         assert [h["cuda_visible_devices"] for h in health] == ["14", "15"]

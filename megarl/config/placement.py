@@ -2,9 +2,11 @@
 
 ``device_plan`` is pure (unit-tested without a GPU): given the config and the number of visible
 devices it returns the device ids of every trainer rank and every generator replica, or None where
-an executor stays on the CPU. The executors turn them into ``CUDA_VISIBLE_DEVICES`` of their own
-processes before CUDA initialises, so two executors never land on the same GPU unless the config
-says they share (``cluster.share_devices``, e.g. one GPU for both in a smoke test).
+an executor stays on the CPU. The ids are ordinals among the devices the controller sees; the executors
+turn them into ``CUDA_VISIBLE_DEVICES`` of their own processes before CUDA initialises, as the controller
+sees them (``megarl.utils.devices.cuda_visible``: under ``CUDA_VISIBLE_DEVICES=4,5,6,7`` ordinal 0 is
+GPU 4), so two executors never land on the same GPU unless the config says they share
+(``cluster.share_devices``, e.g. one GPU for both in a smoke test).
 """
 
 from __future__ import annotations

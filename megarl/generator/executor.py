@@ -52,6 +52,7 @@ from megarl.generator.replicas import ReplicaHandle, Track, model_vocab_size, re
 from megarl.generator.errors import GeneratorEngineDied, GeneratorError, GeneratorTimeout, engine_died
 from megarl.generator.weight_updates import WeightUpdater
 from megarl.rollout import Sample
+from megarl.utils.devices import cuda_visible
 from megarl.utils.errors import exception_line
 from megarl.utils.procs import spawned_from_main_thread
 
@@ -127,7 +128,7 @@ class GeneratorExecutor(ExecutorBase):
                 parent_conn, child_conn = ctx.Pipe(duplex=True)
                 cuda = None
                 if self.cuda_devices is not None:
-                    cuda = ",".join(str(d) for d in self.cuda_devices[r * cfg.tp:(r + 1) * cfg.tp])
+                    cuda = cuda_visible(self.cuda_devices[r * cfg.tp:(r + 1) * cfg.tp])  # ordinals as we see them
                 log_path = self._log_dir / f"generator_replica{r}.log"
                 proc = ctx.Process(target=replica_main, name=f"megarl-gen-{r}",
                                    args=(child_conn, cfg, self.model_dir, r, binds[r], self.on_cpu,

@@ -54,6 +54,7 @@ from megarl.executors.base import ExecutorBase, ExecutorError, ExecutorTimeout, 
 from megarl.batch import RolloutBatch
 from megarl.trainer.config import TrainerConfig
 from megarl.trainer.worker import rank_main
+from megarl.utils.devices import cuda_visible
 from megarl.utils.dist import free_tcp_port
 from megarl.utils.errors import exception_line, remote_error
 
@@ -170,8 +171,9 @@ class TrainerExecutor(ExecutorBase):
         self.cores = rank_cores(cpus, self.world)
         if devices is not None and len(devices) != self.world:
             raise ValueError(f"devices={list(devices)}: the trainer has {self.world} rank(s), one device each")
-        # Each rank's CUDA_VISIBLE_DEVICES (megarl.config.placement); None: inherit ours.
-        self.devices = [str(d) for d in devices] if devices is not None else [None] * self.world
+        # Each rank's CUDA_VISIBLE_DEVICES: its plan ordinal among the devices we see, as we see them
+        # (megarl.config.placement.cuda_visible); None: inherit ours.
+        self.devices = [cuda_visible([d]) for d in devices] if devices is not None else [None] * self.world
         if launcher not in ("local", "slurm"):
             raise ValueError(f"launcher={launcher!r}: one of 'local' (spawn the ranks here) or 'slurm' (they attach)")
         self.launcher = launcher
