@@ -196,6 +196,13 @@ def _release_requeued(cluster, job: int, restarts: int, out: Path, *extra: str) 
     st = _wait_for(f"restart {restarts}", requeued, cluster, job, out, timeout_s=180)
     assert st["restarts"] == restarts, st
     if st["state"] == "PENDING":
+        # Slurm's hold is what lets the last run's steps end on every node first: released while a
+        # slurmstepd of it still runs, the new run lands on that node and dies at once ("Job credential
+        # revoked", exit 1, no requeue; CI saw it). So the operator waits for them before releasing.
+        _wait_for(f"the steps of job {job}'s last run to end",
+                  lambda: not _job_steps(job) or cluster.state(job)["state"] != "PENDING", cluster, job, out,
+                  timeout_s=120)
+    if cluster.state(job)["state"] == "PENDING":
         subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now", *extra], env=cluster.env(),
                        check=True, capture_output=True, timeout=60)
 
@@ -278,6 +285,24 @@ def _start_time(cluster, job: int) -> float:
     from datetime import datetime
 
     return datetime.strptime(cluster.sacct(job)[0]["StartTime"], "%Y-%m-%dT%H:%M:%S").timestamp()
+
+
+def _job_steps(job: int) -> list[int]:
+    """The slurmstepd processes of Slurm job ``job`` still alive on any node (all run on this host;
+    a step's command line reads 'slurmstepd: [JOB.STEP]')."""
+    from tools.slurm_cluster import _alive
+
+    out = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmd = (proc / "cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
+        except OSError:
+            continue
+        if cmd.startswith(f"slurmstepd: [{job}.") and _alive(int(proc.name)):
+            out.append(int(proc.name))
+    return out
 
 
 def _job_pids(job: int) -> list[int]:
