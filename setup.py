@@ -27,12 +27,48 @@ def _warn(message: str) -> None:
     print(f"\n{bar}\nWARNING (megarl): {message}\n{bar}\n", file=sys.stderr)
 
 
+def _load_archs():
+    """megarl/cuda_archs.py, loaded by path: megarl is not installed while setup.py runs."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("megarl_cuda_archs", ROOT / "megarl" / "cuda_archs.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_ARCHS = _load_archs()
+
+
+def _cuda_gencode() -> list[str]:
+    """nvcc's -gencode flags: SASS for MEGARL_CUDA_ARCHS (default megarl/cuda_archs.py DEFAULT_ARCHS: sm_80,
+    sm_89, sm_90, sm_100) that this nvcc can build, and PTX for the newest of them."""
+    import os
+    import subprocess
+
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    env = os.environ.get(_ARCHS.ARCHS_ENV, "").strip()
+    requested = _ARCHS.parse_archs(env) if env else list(_ARCHS.DEFAULT_ARCHS)
+    try:
+        listed = subprocess.run([str(Path(CUDA_HOME) / "bin" / "nvcc"), "--list-gpu-arch"], capture_output=True,
+                                text=True, timeout=60).stdout.split() or None
+    except (OSError, subprocess.SubprocessError):
+        listed = None  # an nvcc too old to list them: ask for all, and let it say
+    flags, dropped = _ARCHS.gencode_flags(requested, listed)
+    if dropped:
+        _warn(f"this nvcc cannot build sm_{', sm_'.join(dropped)}: the CUDA kernels are built for "
+              f"{_ARCHS.built_for(flags)}; GPUs of those generations use the torch fallbacks (a newer CUDA "
+              f"toolkit builds them)")
+    return flags
+
+
 def _extension_setup() -> dict:
     """ext_modules/cmdclass for the C++ extension, or {} when torch is not importable.
 
     With a CUDA toolkit (torch built with CUDA and nvcc at CUDA_HOME; a visible GPU is neither
-    needed nor enough) the extension also gets the CUDA FP8 kernels (CUDA_EXTENSION_SOURCES, sm_90,
-    MEGARL_WITH_CUDA). MEGARL_CUDA=0 forces the CPU-only build, which is the same CppExtension as
+    needed nor enough) the extension also gets the CUDA FP8 kernels (CUDA_EXTENSION_SOURCES, MEGARL_WITH_CUDA)
+    for the GPU generations of :func:`_cuda_gencode`. MEGARL_CUDA=0 forces the CPU-only build, which is the same CppExtension as
     without a toolkit. If the CUDA build fails, the CPU-only extension is built instead."""
     try:
         from torch.utils.cpp_extension import BuildExtension, CppExtension
@@ -114,13 +150,15 @@ def _extension_setup() -> dict:
         from torch.utils.cpp_extension import CUDAExtension
 
         try:
+            gencode = _cuda_gencode()
+            archs = f'-DMEGARL_CUDA_ARCHS="{_ARCHS.built_for(gencode)}"'  # megarl._C.cuda_archs() reports it
             cuda_extension = CUDAExtension(
                 name=EXTENSION_NAME,
                 sources=EXTENSION_SOURCES + CUDA_EXTENSION_SOURCES,
                 # An explicit -gencode also keeps torch from adding its TORCH_CUDA_ARCH_LIST guesses.
                 extra_compile_args={  # the C++ standard: torch's choice, as above (nvcc too)
-                    "cxx": ["-O3", "-DMEGARL_WITH_CUDA"],
-                    "nvcc": ["-O3", "-DMEGARL_WITH_CUDA", "-gencode=arch=compute_90,code=sm_90"],
+                    "cxx": ["-O3", "-DMEGARL_WITH_CUDA", archs],
+                    "nvcc": ["-O3", "-DMEGARL_WITH_CUDA", archs, *gencode],
                 },
             )
         except Exception as error:  # noqa: BLE001 - e.g. CUDA library paths not found

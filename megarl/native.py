@@ -81,10 +81,38 @@ def warn_fallback_once() -> None:
     _warned = True
 
 
+_cuda_ok: dict[int, bool] = {}
+
+
+def cuda_kernels_for(device) -> bool:
+    """Whether the extension's CUDA kernels (csrc/cuda/) can run on CUDA ``device``: built for its
+    generation (``megarl.cuda_archs.runs_on``). A GPU they were not built for (a V100 under the default
+    archs, or a build that dropped one) gets the torch references instead, with one warning naming it and
+    the rebuild; a kernel launched there would fail the sync with 'no kernel image is available'."""
+    import torch
+
+    from megarl.cuda_archs import ARCHS_ENV, runs_on
+
+    index = torch.device(device).index
+    index = torch.cuda.current_device() if index is None else index
+    if index not in _cuda_ok:
+        archs = native_function("cuda_archs")
+        built = archs() if archs is not None else ""
+        capability = torch.cuda.get_device_capability(index)
+        _cuda_ok[index] = not built or runs_on(capability, built)  # unknown build: as before, assume so
+        if not _cuda_ok[index]:
+            major, minor = capability
+            warnings.warn(f"megarl._C's CUDA kernels were built for {built}; GPU {index} "
+                          f"({torch.cuda.get_device_name(index)}, sm_{major}{minor}) can run none of them, so FP8 "
+                          f"quantization and checksums there use the torch references (slower). Rebuild for it: "
+                          f"{ARCHS_ENV}={major}.{minor} {BUILD_HINT}", RuntimeWarning, stacklevel=2)
+    return _cuda_ok[index]
+
+
 def native_function(name: str) -> Callable | None:
     """``megarl._C.<name>``, or None when the extension is missing or was built without it."""
     return getattr(_C, name, None) if _C is not None else None
 
 
-__all__ = ["HAS_NATIVE", "PYTHON_FALLBACKS", "fallback_message", "mark_announced", "warn_fallback_once",
-           "native_function"]
+__all__ = ["HAS_NATIVE", "PYTHON_FALLBACKS", "cuda_kernels_for", "fallback_message", "mark_announced",
+           "warn_fallback_once", "native_function"]

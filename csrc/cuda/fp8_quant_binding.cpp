@@ -14,6 +14,7 @@
 #include <c10/cuda/CUDAStream.h>
 
 #include <cmath>
+#include <string>
 #include <tuple>
 
 #include "fp8_quant.h"
@@ -101,6 +102,11 @@ void register_fp8_quant_cuda(pybind11::module_& m) {
   m.def("fp8_e4m3_dequantize_rows_cuda", &fp8_e4m3_dequantize_rows_cuda, pybind11::arg("q"),
         pybind11::arg("scales"),
         "CUDA dequantize to bfloat16: (float(q[r, c]) * scales[r]).to(bfloat16).");
+#ifndef MEGARL_CUDA_ARCHS
+#define MEGARL_CUDA_ARCHS ""  // a build by other means: unknown (megarl.native then assumes they run)
+#endif
+  m.def("cuda_archs", [] { return std::string(MEGARL_CUDA_ARCHS); },
+        "What the CUDA kernels were built for, as setup.py's -gencode flags say: 'sm_80,...,compute_100'.");
 }
 
 #endif  // MEGARL_WITH_CUDA

@@ -177,7 +177,7 @@ def quantize_per_channel(
             else f"megarl._C (the C++ extension) is not available ({native._IMPORT_ERROR})")
     elif x.device.type == "cuda":
         fn = _native("fp8_e4m3_quantize_rows_cuda")
-        if fn is not None:
+        if fn is not None and native.cuda_kernels_for(x.device):
             q, scales = fn(x, min_scale)
             # The CUDA kernel does not check for inf/NaN, but a row holding one always gets a NaN
             # code (x / inf or NaN itself) and finite rows never do (saturation): same policy.
@@ -202,6 +202,6 @@ def dequantize_per_channel(q: torch.Tensor, scales: torch.Tensor, dtype: torch.d
             return fn(q if q.shape[1] <= 1 or q.stride(1) == 1 else q.contiguous(), scales, dtype)
     elif q.is_cuda and dtype == torch.bfloat16 and scales.device == q.device:
         fn = _native("fp8_e4m3_dequantize_rows_cuda")  # bf16 only; the same multiply and RNE cast
-        if fn is not None:
+        if fn is not None and native.cuda_kernels_for(q.device):
             return fn(q, scales)
     return dequantize_per_channel_ref(q, scales, dtype)

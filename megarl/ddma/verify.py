@@ -22,7 +22,7 @@ import torch
 
 from megarl.models.layouts import ParamLayout
 
-from megarl.native import _C
+from megarl.native import _C, cuda_kernels_for
 
 _W_MUL, _W_ADD, _MASK32 = 2654435761, 97, 0xFFFFFFFF
 
@@ -133,7 +133,8 @@ def checksum_segments(flat: torch.Tensor, segments: Segments) -> int:
     offs, lens, hfs = segments
     if flat.device.type == "cpu" and _C is not None and hasattr(_C, "weighted_checksum_segments"):
         return int(_C.weighted_checksum_segments(flat.contiguous(), offs, lens, hfs))
-    if flat.device.type == "cuda" and _C is not None and hasattr(_C, "weighted_checksum_segments_cuda"):
+    if (flat.device.type == "cuda" and _C is not None and hasattr(_C, "weighted_checksum_segments_cuda")
+            and cuda_kernels_for(flat.device)):
         return int(_C.weighted_checksum_segments_cuda(flat.contiguous(), offs, lens, hfs))
     return checksum_segments_torch(flat, segments)
 
