@@ -14,7 +14,7 @@ venv="${MEGARL_VENV:-$root/.venv}"
 if [[ "${1:-}" == "--check" ]]; then
   # Either stack will do: the job's config says which device it runs on.
   for f in cpu gpu; do
-    want="$(cat requirements/common.txt requirements/$f.txt setup.py $(find csrc -name "*.cpp" -o -name "*.h" -o -name "*.cu" | sort) 2>/dev/null | sha256sum | cut -c1-16)"
+    want="$(cat requirements/common.txt requirements/$f.txt setup.py megarl/cuda_archs.py $(find csrc -name "*.cpp" -o -name "*.h" -o -name "*.cu" | sort) 2>/dev/null | sha256sum | cut -c1-16)"
     if [[ -x "$venv/bin/megarl" && -f "$venv/.megarl-$f.stamp" && "$(cat "$venv/.megarl-$f.stamp")" == "$want" ]]; then
       exit 0
     fi
@@ -37,7 +37,7 @@ pip=("$venv/bin/python" -m pip)
 # Drop pip's noise about absent local index folders (this machine's pip.conf); keep everything else.
 quiet() { "$@" 2>&1 | sed '/^WARNING: Location .* is ignored/d'; }
 stamp="$venv/.megarl-$flavor.stamp"
-want="$(cat requirements/common.txt requirements/$flavor.txt setup.py $(find csrc -name "*.cpp" -o -name "*.h" -o -name "*.cu" | sort) 2>/dev/null | sha256sum | cut -c1-16)"
+want="$(cat requirements/common.txt requirements/$flavor.txt setup.py megarl/cuda_archs.py $(find csrc -name "*.cpp" -o -name "*.h" -o -name "*.cu" | sort) 2>/dev/null | sha256sum | cut -c1-16)"
 if [[ -f "$stamp" && "$(cat "$stamp")" == "$want" ]]; then
   echo "[setup] $venv is up to date ($flavor)"
   exit 0
