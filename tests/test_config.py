@@ -363,3 +363,15 @@ def test_shipped_model_configs_are_supported(name):
     if scaling:  # 3.1: factor 8, 3.2: factor 32; both 8192 original positions
         assert dict(dims.rope_scaling)["factor"] == cfg["rope_scaling"]["factor"]
     assert parallel_problems(dims, 2, 2) == []  # every shipped model splits at TP2 x PP2
+
+
+def test_dynamic_sampling_needs_groups_of_two_or_more(tmp_path, model_dir):
+    """One sample per prompt: every group's rewards are all equal, so dynamic sampling would drop
+    every group of every step. Refused in one line naming the fix; n_samples 2 loads."""
+    cfg = write(tmp_path / "c.yaml", f"model: {{path: {model_dir}}}\n")
+    (msg,) = problems_of(cfg, ["algorithm.dynamic_sampling=true", "generator.n_samples=1"])
+    assert msg.startswith("algorithm.dynamic_sampling=true: with generator.n_samples=1") and \
+        "set generator.n_samples >= 2" in msg and "\n" not in msg
+    assert load_config(cfg, ["algorithm.dynamic_sampling=true", "generator.n_samples=2"]).algorithm.dynamic_sampling
+    (msg,) = problems_of(cfg, ["algorithm.dynamic_sampling=true", "algorithm.max_refill_rounds=-1"])
+    assert "algorithm.max_refill_rounds=-1 is out of range" in msg

@@ -73,8 +73,10 @@ class AlgorithmConfig:
                                   "vary or max_refill_rounds is spent (metrics batch/dropped_groups, "
                                   "batch/refill_rounds); default False")
     max_refill_rounds: int = knob(4, help="dynamic_sampling: refill rounds a step may take (count, >= 0); a step "
-                                  "still short after them trains on the varying groups it has, or on the dropped "
-                                  "ones if none varies (logged); default 4")
+                                  "still short after them is padded back to controller.prompts_per_step groups with "
+                                  "its dropped ones (advantage 0), so the batch keeps the shape trainer.minibatches "
+                                  "and trainer.dp split (batch/padded_groups; the first such step is logged); "
+                                  "default 4")
 
     def __post_init__(self) -> None:
         problems = self.problems()

@@ -72,6 +72,10 @@ def check(cfg: MegaRLConfig, *, dry_run: bool = False, scan_data: bool = True) -
         problems.append(f"generator.max_turns={g.max_turns}: reward.env={cfg.reward.env!r} answers a reply with an "
                         f"observation, so every rollout would end truncated after its first reply; set "
                         f"generator.max_turns >= 2 (replies per rollout; the calculator recipe uses 5)")
+    if cfg.algorithm.dynamic_sampling and g.n_samples < 2:  # a group of one sample always has equal rewards
+        problems.append(f"algorithm.dynamic_sampling=true: with generator.n_samples={g.n_samples} every group's rewards "
+                        f"are all equal, so every group would be dropped; set generator.n_samples >= 2 (e.g. 4) or "
+                        f"algorithm.dynamic_sampling=false")
     if cfg.reward.env and cfg.reward.overlong_buffer > 0:  # the environment's reward is the rollout's, unshaped
         problems.append(f"reward.overlong_buffer={cfg.reward.overlong_buffer}: the overlong ramp shapes single-turn "
                         f"replies only, and reward.env={cfg.reward.env!r} scores whole multi-turn rollouts (it would "

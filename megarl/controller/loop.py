@@ -1,7 +1,8 @@
 """The controller: the one place the RL loop is written.
 
 Each step: keep up to ``max_policy_lag`` later batches generating (controller/rollouts.py), take this
-step's rollouts, score them, train, sync the weights. With ``max_policy_lag: 0`` that is the
+step's rollouts, score them, keep the groups whose rewards vary (algorithm.dynamic_sampling, refilling
+from further prompts: controller/dynamic_sampling.py), train, sync the weights. With ``max_policy_lag: 0`` that is the
 synchronous on-policy baseline; with ``k > 0`` the generator works on the next batches while the
 trainer trains (LlamaRL-style, 1..k versions of lag, corrected by the loss). The trainer's TP x PP x DP
 Megatron ranks and the generator's vLLM replicas run in their own processes; weights travel by DDMA
@@ -26,6 +27,7 @@ from typing import TYPE_CHECKING
 from megarl.config import ConfigError
 from megarl.config.placement import DevicePlan, device_plan
 from megarl.config.schema import BUILTIN_SMOLLM2, MegaRLConfig
+from megarl.controller.dynamic_sampling import DynamicSampling
 from megarl.controller.evaluation import EvalResult, StrictScorer
 from megarl.controller.prompts import PromptSource
 from megarl.controller.rollouts import RolloutQueue, prompts_crc32, trained_record
@@ -96,7 +98,8 @@ def _run_job(cfg: MegaRLConfig) -> int:
 def train(cfg: MegaRLConfig, run: RunFolder, prompts: PromptSource, trainer: Trainer, generator: Generator,
           reward: RewardScorer, weights: WeightSync, preempt: Preemption | None = None) -> None:
     """The RL loop. Each step: keep up to ``max_policy_lag`` later batches generating, take this
-    step's rollouts, score them, train, sync the weights; evaluate and checkpoint on schedule. A
+    step's rollouts, score them, keep the groups whose rewards vary (dynamic sampling: refilled from
+    further prompts), train, sync the weights; evaluate and checkpoint on schedule. A
     preemption abandons the generation wait, or lets a step past it finish, then checkpoints."""
     from megarl.batch import RolloutBatch
     from megarl.trainer.checkpoint import should_save
@@ -109,7 +112,9 @@ def train(cfg: MegaRLConfig, run: RunFolder, prompts: PromptSource, trainer: Tra
     rollouts = RolloutQueue(generator, prompts, prompts_per_step=cfg.controller.prompts_per_step,
                             n_samples=cfg.generator.n_samples, max_policy_lag=cfg.controller.max_policy_lag,
                             last_step=steps, deterministic=cfg.controller.deterministic, sync_every=cfg.sync.every)
-    resume_controller(cfg, run, trainer.step_count, rollouts)
+    sampling = DynamicSampling(enabled=cfg.algorithm.dynamic_sampling, max_refill_rounds=cfg.algorithm.max_refill_rounds,
+                               prompts_per_step=cfg.controller.prompts_per_step, run_dir=run.path)
+    resume_controller(cfg, run, trainer.step_count, rollouts, sampling)
     activity = ExecutorActivity(generator)
     turns = environment_turns(cfg, generator, prompts)  # None: single turn, each reply scored by reward.fn
     preempt = preempt or Preemption()
@@ -120,14 +125,13 @@ def train(cfg: MegaRLConfig, run: RunFolder, prompts: PromptSource, trainer: Tra
             activity.begin()
             rollouts.fill(step)  # up to max_policy_lag later batches generate while this one trains
             with timer.phase("generate"):  # waiting for this step's rollouts
-                tasks, prompt_ids, samples, lag_metrics = rollouts.take(step, trainer.step_count)
-            with preempt.deferred():  # later turns, reward, train, sync, log and save finish before a preemption
-                if turns:  # reward.env: the environment answers each reply and scores the last (controller/turns.py)
-                    with timer.phase("generate"):
-                        samples, reward_counts = turns.play(tasks, samples)
-                else:
-                    with timer.phase("reward"):
-                        reward_counts = reward.score(samples, [t.answer for t in tasks], prompts.decode) or {}
+                batch = rollouts.take(step, trainer.step_count)
+            with preempt.deferred():  # later turns, reward, refills, train, sync, log and save finish before a preemption
+                score = rollout_scorer(turns, reward, prompts, timer)
+                samples, reward_counts = score(batch.tasks, batch.samples)
+                # dynamic_sampling: all-equal groups out, further prompts in (off: the batch as it is)
+                samples, batch_metrics, sampling_record = sampling.select(step, batch, rollouts, score,
+                                                                          trainer.step_count, timer, reward_counts)
                 advantages = group_advantages(cfg, samples, [s.reward for s in samples])
                 with timer.phase("train"):
                     train_metrics = trainer.step(RolloutBatch.from_samples(samples, advantages, pad_id=prompts.pad_id))
@@ -137,10 +141,12 @@ def train(cfg: MegaRLConfig, run: RunFolder, prompts: PromptSource, trainer: Tra
                     held = trainer.step_count if pushed else held
                 sync_metrics.update({"sync/pushed": float(pushed), "sync/generator_version": float(held)})
                 times = timer.finish()
-                metrics = step_metrics(train_metrics, times, activity.end(times), sync_metrics, lag_metrics, samples,
-                                       prompt_ids)
+                metrics = step_metrics(train_metrics, times, activity.end(times), sync_metrics, batch.lag_metrics,
+                                       samples, batch.prompt_ids)
                 metrics.update(reward_counts)  # reward/timeouts, reward/errors (samples), reward/worker_deaths
+                metrics.update(batch_metrics)  # batch/dropped_groups, batch/refill_rounds, batch/padded_groups
                 run.log_samples(step, [trained_record(s) for s in samples])
+                sampling.log(sampling_record)
                 if every and (step % every == 0 or step == steps):
                     metrics.update(evaluate(generator, prompts, run, step=step))
                 if should_save(cfg.trainer, step, steps):
@@ -216,6 +222,19 @@ def start_executors(cfg: MegaRLConfig, stack: ExitStack, model_dir: Path, device
                                                       deterministic=cfg.controller.deterministic).start())
     reward = stack.enter_context(RewardPool(cfg.reward, cfg.generator.max_new_tokens))
     return trainer, generator, reward
+
+
+def rollout_scorer(turns: EnvironmentTurns | None, reward: RewardScorer, prompts: PromptSource, timer: PhaseTimer):
+    """The step's reward call: (tasks by prompt index, samples) -> (scored samples, reward counts).
+    Single turn: the reward pool scores each reply; reward.env: the environment plays the later
+    turns and scores the last (controller/turns.py), which is generation time."""
+    def score(tasks: list, samples: list[Sample]) -> tuple[list[Sample], dict[str, float]]:
+        if turns:
+            with timer.phase("generate"):
+                return turns.play(tasks, samples)
+        with timer.phase("reward"):
+            return samples, reward.score(samples, [t.answer for t in tasks], prompts.decode) or {}
+    return score
 
 
 def environment_turns(cfg: MegaRLConfig, generator: Generator, prompts: PromptSource) -> EnvironmentTurns | None:
@@ -300,12 +319,15 @@ def rollout_metrics(samples: list[Sample], gen_seconds: float) -> dict[str, floa
             "gen/mean_length": tokens / n, "gen/truncated_frac": sum(s.truncated for s in samples) / n}
 
 
-def resume_controller(cfg: MegaRLConfig, run: RunFolder, version: int, rollouts: RolloutQueue) -> None:
+def resume_controller(cfg: MegaRLConfig, run: RunFolder, version: int, rollouts: RolloutQueue,
+                      sampling: DynamicSampling | None = None) -> None:
     """After the trainer resumed at ``version``: drop what later steps of the killed run logged,
-    and put back the rollouts admitted ahead of it (controller/state.py)."""
+    and put back the rollouts admitted ahead of it with the data cursor (controller/state.py)."""
     from megarl.controller.state import load_controller_state
     from megarl.trainer.checkpoint import resume_path
 
+    if sampling is not None:
+        sampling.rewind(version)  # a fresh run (0) starts its dynamic_sampling.jsonl empty
     if version == 0:
         return
     run.rewind(version)

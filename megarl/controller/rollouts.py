@@ -13,15 +13,22 @@ counts from it (staleness.py: batches up to ``pushed_version(step - 1) + max_pol
 ``take(step, version)`` waits for that step's groups and re-checks the bound on every sample
 (``staleness.policy_lag``). A group with a token older than the bound (e.g. a partial rollout resumed
 late) is never trained on and never dropped: its prompt is generated again, and it is counted.
-Prompts of a step are a function of the step (``PromptSource.batch``), so after a resume the stream
-continues with no prompt lost or repeated.
+The prompt stream is read through one cursor, ``next_prompt`` (a position in ``PromptSource``'s fixed
+order): each admitted batch takes the next ``prompts_per_step`` prompts, and a dynamic-sampling refill
+(``refill``, megarl/controller/dynamic_sampling.py) takes the prompts after whatever was admitted
+before it, generated under the weights the generator holds. Without refills step ``s`` reads positions
+``(s - 1) * prompts_per_step ..``, as it always did. The cursor and every pending batch's first
+position are in ``state_dict``, so after a resume the stream continues with no prompt lost or repeated.
 
 ``state_dict()`` is the controller's part of a checkpoint (written beside the trainer's): the data
-cursor, the batches admitted ahead with their finished samples (tokens, logprobs, versions) and
+cursor (``next_prompt``; checkpoints of older megarl lack it: ``(next_step - 1) * prompts_per_step``), the batches admitted ahead with their finished samples (tokens, logprobs, versions) and
 their unfinished ones as partial rollouts (the rounds finished so far), and the counters.
 ``load_state_dict`` on resume puts them back: finished samples are trained exactly as they were
 generated, partial ones continue under the resumed weights, so after a kill no sample is lost or
-trained twice. Every trained sample has an id, ``s<step>p<prompt index>k<sample index>``.
+trained twice. Every trained sample has an id, ``s<step>p<prompt index>k<sample index>`` (a refill's
+prompts continue the step's indices: ``prompts_per_step``, ``prompts_per_step + 1``, ...). A refill is
+never in a checkpoint: it runs and finishes inside one step, after the preemptible wait for the step's
+batch, and a kill during it resumes from a checkpoint written before the step, whose cursor precedes it.
 
 ``deterministic`` (controller.deterministic): each group is submitted with a seed key
 (``s<step>p<prompt index>``, and a regeneration count when generated again), from which the
@@ -36,7 +43,7 @@ import dataclasses
 import logging
 import time
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from megarl.controller.prompts import PromptSource
 from megarl.controller.staleness import admission_capacity, policy_lag, pushed_version
@@ -45,6 +52,24 @@ from megarl.executors.base import Generator
 from megarl.rollout import Sample
 
 log = logging.getLogger("megarl")
+
+
+@dataclasses.dataclass
+class StepRollouts:
+    """What ``take`` and ``refill`` hand the loop: ``tasks[i]`` and ``prompt_ids[i]`` are prompt index
+    ``first_index + i`` of the step, read from stream position ``positions[i]``; ``samples`` ordered by
+    group then sample; ``lag_metrics`` (``take`` only)."""
+
+    tasks: list[Task]
+    prompt_ids: list[list[int]]
+    samples: list[Sample]
+    positions: list[int]
+    first_index: int = 0
+    lag_metrics: dict[str, float] = dataclasses.field(default_factory=dict)
+
+    def __iter__(self):
+        """Unpacks as ``take`` returned before it had stream positions: (tasks, prompt ids, samples, lag metrics)."""
+        return iter((self.tasks, self.prompt_ids, self.samples, self.lag_metrics))
 
 
 class RolloutQueue:
@@ -58,6 +83,8 @@ class RolloutQueue:
         self.sync_every = sync_every  # sync.every: the generator holds pushed_version(trainer version)
         self.deterministic = deterministic
         self.pending: dict[int, tuple[list[Task], list[list[int]], list[int]]] = {}  # step -> (tasks, ids, groups)
+        self.first_prompt: dict[int, int] = {}  # step -> stream position of its batch's first prompt
+        self.next_prompt: int | None = None  # the data cursor: stream position of the next prompt to admit
         self.pool: dict[int, list[Sample]] = collections.defaultdict(list)  # group id -> finished samples
         self.next_step: int | None = None
         self.submitted_at: dict[int, float] = {}
@@ -68,6 +95,8 @@ class RolloutQueue:
         max_policy_lag`` with sync.every 1) not yet submitted."""
         if self.next_step is None:
             self.next_step = step
+        if self.next_prompt is None:  # a fresh run (or a checkpoint's cursor restored by load_state_dict)
+            self.next_prompt = (self.next_step - 1) * self.per_step
         batch = self.per_step * self.n_samples
         # The admission rule (staleness.admission_capacity) at batch granularity, at the generator's
         # version p = pushed_version(step - 1) (= step - 1 with sync.every 1): (next_step - 1) batches
@@ -77,18 +106,45 @@ class RolloutQueue:
         held = pushed_version(step - 1, self.sync_every)
         while (self.next_step <= self.last_step and
                admission_capacity(self.lag, batch, held, accepted=(self.next_step - 1) * batch, running=0) >= batch):
-            tasks, prompt_ids = self.prompts.batch(self.next_step - 1, self.per_step)
+            tasks, prompt_ids = self._prompts_at(self.next_prompt, self.per_step)
             indices = list(range(len(prompt_ids)))
             groups = self.generator.submit(prompt_ids, self.n_samples, prompt_indices=indices,
                                            **self._seeds(self.next_step, indices))
             self.pending[self.next_step] = (tasks, prompt_ids, list(groups))
+            self.first_prompt[self.next_step] = self.next_prompt
+            self.next_prompt += self.per_step
             self.submitted_at[self.next_step] = time.monotonic()
             self.next_step += 1
 
-    def take(self, step: int,
-             trainer_version: int) -> tuple[list[Task], list[list[int]], list[Sample], dict[str, float]]:
-        """(tasks, prompt ids, samples ordered by group then sample, lag metrics) of ``step``."""
+    def take(self, step: int, trainer_version: int) -> StepRollouts:
+        """``step``'s batch: its tasks, prompt ids, stream positions, samples and lag metrics."""
         tasks, prompt_ids, groups = self.pending[step]  # popped once taken: a preempted wait keeps it in state_dict
+        samples = self._collect_fresh(step, groups, lambda index: prompt_ids[index], trainer_version)
+        del self.pending[step]
+        first = self.first_prompt.pop(step)
+        metrics = self._lag_metrics(samples, trainer_version)
+        # submit -> all samples in hand: the generation time of a synchronous step; with lag > 0 an
+        # upper bound (the batch may have finished while the trainer trained)
+        metrics["gen/batch_latency_s"] = time.monotonic() - self.submitted_at.pop(step)
+        return StepRollouts(tasks, prompt_ids, samples, list(range(first, first + len(prompt_ids))),
+                            lag_metrics=metrics)
+
+    def refill(self, step: int, count: int, first_index: int, trainer_version: int) -> StepRollouts:
+        """Dynamic sampling: ``count`` further prompts from the cursor for ``step`` (prompt indices
+        ``first_index ..``), generated now under the generator's weights; waits for their samples."""
+        tasks, prompt_ids = self._prompts_at(self.next_prompt, count)
+        positions = list(range(self.next_prompt, self.next_prompt + count))
+        self.next_prompt += count
+        indices = list(range(first_index, first_index + count))
+        groups = list(self.generator.submit(prompt_ids, self.n_samples, prompt_indices=indices,
+                                            **self._seeds(step, indices)))
+        samples = self._collect_fresh(step, groups, lambda index: prompt_ids[index - first_index], trainer_version)
+        return StepRollouts(tasks, prompt_ids, samples, positions, first_index=first_index)
+
+    def _collect_fresh(self, step: int, groups: list[int], prompt_of: Callable[[int], list[int]],
+                       trainer_version: int) -> list[Sample]:
+        """Wait for ``groups`` (edited in place), generating again any group that holds a token older
+        than the bound; their samples ordered by group then sample, each with its id."""
         while True:
             self._wait_for(groups)
             stale = [g for g in groups if any(policy_lag(s.versions, trainer_version) > self.lag
@@ -100,18 +156,20 @@ class RolloutQueue:
                         step, len(stale), self.lag)
             for g in stale:
                 index = self.pool.pop(g)[0].prompt_index
-                (new,) = self.generator.submit([prompt_ids[index]], self.n_samples, prompt_indices=[index],
+                (new,) = self.generator.submit([prompt_of(index)], self.n_samples, prompt_indices=[index],
                                                **self._seeds(step, [index], again=self.regenerated))
                 groups[groups.index(g)] = new
-        del self.pending[step]
         samples = [s for g in groups for s in sorted(self.pool.pop(g), key=lambda s: s.sample_index)]
         for s in samples:
             s.uid = sample_id(step, s.prompt_index, s.sample_index)
-        metrics = self._lag_metrics(samples, trainer_version)
-        # submit -> all samples in hand: the generation time of a synchronous step; with lag > 0 an
-        # upper bound (the batch may have finished while the trainer trained)
-        metrics["gen/batch_latency_s"] = time.monotonic() - self.submitted_at.pop(step)
-        return tasks, prompt_ids, samples, metrics
+        return samples
+
+    def _prompts_at(self, first: int, count: int) -> tuple[list[Task], list[list[int]]]:
+        """(tasks, prompt ids) at stream positions ``first .. first + count - 1``."""
+        if first % count == 0:  # on a batch boundary (always without refills): the step's batch as it always was
+            return self.prompts.batch(first // count, count)
+        rows = [self.prompts.batch(position, 1) for position in range(first, first + count)]
+        return [t for ts, _ in rows for t in ts], [ids for _, idss in rows for ids in idss]
 
     def _seeds(self, step: int, indices: list[int], again: int = 0) -> dict:
         """``submit``'s seed keys in deterministic mode (none otherwise)."""
@@ -132,7 +190,9 @@ class RolloutQueue:
             self.pool[s.group_id].append(s)
         groups = {g for _, _, gs in self.pending.values() for g in gs}
         return {"format": 1, "next_step": self.next_step, "regenerated": self.regenerated,
-                "pending": {step: {"groups": list(gs), "prompts_crc32": prompts_crc32(ids)}
+                "next_prompt": self.next_prompt,
+                "pending": {step: {"groups": list(gs), "prompts_crc32": prompts_crc32(ids),
+                                   "first_prompt": self.first_prompt[step]}
                             for step, (_, ids, gs) in self.pending.items()},
                 "finished": {g: [dataclasses.asdict(s) for s in self.pool.get(g, [])] for g in groups},
                 "unfinished": self.generator.snapshot(groups)}
@@ -145,12 +205,15 @@ class RolloutQueue:
         old_groups = [g for p in state["pending"].values() for g in p["groups"]]
         new_id = self.generator.restore(state["unfinished"], groups=old_groups)
         for step, p in sorted(state["pending"].items()):
-            tasks, prompt_ids = self.prompts.batch(int(step) - 1, self.per_step)
+            # without the key: a checkpoint of an older megarl, whose steps read the stream by step
+            first = p.get("first_prompt", (int(step) - 1) * self.per_step)
+            tasks, prompt_ids = self._prompts_at(first, self.per_step)
             if prompts_crc32(prompt_ids) != p["prompts_crc32"]:
                 raise ValueError(f"step {step}: the prompts differ from the checkpoint's (CRC {prompts_crc32(prompt_ids)} != "
                                  f"{p['prompts_crc32']}); data.* changed since it was written; resume with the same "
                                  f"data settings or start a new run")
             self.pending[int(step)] = (tasks, prompt_ids, [new_id[g] for g in p["groups"]])
+            self.first_prompt[int(step)] = first
             self.submitted_at[int(step)] = time.monotonic()
         finished = 0
         for g, rows in state["finished"].items():
@@ -158,6 +221,7 @@ class RolloutQueue:
                 self.pool[new_id[int(g)]].append(Sample(**{**row, "group_id": new_id[int(g)]}))
                 finished += 1
         self.next_step, self.regenerated = state["next_step"], state["regenerated"]
+        self.next_prompt = state.get("next_prompt")  # None (older checkpoint): fill derives it from next_step
         return {"batches": len(state["pending"]), "finished": finished, "unfinished": len(state["unfinished"])}
 
     def _lag_metrics(self, samples: Sequence[Sample], trainer_version: int) -> dict[str, float]:
@@ -185,4 +249,4 @@ def prompts_crc32(prompt_ids: Sequence[Sequence[int]]) -> int:
     return zlib.crc32(repr([list(p) for p in prompt_ids]).encode())
 
 
-__all__ = ["RolloutQueue", "prompts_crc32", "sample_id", "trained_record"]
+__all__ = ["RolloutQueue", "StepRollouts", "prompts_crc32", "sample_id", "trained_record"]
