@@ -12,13 +12,24 @@ hidden (megarl's CPU compat layer on). Compared, GPU against CPU:
   log-softmax adds as much times |logprob|: |lp_gpu - lp_cpu| <= 2 * 12 * u * (1 + |lp|) ~ 0.094 *
   (1 + |lp|). The step (Adam, lr 1e-5) moves each weight by ~1e-5, far below that.
 - the loss, within the same bound.
+- the optimizer step itself, which the logprobs cannot see (a bf16 weight's ulp is ~1e-3 at the weights'
+  scale, the step 1e-5: the bf16 weights do not change, and a no-op CUDA step passed the logprob bounds).
+  So the fp32 master weights are read before and after the step (use_distributed_optimizer off:
+  Float16OptimizerWithFloat16Params keeps them whole in fp32_from_float16_groups). Adam's first update
+  is -lr * g / (|g| + eps) (m = g, v = g^2 after bias correction), so every weight whose gradient is
+  not below eps (1e-8) moves by between lr/2 and lr. Required on the GPU: of the weights the CPU step
+  moved by >= lr/2, at least 99% moved by >= lr/2 there too (a bf16 gradient can cancel to below eps
+  where the CPU's did not: rare, hence the 1%), and none by more than lr (plus fp32 rounding of the
+  weight: 2^-24 * |w| <= 2^-24 * 2 here). The fraction whose direction agrees with the CPU's is
+  reported beside it.
 
 Then, in the CUDA process, ``make_sender`` over the trainer's live parameters (the DDP buffers)
 syncs into a cuda_ipc receiver in another process, checksums on; the receiver's landed tensors must
 equal the plan executed on CPU from the trainer's own HF weights, bit for bit.
 
 Prints one JSON line; exit 1 on failure. ``MEGARL_GPU_CHECK_PLANT=trainer`` perturbs the GPU logprobs
-by 10x the bound (the check must fail). ``--cpu-dry``: CPU against CPU, the four CUDA IPC calls on host
+by 10x the bound, ``MEGARL_GPU_CHECK_PLANT=step`` undoes the GPU's update of the master weights (a no-op
+step): the check must fail either way. ``--cpu-dry``: CPU against CPU, the four CUDA IPC calls on host
 memory (control flow only).
 """
 
@@ -37,6 +48,8 @@ sys.path.insert(0, REPO)
 U = 2.0 ** -8
 DEPTH = 12
 REL = 2 * DEPTH * U
+LR = 1e-5       # the step's learning rate: far below REL, so the logprobs cannot see the step
+MOVED_MIN = 0.99  # the step check's floor (module doc)
 CONFIG = dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=64, intermediate_size=128,
               num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2, vocab_size=512,
               rms_norm_eps=1e-5, tie_word_embeddings=False, max_position_embeddings=128, rope_theta=10000.0,
@@ -75,6 +88,31 @@ def _batch():
                                        advantages=[1.0, -1.0, 1.0, -1.0], versions=[[0] * n for n in lengths])
 
 
+def master_weights(optimizer):
+    """The fp32 master copies of the bf16 parameters, concatenated on the CPU (megatron's
+    Float16OptimizerWithFloat16Params, inside a ChainedOptimizer or not)."""
+    import torch
+
+    parts = []
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        for group in opt.fp32_from_float16_groups:
+            parts += [p.detach().float().reshape(-1).cpu() for p in group]
+    if not parts:
+        raise RuntimeError(f"{type(optimizer).__name__} holds no fp32 master weights (bf16 parameters expected)")
+    return torch.cat(parts)
+
+
+def step_check(cpu_delta, gpu_delta) -> dict:
+    """The optimizer step's figures (see the module doc): moved_frac must reach MOVED_MIN, overshoot 0."""
+    moved_cpu = cpu_delta.abs() >= LR / 2
+    moved_gpu = gpu_delta.abs() >= LR / 2
+    n = max(int(moved_cpu.sum()), 1)
+    return {"step_moved_by_cpu": int(moved_cpu.sum()),
+            "step_moved_frac": float((moved_gpu & moved_cpu).sum()) / n,
+            "step_overshoot": int((gpu_delta.abs() > LR * (1 + 1e-3) + 2 * 2.0 ** -24).sum()),
+            "step_same_direction_frac": float(((gpu_delta.sign() == cpu_delta.sign()) & moved_cpu).sum()) / n}
+
+
 def _receiver(spec, out_path, dry, q):
     try:
         import torch
@@ -105,13 +143,16 @@ def child(device: str, model_dir: str, out_path: str, dry: bool) -> None:
 
     assert (device == "cuda") == torch.cuda.is_available(), f"{device} run, CUDA available: {torch.cuda.is_available()}"
     torch.backends.cuda.matmul.allow_tf32 = False
-    cfg = TrainerConfig(params_dtype="bfloat16", micro_batch_size=4, lr=1e-5, logprob_temperature=1.0)
+    cfg = TrainerConfig(params_dtype="bfloat16", micro_batch_size=4, lr=LR, logprob_temperature=1.0,
+                        use_distributed_optimizer=False, grad_clip=0.0)  # the master weights whole, the update pure Adam
     trainer = LocalTrainer(cfg, AlgorithmConfig(), model_dir, total_steps=2, run_dir=os.path.dirname(out_path))
     out: dict = {}
     try:
         batch = _batch()
         out["before"] = trainer.logprobs(batch, 1.0).float().cpu()
+        master_before = master_weights(trainer.objs.optimizer)
         metrics = trainer.step(batch)
+        out["master_delta"] = master_weights(trainer.objs.optimizer) - master_before
         out["loss"] = float(metrics.get("loss", float("nan")))
         out["after"] = trainer.logprobs(batch, 1.0).float().cpu()
         out["param_device"] = str(next(trainer.model.parameters()).device)
@@ -165,7 +206,7 @@ def main() -> int:
     import torch
 
     dry = "--cpu-dry" in sys.argv
-    plant = os.environ.get("MEGARL_GPU_CHECK_PLANT") == "trainer"
+    plant = os.environ.get("MEGARL_GPU_CHECK_PLANT", "")
     res = {}
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = os.path.join(tmp, "model")
@@ -182,8 +223,10 @@ def main() -> int:
                 return 1
             res[len(res)] = torch.load(path)
     cpu, gpu = res[0], res[1]
-    if plant:
+    if plant == "trainer":
         gpu["before"] = gpu["before"] + 10 * REL * (1 + gpu["before"].abs())
+    if plant == "step":
+        gpu["master_delta"] = torch.zeros_like(gpu["master_delta"])
     out, ok = {"bound_rel": REL, "gpu_param_device": gpu["param_device"]}, True
     mask = _batch().loss_mask.bool()
     for k in ("before", "after"):
@@ -192,6 +235,9 @@ def main() -> int:
         out[f"logprobs_{k}_max_err"] = float(err.max())
         out[f"logprobs_{k}_worst_ratio"] = float((err / allowed).max())
         ok &= bool((err <= allowed).all())
+    step = step_check(cpu["master_delta"], gpu["master_delta"])
+    out.update(step)
+    ok &= step["step_moved_by_cpu"] > 0 and step["step_moved_frac"] >= MOVED_MIN and step["step_overshoot"] == 0
     out["loss_cpu"], out["loss_gpu"] = cpu["loss"], gpu["loss"]
     ok &= abs(cpu["loss"] - gpu["loss"]) <= REL * (1 + abs(cpu["loss"]))
     ok &= dry or gpu["param_device"].startswith("cuda")
