@@ -206,12 +206,18 @@ def _restore_adam_steps(optimizer: Any, step: Optional[int]) -> None:
         raise CheckpointError(f"restoring the Adam step count failed: wanted {step}, have {got}")
 
 
-def _sharded_state(model_chunks: list, optimizer: Any, is_loading: bool, optim_sharding: str = OPTIM_SHARDING) -> dict:
+def _sharded_state(model_chunks: list, optimizer: Any, is_loading: bool, optim_sharding: str = OPTIM_SHARDING,
+                   saved_keys: set | None = None) -> dict:
+    """The model's (and optimizer's) sharded state, every parameter under its TE-spec key (spec_keys.py:
+    a checkpoint moves between the TE and the local spec); ``saved_keys``: the checkpoint's, when loading."""
+    from megarl.trainer.spec_keys import te_keys
+
     meta = {"distrib_optim_sharding_type": optim_sharding, "singleton_local_shards": False,
             "chained_optim_avoid_prefix": True}
     if len(model_chunks) != 1:
         raise CheckpointError("checkpointing supports one model chunk per rank (no virtual PP)")
     model_sd = unwrap(model_chunks[0]).sharded_state_dict(metadata=meta)
+    te_keys(model_chunks[0], model_sd, saved_keys)
     out = {"model": model_sd}
     if optimizer is not None:
         out["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=is_loading,
@@ -545,7 +551,9 @@ def load_checkpoint(path: str | Path, *, model: list, optimizer: Any = None, sch
                 if hasattr(sub, "_init_optimizer_states_with_dummy_values"):  # DistributedOptimizer
                     sub._init_optimizer_states_with_dummy_values()
     t0 = time.monotonic()
-    sharded = _sharded_state(model, optimizer, is_loading=True, optim_sharding=optim_sharding)
+    saved_keys = set(dist_checkpointing.load_tensors_metadata(str(step_dir / "dist")))
+    sharded = _sharded_state(model, optimizer, is_loading=True, optim_sharding=optim_sharding,
+                             saved_keys=saved_keys)
     loaded = dist_checkpointing.load(sharded, str(step_dir / "dist"))
     if not same_layout:
         log.info("checkpoint: resharded %s from %s to %s", "model and optimizer" if optimizer is not None

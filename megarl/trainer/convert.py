@@ -31,6 +31,7 @@ from megarl.trainer.checkpoint import (EXTRA_DIR, LATEST, CheckpointError, check
 from megarl.models.dims import HF_KEYS
 from megarl.models.layouts import ModelDims, ParamLayout, hf_to_local, local_param_layouts, local_to_hf
 from megarl.trainer.model import DEFAULT_VOCAB_DIVISIBLE_BY, read_hf_config
+from megarl.trainer.spec_keys import te_keys
 
 log = logging.getLogger(__name__)
 
@@ -150,7 +151,9 @@ def save_model_checkpoint(model, out_dir: str | Path, hf_config: dict, hf_dtype:
     out.mkdir(parents=True, exist_ok=True)
     m = unwrap(model)
     use_in_process_write_queue()  # same writer setup as training checkpoints (no Manager process)
-    dist_checkpointing.save({MODEL_KEY: m.sharded_state_dict()}, str(out))
+    sharded = m.sharded_state_dict()
+    te_keys(m, sharded)  # the TE spec's keys under either spec (megarl/trainer/spec_keys.py)
+    dist_checkpointing.save({MODEL_KEY: sharded}, str(out))
     torch.distributed.barrier()
     if torch.distributed.get_rank() == 0:
         if extra_from is not None:
@@ -178,8 +181,9 @@ def load_model_checkpoint(model, mcore_dir: str | Path) -> dict:
     meta = read_meta(mcore_dir)
     m = unwrap(model)
     check_config_matches(m.megarl_dims, meta["hf_config"], str(mcore_dir))
-    sharded = {MODEL_KEY: m.sharded_state_dict()}
-    loaded = dist_checkpointing.load(sharded, str(mcore_dir))
+    model_sd = m.sharded_state_dict()
+    te_keys(m, model_sd, set(dist_checkpointing.load_tensors_metadata(str(mcore_dir))))
+    loaded = dist_checkpointing.load({MODEL_KEY: model_sd}, str(mcore_dir))
     m.load_state_dict(loaded[MODEL_KEY], strict=True)
     model_local_params(m)  # re-check shapes after loading
     return meta
