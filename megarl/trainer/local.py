@@ -106,6 +106,12 @@ class RankTrainer:
                                             scheduler=self.objs.scheduler, load_rng=cfg.resume_optimizer)
 
     @property
+    def micro_batching(self) -> dict:
+        """How every logprob and training pass forms its micro-batches (trainer.packing,
+        trainer.max_tokens_per_micro_batch; trainer.micro_batch_size is passed beside it)."""
+        return {"packing": self.cfg.packing, "max_tokens_per_micro_batch": self.cfg.max_tokens_per_micro_batch}
+
+    @property
     def step_count(self) -> int:
         """Optimizer steps taken so far (= the policy version the weights represent)."""
         return self.progress.step
@@ -120,12 +126,12 @@ class RankTrainer:
         if self.writer is not None:
             self.writer.poll()  # commit a finished background write (collective: every rank steps)
         batch, prep = prepare_batch(self.objs, self.ref_model, batch, self.algo, self.cfg.micro_batch_size,
-                                    self.cfg.logprob_temperature)
+                                    self.cfg.logprob_temperature, **self.micro_batching)
         with self.router_stats.counting():
             metrics = train_step(self.objs, batch, loss_name=self.algo.loss, loss_params=loss_params(self.algo),
                                  micro_batch_size=self.cfg.micro_batch_size,
                                  temperature=self.cfg.logprob_temperature, current_version=self.progress.step,
-                                 minibatches=self.cfg.minibatches, epochs=self.cfg.epochs)
+                                 minibatches=self.cfg.minibatches, epochs=self.cfg.epochs, **self.micro_batching)
         metrics.update(prep)
         metrics.update(self.router_stats.metrics())
         self.progress.step += 1
@@ -138,7 +144,8 @@ class RankTrainer:
         from megarl.trainer.logprobs import compute_logprobs
 
         t = self.cfg.logprob_temperature if temperature is None else float(temperature)
-        return compute_logprobs(self.model, batch, micro_batch_size=self.cfg.micro_batch_size, temperature=t).logprobs
+        return compute_logprobs(self.model, batch, micro_batch_size=self.cfg.micro_batch_size, temperature=t,
+                                **self.micro_batching).logprobs
 
     def topology(self):
         """This trainer's layout as the DDMA planner describes it (``TrainerTopology``)."""

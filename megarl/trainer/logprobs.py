@@ -95,27 +95,55 @@ def valid_token_mask(batch: RolloutBatch) -> torch.Tensor:
     return (pos >= 1) & (pos < batch.lengths.unsqueeze(1))
 
 
-def run_pipeline(model, micro_batches: list[RolloutBatch],
-                 on_logits: Callable[[RolloutBatch, torch.Tensor], tuple], forward_only: bool) -> list:
-    """Run megatron's forward(-backward) schedule over the micro-batches. ``on_logits(mb, logits)``
-    runs on the last PP stage and returns megatron's loss-func tuple; returns the schedule's
-    per-micro-batch outputs (non-empty on the last stage only)."""
+def aligned_logprobs(logits: torch.Tensor, mb: RolloutBatch, layout, vocab_size: int, temperature: float = 1.0,
+                     with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`token_logprobs` of a micro-batch in its padded ``[b, s]`` layout, whether the model saw
+    it padded (``layout`` None) or packed (a :class:`~megarl.trainer.packing.PackedLayout`, whose
+    result is gathered back; 0 at position 0 and on padding)."""
+    if layout is None:
+        return token_logprobs(logits, mb.input_ids, vocab_size, temperature, with_entropy)
+    lp, ent = token_logprobs(logits, layout.input_ids, vocab_size, temperature, with_entropy)
+    return layout.unpack(lp), (None if ent is None else layout.unpack(ent))
+
+
+def uses_thd(model) -> bool:
+    """Whether packed sequences go through megatron-core's THD path (transformer-engine layer spec)
+    rather than the explicit block-diagonal mask (the local spec, CPU)."""
+    from megarl.trainer.model import unwrap
+
+    return getattr(unwrap(model), "megarl_norm_style", "local") == "te"
+
+
+def run_pipeline(model, micro_batches: list[RolloutBatch], on_logits: Callable[..., tuple], forward_only: bool,
+                 packing: bool = False) -> list:
+    """Run megatron's forward(-backward) schedule over the micro-batches. ``on_logits(mb, logits,
+    layout)`` runs on the last PP stage and returns megatron's loss-func tuple (``layout``: None, or
+    the micro-batch's packing when ``packing``; :func:`aligned_logprobs` takes both); returns the
+    schedule's per-micro-batch outputs (non-empty on the last stage only). Every PP stage packs the
+    same rows the same way (deterministic), so the stages agree on the shapes."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from megarl.trainer.packing import pack
 
     device = next(model.parameters()).device
     micro_batches = [mb.to(device) for mb in micro_batches]
+    thd = packing and uses_thd(model)
+    layouts = [pack(mb.input_ids, mb.lengths, thd=thd) if packing else None for mb in micro_batches]
+    shapes = [tuple(lay.input_ids.shape) if lay is not None else tuple(mb.input_ids.shape)
+              for mb, lay in zip(micro_batches, layouts)]
 
     def forward_step(data_iterator, model_chunk):
-        mb = next(data_iterator)
-        return model_chunk(**mb.model_inputs()), functools.partial(on_logits, mb)
+        mb, layout = next(data_iterator)
+        inputs = mb.model_inputs() if layout is None else layout.model_inputs()
+        return model_chunk(**inputs), functools.partial(on_logits, mb, layout=layout)
 
     return get_forward_backward_func()(
         forward_step_func=forward_step,
-        data_iterator=iter(micro_batches),
+        data_iterator=iter(list(zip(micro_batches, layouts))),
         model=[model],
         num_microbatches=len(micro_batches),
-        seq_length=max(mb.input_ids.shape[1] for mb in micro_batches),
-        micro_batch_size=max(mb.batch_size for mb in micro_batches),
+        seq_length=max(s for _, s in shapes),
+        micro_batch_size=max(b for b, _ in shapes),
         forward_only=forward_only,
     )
 
@@ -142,6 +170,41 @@ def dp_share(batch: RolloutBatch) -> RolloutBatch:
     return batch.select(slice(rank * per, (rank + 1) * per))
 
 
+def dp_rows(batch: RolloutBatch, balance_tokens: bool) -> list[torch.Tensor]:
+    """Every DP rank's rows of the global batch (ascending indices), the same list on every rank:
+    contiguous equal slices (rows must divide by dp), or with ``balance_tokens`` a balanced
+    partition of the sequence lengths (token counts within the longest sequence of each other; row
+    counts may differ; needs rows >= dp)."""
+    from megatron.core import parallel_state as ps
+
+    from megarl.trainer.packing import balanced_partition
+
+    dp = ps.get_data_parallel_world_size()
+    if not balance_tokens:
+        if batch.batch_size % dp:
+            raise ValueError(f"batch of {batch.batch_size} sequences does not split over data parallel size "
+                             f"dp={dp}: make the global batch a multiple of dp")
+        per = batch.batch_size // dp
+        return [torch.arange(r * per, (r + 1) * per) for r in range(dp)]
+    if batch.batch_size < dp:
+        raise ValueError(f"batch of {batch.batch_size} sequences is smaller than the data parallel size dp={dp}")
+    return [torch.tensor(p, dtype=torch.long) for p in balanced_partition(batch.lengths.tolist(), dp)]
+
+
+def micro_batch_rows(batch: RolloutBatch, micro_batch_size: int, max_tokens: int = 0) -> list[torch.Tensor]:
+    """Row indices of ``batch``'s micro-batches: ``micro_batch_size`` consecutive rows each, or with
+    ``max_tokens`` > 0 formed by length, each at most ``max_tokens`` real tokens (a longer sequence
+    alone). Deterministic, so the PP stages of a pipeline (which see the same rows) agree on the count."""
+    from megarl.trainer.packing import token_budget_groups
+
+    if max_tokens <= 0:
+        if micro_batch_size < 1:
+            raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
+        return [torch.arange(i, min(i + micro_batch_size, batch.batch_size))
+                for i in range(0, batch.batch_size, micro_batch_size)]
+    return [torch.tensor(g, dtype=torch.long) for g in token_budget_groups(batch.lengths.tolist(), max_tokens)]
+
+
 @dataclasses.dataclass
 class LogprobOutput:
     """Token-aligned [B, S] tensors (zero where there is no logprob: position 0 and padding)."""
@@ -152,48 +215,57 @@ class LogprobOutput:
 
 @torch.no_grad()
 def compute_logprobs(model, batch: RolloutBatch, *, micro_batch_size: int = 8, temperature: float = 1.0,
-                     with_entropy: bool = False) -> LogprobOutput:
+                     with_entropy: bool = False, packing: bool = False,
+                     max_tokens_per_micro_batch: int = 0) -> LogprobOutput:
     """Logprobs of ``batch.input_ids`` under ``model``. Every trainer rank calls this with the same
-    batch and gets the whole result; DP replicas each compute their share of the rows (when the
-    rows divide by dp) and exchange results."""
+    batch and gets the whole result; DP replicas each compute their share of the rows (contiguous
+    when the rows divide by dp; token-balanced with a token budget, when rows >= dp) and exchange
+    results. ``packing`` and ``max_tokens_per_micro_batch``: ``trainer.packing`` and
+    ``trainer.max_tokens_per_micro_batch``."""
     from megatron.core import parallel_state as ps
 
     from megarl.trainer.model import unwrap
 
     dp = ps.get_data_parallel_world_size()
-    split = dp > 1 and batch.batch_size % dp == 0
-    local = dp_share(batch) if split else batch
+    balance = max_tokens_per_micro_batch > 0
+    split = dp > 1 and (batch.batch_size >= dp if balance else batch.batch_size % dp == 0)
+    shares = dp_rows(batch, balance) if split else [torch.arange(batch.batch_size)]
+    mine = shares[ps.get_data_parallel_rank()] if split else shares[0]
+    local = batch.select(mine)
 
     vocab = unwrap(model).megarl_dims.vocab_size
     was_training = model.training
     model.eval()
 
-    def on_logits(mb: RolloutBatch, logits: torch.Tensor):
-        lp, ent = token_logprobs(logits, mb.input_ids, vocab, temperature, with_entropy)
+    def on_logits(mb: RolloutBatch, logits: torch.Tensor, layout=None):
+        lp, ent = aligned_logprobs(logits, mb, layout, vocab, temperature, with_entropy)
         out = {"logprobs": lp}
         if ent is not None:
             out["entropy"] = ent
         return torch.zeros(()), out
 
+    micro_rows = micro_batch_rows(local, micro_batch_size, max_tokens_per_micro_batch)
+    micro = [local.select(rows) for rows in micro_rows]
     try:
-        results = run_pipeline(model, local.micro_batches(micro_batch_size), on_logits, forward_only=True)
+        results = run_pipeline(model, micro, on_logits, forward_only=True, packing=packing)
     finally:
         model.train(was_training)
-    b, s = local.batch_size, batch.input_ids.shape[1]
+    width = max(len(r) for r in shares)  # all-gather needs one shape: pad to the largest share
+    s = batch.input_ids.shape[1]
     names = ["logprobs"] + (["entropy"] if with_entropy else [])
-    full = {n: torch.zeros(b, s) for n in names}
-    row = 0
-    for res in results:  # last stage only
+    full = {n: torch.zeros(width, s) for n in names}
+    for res, rows in zip(results, micro_rows):  # last stage only
         for n in names:
-            t = res[n]
-            full[n][row:row + t.shape[0], :t.shape[1]] = t
-        row += res["logprobs"].shape[0]
+            t = res[n].cpu()
+            full[n][rows, :t.shape[1]] = t
     valid = valid_token_mask(batch)
     for n in names:
         t = broadcast_from_last_stage(full[n])
         if split:
             parts = [torch.empty_like(t) for _ in range(dp)]
             torch.distributed.all_gather(parts, t, group=ps.get_data_parallel_group())
-            t = torch.cat(parts)
+            t = torch.zeros(batch.batch_size, s)
+            for rows, part in zip(shares, parts):
+                t[rows] = part[:len(rows)]
         full[n] = t * valid
     return LogprobOutput(full["logprobs"], full.get("entropy"))

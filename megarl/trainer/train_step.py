@@ -8,7 +8,8 @@ proximal and reference logprobs from :func:`prepare_batch`), so later updates se
 away from it: that is where the PPO-family clips act.
 
 One update: every trainer rank calls :func:`train_update` with the same minibatch; DP rank ``r``
-trains on its contiguous share of the rows, split into micro-batches (gradient accumulation),
+trains on its share of the rows (contiguous, or token-balanced under a token budget), split into
+micro-batches (gradient accumulation; packed with ``trainer.packing``),
 through megatron's forward-backward pipeline schedule, then megatron DDP reduces the gradients and
 the (distributed) optimizer clips and steps, and the LR scheduler advances (it counts updates).
 
@@ -29,7 +30,7 @@ from typing import Any
 import torch
 
 from megarl.batch import RolloutBatch
-from megarl.trainer.logprobs import dp_share, run_pipeline, token_logprobs
+from megarl.trainer.logprobs import aligned_logprobs, dp_rows, dp_share, micro_batch_rows, run_pipeline  # noqa: F401 (dp_share: tools/bench_trainer.py)
 
 # How a step's updates reduce to the step's metrics: every loss metric is the mean over the step's
 # updates weighted by each update's loss tokens; "tokens" counts one pass over the batch; the
@@ -79,7 +80,8 @@ def _broadcast_metrics(metrics: dict | None) -> dict:
 
 def train_step(objs, batch: RolloutBatch, *, loss_name: str, loss_params: dict[str, Any] | None = None,
                micro_batch_size: int, temperature: float = 1.0, current_version: int | None = None,
-               minibatches: int = 1, epochs: int = 1) -> dict:
+               minibatches: int = 1, epochs: int = 1, packing: bool = False,
+               max_tokens_per_micro_batch: int = 0) -> dict:
     """A step on ``batch`` (the same global batch on every trainer rank): ``epochs`` passes over its
     ``minibatches`` (split along prompt groups), one :func:`train_update` each. Returns the step's
     metrics (on every rank): ``updates``, ``grad_norm_max`` and each update's metrics reduced over the
@@ -89,7 +91,8 @@ def train_step(objs, batch: RolloutBatch, *, loss_name: str, loss_params: dict[s
     parts = batch.minibatches(minibatches)
     updates = [train_update(objs, part, loss_name=loss_name, loss_params=loss_params,
                             micro_batch_size=micro_batch_size, temperature=temperature,
-                            current_version=current_version)
+                            current_version=current_version, packing=packing,
+                            max_tokens_per_micro_batch=max_tokens_per_micro_batch)
                for _ in range(epochs) for part in parts]
     return reduce_updates(updates, per_pass=len(parts))
 
@@ -121,7 +124,8 @@ def reduce_updates(updates: list[dict], per_pass: int) -> dict:
 
 
 def train_update(objs, batch: RolloutBatch, *, loss_name: str, loss_params: dict[str, Any] | None = None,
-                 micro_batch_size: int, temperature: float = 1.0, current_version: int | None = None) -> dict:
+                 micro_batch_size: int, temperature: float = 1.0, current_version: int | None = None,
+                 packing: bool = False, max_tokens_per_micro_batch: int = 0) -> dict:
     """One optimizer update on ``batch`` (a minibatch; the same on every trainer rank).
 
     Args:
@@ -131,6 +135,12 @@ def train_update(objs, batch: RolloutBatch, *, loss_name: str, loss_params: dict
         micro_batch_size: sequences per forward/backward on one DP rank.
         temperature: logits are divided by it before log-softmax (see ``logprobs.py`` convention).
         current_version: the policy version being trained (staleness metrics, a3po).
+        packing: pack each micro-batch's sequences (``trainer.packing``).
+        max_tokens_per_micro_batch: > 0: micro-batches formed by length within this many tokens and
+            DP shares balanced by tokens (``trainer.max_tokens_per_micro_batch``); DP ranks may then
+            run different numbers of micro-batches: each scales its losses by its own count below
+            (megatron divides by the local count), DDP reduces the gradients once per update
+            whatever the count, and the stats/metrics reductions are one collective per rank.
     Returns (on every rank): ``loss`` (the whole minibatch's loss), ``grad_norm``, ``lr``,
     ``update_successful``, ``skipped`` (1 when a NaN/inf loss or gradient skipped the update) and
     ``skipped_steps`` (the run's total so far), ``tokens`` (loss tokens), ``micro_batches`` and the loss's metrics
@@ -154,17 +164,20 @@ def train_update(objs, batch: RolloutBatch, *, loss_name: str, loss_params: dict
     denominator = _global_denominator(batch, aggregation)
     (model,) = objs.model
     vocab = unwrap(model).megarl_dims.vocab_size
-    micro = dp_share(batch).micro_batches(micro_batch_size)
+    balance = max_tokens_per_micro_batch > 0
+    local = batch.select(dp_rows(batch, balance)[ps.get_data_parallel_rank()])
+    micro = [local.select(rows) for rows in micro_batch_rows(local, micro_batch_size, max_tokens_per_micro_batch)]
     scale = len(micro) * ps.get_data_parallel_world_size()  # undo megatron's 1/num_mb and DDP's 1/dp
     # a3po with algorithm.prox_check: the recomputed prox is only compared with its approximation
     compare_prox = getattr(get_loss(loss_name), "approximates_prox", False)
-    stats = minibatch_stats(model, micro, loss_name, params, vocab, temperature) if has_batch_sums(loss_name) else None
+    stats = (minibatch_stats(model, micro, loss_name, params, vocab, temperature, packing)
+             if has_batch_sums(loss_name) else None)
     sums: dict[str, float] = {}
     weight = 0.0
 
-    def on_logits(mb: RolloutBatch, logits: torch.Tensor):
+    def on_logits(mb: RolloutBatch, logits: torch.Tensor, layout=None):
         nonlocal weight
-        logprobs, entropy = token_logprobs(logits, mb.input_ids, vocab, temperature, with_entropy=with_entropy)
+        logprobs, entropy = aligned_logprobs(logits, mb, layout, vocab, temperature, with_entropy=with_entropy)
         loss, metrics = policy_loss(
             loss_name, logprobs=logprobs, behav_logprobs=mb.behav_logprobs, advantages=mb.advantages,
             mask=mb.loss_mask, prox_logprobs=None if compare_prox else mb.prox_logprobs, versions=mb.versions,
@@ -182,7 +195,7 @@ def train_update(objs, batch: RolloutBatch, *, loss_name: str, loss_params: dict
         return loss * scale, {}
 
     model.train()
-    run_pipeline(model, micro, on_logits, forward_only=False)
+    run_pipeline(model, micro, on_logits, forward_only=False, packing=packing)
     metrics = _reduce_metrics(sums, weight) if ps.is_pipeline_last_stage() else None
     metrics = _broadcast_metrics(metrics)
     step = optimizer_step(objs, loss=metrics.get("loss", 0.0))  # a NaN/inf loss or gradient: skipped
@@ -193,7 +206,7 @@ def train_update(objs, batch: RolloutBatch, *, loss_name: str, loss_params: dict
 
 
 def minibatch_stats(model, micro: list[RolloutBatch], loss_name: str, params: dict, vocab: int,
-                    temperature: float) -> dict[str, float] | None:
+                    temperature: float, packing: bool = False) -> dict[str, float] | None:
     """The statistic a loss decides on (``loss_batch_sums``, e.g. VACO's TV), summed over this DP
     rank's micro-batches and then over DP ranks: a no-grad forward pass over the minibatch at the
     current weights, before the update's own pass (which sees the same weights, so the same
@@ -205,8 +218,8 @@ def minibatch_stats(model, micro: list[RolloutBatch], loss_name: str, params: di
 
     sums: dict[str, float] = {}
 
-    def on_logits(mb: RolloutBatch, logits: torch.Tensor):
-        logprobs, _ = token_logprobs(logits, mb.input_ids, vocab, temperature)
+    def on_logits(mb: RolloutBatch, logits: torch.Tensor, layout=None):
+        logprobs, _ = aligned_logprobs(logits, mb, layout, vocab, temperature)
         for k, v in loss_batch_sums(loss_name, logprobs=logprobs, behav_logprobs=mb.behav_logprobs,
                                     mask=mb.loss_mask, prox_logprobs=mb.prox_logprobs,
                                     tis=params.get("tis", "none")).items():
@@ -214,7 +227,7 @@ def minibatch_stats(model, micro: list[RolloutBatch], loss_name: str, params: di
         return torch.zeros(()), {}
 
     with torch.no_grad():
-        run_pipeline(model, micro, on_logits, forward_only=True)
+        run_pipeline(model, micro, on_logits, forward_only=True, packing=packing)
     if not ps.is_pipeline_last_stage():
         return None
     keys = sorted(sums)  # the loss's fixed names: the same on every DP rank of the last stage
@@ -241,7 +254,8 @@ def build_reference_model(model_dir, params_dtype: torch.dtype = torch.float32):
 
 
 def prepare_batch(objs, ref_model, batch: RolloutBatch, algo_cfg, micro_batch_size: int,
-                  temperature: float = 1.0) -> tuple[RolloutBatch, dict]:
+                  temperature: float = 1.0, packing: bool = False,
+                  max_tokens_per_micro_batch: int = 0) -> tuple[RolloutBatch, dict]:
     """The extra no-grad forward passes the loss and its options need, before ``train_step``:
     proximal logprobs of the current policy (``needs_prox``: decoupled_ppo, tis != none) and
     reference logprobs (``needs_ref``: kl_coef > 0, with ``ref_model`` from
@@ -259,13 +273,15 @@ def prepare_batch(objs, ref_model, batch: RolloutBatch, algo_cfg, micro_batch_si
         t0 = time.monotonic()
         (model,) = objs.model
         fill["prox_logprobs"] = compute_logprobs(model, batch, micro_batch_size=micro_batch_size,
-                                                 temperature=temperature).logprobs
+                                                 temperature=temperature, packing=packing,
+                                                 max_tokens_per_micro_batch=max_tokens_per_micro_batch).logprobs
         timings["prox_logprobs_s"] = time.monotonic() - t0
     if needs_ref(algo_cfg):
         if ref_model is None:
             raise ValueError(f"algorithm.kl_coef={algo_cfg.kl_coef} needs a reference model (build_reference_model)")
         t0 = time.monotonic()
         fill["ref_logprobs"] = compute_logprobs(ref_model, batch, micro_batch_size=micro_batch_size,
-                                                temperature=temperature).logprobs
+                                                temperature=temperature, packing=packing,
+                                                max_tokens_per_micro_batch=max_tokens_per_micro_batch).logprobs
         timings["ref_logprobs_s"] = time.monotonic() - t0
     return (dataclasses.replace(batch, **fill) if fill else batch), timings
