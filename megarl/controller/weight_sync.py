@@ -29,6 +29,7 @@ tiny test model's logits are nearly uniform, so use perturbed weights to test th
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -97,6 +98,29 @@ class DdmaPush:
             self.trainer.abandon_sync(f"the generator failed: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
             raise
         ranks = self.trainer.finish_sync()
+        return self._metrics(ranks, version)
+
+    def push_to_replica(self, replica: int, version: int) -> None:
+        """A sync to one (restarted) generator replica alone: a topology of that one replica, on a
+        rendezvous store of its own (store keys name only the version, which the full sync of
+        ``version`` already used), always checksummed."""
+        from megarl.ddma.layouts import GeneratorTopology
+        from megarl.ddma.sync import host_store
+
+        self._restore_store = host_store()  # kept alive until the next restore replaces it
+        spec = dataclasses.replace(self.spec, dst=GeneratorTopology(self.spec.dst.tp, 1),
+                                   store_port=self._restore_store.port, verify_every=1)
+        self.trainer.start_sync(spec, version)
+        try:
+            self.generator.update_weights_from_source({**spec.weight_source(version), "replica": 0}, version,
+                                                      peer_check=self.trainer.raise_if_dead, replicas=[replica])
+        except BaseException as e:
+            self.trainer.abandon_sync(f"generator replica {replica} failed while restoring its weights: "
+                                      f"{str(e).splitlines()[0] if str(e) else type(e).__name__}")
+            raise
+        self.trainer.finish_sync()
+
+    def _metrics(self, ranks: list[dict], version: int) -> dict[str, float]:
         return {"sync/bytes_sent": float(sum(r["bytes_sent"] for r in ranks)),
                 "sync/sender_transfer_s": max(r["transfer_s"] for r in ranks),
                 "sync/sender_quantize_s": max(r["quantize_s"] for r in ranks),
@@ -114,6 +138,10 @@ class ShmPush:
     def push(self, version: int) -> dict[str, float]:
         self.generator.update_weights(self.trainer.hf_weights(), version=version)
         return {}
+
+    def push_to_replica(self, replica: int, version: int) -> None:
+        """The weights to one (restarted) generator replica alone."""
+        self.generator.update_weights(self.trainer.hf_weights(), version=version, replicas=[replica])
 
 
 STRATEGIES: dict[str, type] = {"ddma": DdmaPush, "shm": ShmPush}  # sync.method -> its push
@@ -133,6 +161,8 @@ class WeightSync:
                                                               wire=cfg.wire if cfg.method == "ddma" else "engine")
         self.strategy = STRATEGIES[cfg.method](cfg, trainer, generator, dims=dims, generator_cfg=generator_cfg)
         self.syncs = 0
+        if hasattr(generator, "set_weight_restorer"):  # a restarted replica gets its weights here
+            generator.set_weight_restorer(self.restore_replica)
 
     def push(self, version: int) -> dict[str, float]:
         """Sync weights ``version`` to the generator; returns ``sync/*`` metrics."""
@@ -144,15 +174,31 @@ class WeightSync:
         if probe_due(self.syncs, self.cfg.probe_every):
             out["sync/probe_gap"] = self.probe(version)
         out["sync/total_s"] = time.monotonic() - t0
+        out["gen/replica_restarts"] = float(getattr(self.generator, "restarts", 0))  # so far in this process
         return out
 
-    def probe(self, version: int) -> float:
-        """Greedy tokens from the probe prompt; max |generator - trainer| logprob over them (nats).
-        Raises ProbeMismatch over the bound."""
+    def restore_replica(self, replica: int) -> int:
+        """Generator supervision (megarl/generator/supervision.py): a restarted replica gets the
+        trainer's weights, a sync to it alone, checksummed and probed on that replica; returns their
+        version. The generator calls it while the controller waits on it, so the trainer is idle and
+        holds the weights of ``trainer.step_count``: the version the other replicas hold, or with
+        sync.every > 1 a newer one (the restarted replica's tokens then carry that newer version)."""
+        version = self.trainer.step_count
+        t0 = time.monotonic()
+        self.strategy.push_to_replica(replica, version)
+        gap = self.probe(version, replica=replica)
+        log.info("sync v%d to restarted generator replica %d alone: %.2fs, probe gap %.2e nats", version, replica,
+                 time.monotonic() - t0, gap)
+        return version
+
+    def probe(self, version: int, replica: int | None = None) -> float:
+        """Greedy tokens from the probe prompt (``replica``: on that one); max |generator - trainer|
+        logprob over them (nats). Raises ProbeMismatch over the bound."""
         from megarl.batch import RolloutBatch
 
+        where = {} if replica is None else {"replica": replica}
         samples = self.generator.generate([self.probe_prompt], n_samples=1, max_new_tokens=PROBE_TOKENS,
-                                          sampling={"temperature": 0.0})
+                                          sampling={"temperature": 0.0}, **where)
         batch = RolloutBatch.from_samples(samples, pad_id=self.pad_id)
         lp = self.trainer.logprobs(batch, temperature=1.0)  # greedy reports the untempered distribution
         gap = float(((lp - batch.behav_logprobs).abs() * batch.loss_mask).max())

@@ -83,6 +83,15 @@ class GeneratorConfig:
                                    "(seconds). Default 600.")
     shutdown_timeout_s: float = knob(30.0, help="Grace period for an engine to exit before it is "
                                      "killed (seconds). Default 30.")
+    heartbeat_timeout_s: float = knob(120.0, help="Supervision: a replica that holds work and sends nothing "
+                                      "(a replica reports every 5 s while decoding, and each finished request) "
+                                      "for this long is taken as frozen, killed and restarted (seconds; must "
+                                      "exceed 5 and the longest single engine step or weight load). Default 120.")
+    max_restarts: int = knob(3, help="Supervision: restarts of one replica allowed within restart_window_s; the "
+                             "failure after them stops the job, naming the replica and its causes (restarts). "
+                             "0 = never restart: any replica failure stops the job. Default 3.")
+    restart_window_s: float = knob(3600.0, help="Supervision: the window max_restarts counts over (seconds). "
+                                   "Default 3600.")
     log_dir: str = knob("", help="Folder for the engines' logs (one file per replica); '' = a "
                         "temporary folder. Default ''.")
 
@@ -125,6 +134,13 @@ class GeneratorConfig:
                 out.append(f"generator.threads_bind={self.threads_bind!r}: each replica's binding needs "
                            f"generator.tp={self.tp} core lists separated by '|' (e.g. "
                            f"{'|'.join(['0'] * self.tp)!r}), or 'auto'")
+        if self.heartbeat_timeout_s <= 5.0:  # engine.HEARTBEAT_S: a decoding replica reports this often
+            out.append(f"generator.heartbeat_timeout_s={self.heartbeat_timeout_s}: must exceed 5 s, the interval "
+                       f"at which a decoding replica reports progress (else every busy replica looks frozen)")
+        if self.max_restarts < 0:
+            out.append(f"generator.max_restarts={self.max_restarts}: must be >= 0 (0 = a failed replica stops the job)")
+        if self.restart_window_s <= 0:
+            out.append(f"generator.restart_window_s={self.restart_window_s}: must be > 0 (seconds)")
         if self.max_new_tokens >= self.max_model_len:
             out.append(f"generator.max_new_tokens={self.max_new_tokens} leaves no room for a prompt in "
                        f"generator.max_model_len={self.max_model_len}; raise max_model_len")

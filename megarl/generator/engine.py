@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from megarl.generator.config import GeneratorConfig
+from megarl.utils.faults import armed as fault_armed, pause_point
 
 IDLE_POLL_S = 0.2  # how long the idle loop blocks on the pipe before re-checking its parent
 HEARTBEAT_S = 5.0  # while decoding, report progress this often (the executor's liveness clock)
@@ -131,6 +132,7 @@ class _Replica:
         self.busy_s = 0.0  # seconds inside engine steps (decoding/prefill): the replica's busy time
         self.load_s = 0.0  # seconds loading weights
         self.last_report = time.monotonic()
+        self.fault_paused: set[str] = set()  # fault pause points this replica already held at
 
     def sampling_params(self, max_tokens: int, overrides: dict, seed: int | None = None):
         from vllm import SamplingParams
@@ -180,8 +182,9 @@ class _Replica:
         t0 = time.monotonic()
         # The kill matrix (tests/faults) waits for this line to kill a replica mid-landing.
         _log(f"replica {self.replica} (pid {os.getpid()}): landing weights v{version}")
-        # Sources addressed per worker (DDMA) need to know which replica this is.
-        self.engine.collective_rpc("megarl_reload_weights", args=({**source, "replica": self.replica},))
+        # Sources addressed per worker (DDMA) need to know which replica this is; a source may say
+        # itself (a sync to one restarted replica alone is a topology of one replica: index 0).
+        self.engine.collective_rpc("megarl_reload_weights", args=({"replica": self.replica, **source},))
         # Drop every KV block computed with the old weights: running requests are preempted and
         # recompute their prefix under the new weights; the prefix cache starts empty.
         if not self.engine.reset_prefix_cache(reset_running_requests=True):
@@ -232,6 +235,13 @@ class _Replica:
             if out.finished:
                 finished.append(self._result(out.request_id, comp.finish_reason, comp.stop_reason))
         self.steps += 1
+        point = f"replica_decoding@r{self.replica}v{self.version}"
+        if self.pending and not self.fault_paused & {point, "*"} and fault_armed(point):
+            # Fault tests: hold here once, mid-generation, so a kill or SIGSTOP lands while this replica decodes.
+            self.fault_paused.add(point)
+            _log(f"replica {self.replica} (pid {os.getpid()}): decoding {len(self.pending)} request(s) at "
+                 f"v{self.version}, {self.tokens} token(s) so far: fault pause")
+            pause_point(point)
         if finished:
             self.conn.send(("done", finished, {"busy_s": self.busy_s, "load_s": self.load_s}))
         elif time.monotonic() - self.last_report > HEARTBEAT_S:
@@ -267,12 +277,14 @@ def _dist_ident(worker=None) -> str:
 
 def replica_main(conn, cfg: GeneratorConfig, model_dir: str, replica: int, threads_bind: str | None,
                  on_cpu: bool, log_path: str, cuda_devices: str | None, parent_pid: int | None = None,
-                 pdeathsig: bool = True, attached: bool = False, cleanup=None, deterministic: bool = False) -> None:
+                 pdeathsig: bool = True, attached: bool = False, cleanup=None, deterministic: bool = False,
+                 restarts: int = 0) -> None:
     """Entry point of a replica process (spawned by the executor). ``parent_pid`` / ``pdeathsig``:
     see :func:`megarl.utils.procs.watch_parent` (the replica dies with the executor's process).
     ``attached``: started by a launcher on another node (:func:`attached_replica_main`); it has no
     parent to watch and exits when the executor's connection closes. ``cleanup``: run before exit.
-    ``deterministic``: controller.deterministic (see :func:`engine_args`)."""
+    ``deterministic``: controller.deterministic (see :func:`engine_args`). ``restarts``: how often
+    this replica was restarted before (megarl/generator/supervision.py); fault pauses hold only the first."""
     from megarl.utils.procs import watch_parent
 
     if not attached:
@@ -295,6 +307,9 @@ def replica_main(conn, cfg: GeneratorConfig, model_dir: str, replica: int, threa
     code = 0
     try:
         replica_obj = _Replica(conn, cfg, model_dir, replica, on_cpu, deterministic)
+        if restarts:
+            _log(f"replica {replica} (pid {os.getpid()}): restart {restarts} of this replica")
+            replica_obj.fault_paused.add("*")  # fault tests hold the first incarnation only
         replica_obj.loop()
     except EOFError:
         pass  # executor closed the pipe: exit quietly

@@ -47,12 +47,11 @@ import torch
 from megarl.executors.base import ExecutorBase, exit_cause, kill_processes
 from megarl.generator.config import GeneratorConfig
 from megarl.generator.threads import threads_binds
-from megarl.generator.engine import replica_main
 from megarl.generator.replicas import ReplicaHandle, Track, model_vocab_size, remove_shm_files, request_seed
-from megarl.generator.errors import GeneratorEngineDied, GeneratorError, GeneratorTimeout, engine_died
+from megarl.generator.errors import GeneratorEngineDied, GeneratorError, GeneratorTimeout
+from megarl.generator.supervision import ReplicaSupervision
 from megarl.generator.weight_updates import WeightUpdater
 from megarl.rollout import Sample
-from megarl.utils.devices import cuda_visible
 from megarl.utils.errors import exception_line
 from megarl.utils.procs import spawned_from_main_thread
 
@@ -62,7 +61,7 @@ _POLL_S = 0.25  # granularity of waits: liveness is re-checked this often
 SAMPLING_OVERRIDES = {"temperature", "top_p", "top_k", "stop", "ignore_eos"}  # ignore_eos: benchmarks
 
 
-class GeneratorExecutor(ExecutorBase):
+class GeneratorExecutor(ReplicaSupervision, ExecutorBase):
     """vLLM engine replicas behind one submit/collect/update interface (the executor protocol of
     megarl/executors/base.py: start, health, close, pids)."""
 
@@ -103,6 +102,7 @@ class GeneratorExecutor(ExecutorBase):
         self._log_dir = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="megarl-gen-"))
         self._finalizer = None
         self._closing = False
+        self._init_supervision()
         self._weights = WeightUpdater(cfg, replicas=lambda: self._replicas, replies=self._replies, send=self._send,
                                       wait=self._wait, check_failed=self._check_failed,
                                       current_version=lambda: self.version, quiesce=self._quiesce_for_update,
@@ -117,27 +117,14 @@ class GeneratorExecutor(ExecutorBase):
         binds = threads_binds(cfg) if self.on_cpu else [None] * cfg.replicas
         ctx = mp.get_context("spawn")
         # Runs on shutdown(), on garbage collection and at interpreter exit: no engine outlives us.
-        # Armed before the first spawn (the list fills as replicas start), so an interruption in
-        # the middle of start() still kills those already running. Each replica also watches this
-        # process (megarl.utils.procs.watch_parent), for the deaths that run no finalizer.
-        procs: list = []
-        self._finalizer = weakref.finalize(self, kill_processes, procs)
+        # Armed before the first spawn (the list fills as replicas start, restarted ones too), so an
+        # interruption in the middle of start() still kills those already running. Each replica also
+        # watches this process (megarl.utils.procs.watch_parent), for the deaths that run no finalizer.
+        self._finalizer = weakref.finalize(self, kill_processes, self._procs)
         pdeathsig = spawned_from_main_thread()
         try:
             for r in range(cfg.replicas):
-                parent_conn, child_conn = ctx.Pipe(duplex=True)
-                cuda = None
-                if self.cuda_devices is not None:
-                    cuda = cuda_visible(self.cuda_devices[r * cfg.tp:(r + 1) * cfg.tp])  # ordinals as we see them
-                log_path = self._log_dir / f"generator_replica{r}.log"
-                proc = ctx.Process(target=replica_main, name=f"megarl-gen-{r}",
-                                   args=(child_conn, cfg, self.model_dir, r, binds[r], self.on_cpu,
-                                         str(log_path), cuda, os.getpid(), pdeathsig),
-                                   kwargs={"deterministic": self.deterministic}, daemon=False)
-                proc.start()
-                procs.append(proc)
-                child_conn.close()
-                self._adopt(ReplicaHandle(r, proc, parent_conn, log_path))
+                self._spawn_replica(r, ctx, binds[r], pdeathsig)
             self._await_started("generator")
         except BaseException:
             self.shutdown()  # a failed start leaves no engine behind
@@ -172,8 +159,12 @@ class GeneratorExecutor(ExecutorBase):
         return self
 
     def _adopt(self, handle: ReplicaHandle) -> None:
-        """A started replica (spawned or attached): tracked, its pipe drained by a reader thread."""
-        self._replicas.append(handle)
+        """A started replica (spawned or attached; or restarted, in place of the failed one): tracked,
+        its pipe drained by a reader thread."""
+        if handle.index < len(self._replicas):
+            self._replicas[handle.index] = handle
+        else:
+            self._replicas.append(handle)
         threading.Thread(target=self._reader, args=(handle,), daemon=True,
                          name=f"megarl-gen-reader-{handle.index}").start()
 
@@ -222,14 +213,15 @@ class GeneratorExecutor(ExecutorBase):
     def submit(self, prompts: Sequence[Sequence[int]], n_samples: int | None = None,
                max_new_tokens: int | None = None, prompt_indices: Sequence[int] | None = None,
                sampling: dict | None = None, round_token_budget: int | None = None,
-               seed_keys: Sequence[str] | None = None) -> list[int]:
+               seed_keys: Sequence[str] | None = None, replica: int | None = None) -> list[int]:
         """Queue ``n_samples`` generations of every prompt (token ids); returns their group ids.
         The samples of a group go to one replica, where they share the prompt's prefix cache.
 
         ``sampling`` overrides the config's temperature / top_p / top_k / stop for these prompts
         (e.g. greedy evaluation on the training engines); ``round_token_budget`` overrides the
         partial-rollout budget (0 = off). ``seed_keys`` (deterministic mode; one per prompt, unique
-        in the job, the same after a resume): the per-request seeds derive from them."""
+        in the job, the same after a resume): the per-request seeds derive from them. ``replica``: run
+        them there (the probe of a restarted replica), not on the least loaded."""
         self._check_failed()
         n = n_samples or self.cfg.n_samples
         limit = max_new_tokens or self.cfg.max_new_tokens
@@ -261,15 +253,15 @@ class GeneratorExecutor(ExecutorBase):
         for i, prompt in enumerate(prompts):
             g = next(self._group_ids)
             groups.append(g)
-            replica = self._least_loaded()
+            target = self._least_loaded() if replica is None else replica
             for s in range(n):
                 track = Track(key=f"g{g}s{s}", group_id=g, sample_index=s,
                                prompt_index=prompt_indices[i] if prompt_indices is not None else i,
                                prompt_ids=prompt, max_new_tokens=limit, round_budget=budget,
                                sampling=sampling, seed_key=seed_keys[i] if seed_keys is not None else "")
-                track.replica = replica
-                by_replica.setdefault(replica, []).append(track)
-                self._replicas[replica].active.add(track.key)  # reserve for load balancing
+                track.replica = target
+                by_replica.setdefault(target, []).append(track)
+                self._replicas[target].active.add(track.key)  # reserve for load balancing
         for r, tracks in by_replica.items():
             self._send_round(r, tracks)
         return groups
@@ -307,10 +299,11 @@ class GeneratorExecutor(ExecutorBase):
 
     def generate(self, prompts: Sequence[Sequence[int]], n_samples: int | None = None,
                  max_new_tokens: int | None = None, sampling: dict | None = None,
-                 round_token_budget: int | None = None) -> list[Sample]:
-        """Submit and wait for all samples of ``prompts``; ordered by prompt, then sample index."""
+                 round_token_budget: int | None = None, replica: int | None = None) -> list[Sample]:
+        """Submit and wait for all samples of ``prompts`` (``replica``: on that one); ordered by
+        prompt, then sample index."""
         groups = set(self.submit(prompts, n_samples, max_new_tokens, sampling=sampling,
-                                 round_token_budget=round_token_budget))
+                                 round_token_budget=round_token_budget, replica=replica))
         got: list[Sample] = []
         others: list[Sample] = []
         total = len(prompts) * (n_samples or self.cfg.n_samples)
@@ -341,16 +334,20 @@ class GeneratorExecutor(ExecutorBase):
 
     # ------------------------------------------------------------------ weights (megarl/generator/weight_updates.py)
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
-                       version: int | None = None) -> float:
-        """Load full HF tensors into every engine as policy ``version`` (default: the next one);
-        the seconds it took (:meth:`WeightUpdater.update_weights`)."""
-        return self._weights.update_weights(named_tensors, version)
+                       version: int | None = None, replicas: Sequence[int] | None = None) -> float:
+        """Load full HF tensors into every engine (``replicas``: only those) as policy ``version``
+        (default: the next one); the seconds it took (:meth:`WeightUpdater.update_weights`)."""
+        with self._weight_update():
+            return self._weights.update_weights(named_tensors, version, replicas=replicas)
 
     def update_weights_from_source(self, source: dict, version: int, *,
-                                   peer_check: Callable[[], None] | None = None) -> float:
+                                   peer_check: Callable[[], None] | None = None,
+                                   replicas: Sequence[int] | None = None) -> float:
         """Load weights ``version`` from a prepared source (e.g. ``SyncSpec.weight_source``); the
         seconds it took (:meth:`WeightUpdater.update_weights_from_source`)."""
-        return self._weights.update_weights_from_source(source, version, peer_check=peer_check)
+        with self._weight_update():
+            return self._weights.update_weights_from_source(source, version, peer_check=peer_check,
+                                                            replicas=replicas)
 
     def inspect_weight(self, vllm_param_name: str, replica: int = 0) -> list[torch.Tensor]:
         """A parameter as every TP rank of ``replica`` holds it (:meth:`WeightUpdater.inspect_weight`)."""
@@ -451,6 +448,9 @@ class GeneratorExecutor(ExecutorBase):
         return min(range(len(self._replicas)), key=lambda r: len(self._replicas[r].active))
 
     def _send_round(self, replica: int, tracks: list[Track]) -> None:
+        h = self._replicas[replica]
+        if not any(rid in self._tracks for rid in h.active):
+            h.last_heard = time.monotonic()  # idle until now: its frozen clock starts with this work
         specs = []
         for t in tracks:
             remaining = t.max_new_tokens - len(t.ids)
@@ -485,24 +485,26 @@ class GeneratorExecutor(ExecutorBase):
             except (EOFError, OSError):
                 if h.remote:  # here, not in _handle: shutdown() waits for it without pumping
                     h.process.mark_gone(clean=self._closing)
-                self._inbox.put((h.index, ("eof",)))
+                self._inbox.put((h, ("eof",)))
                 return
-            self._inbox.put((h.index, msg))
+            self._inbox.put((h, msg))
 
     def _pump(self, timeout: float) -> bool:
         """Handle inbox messages (waiting up to ``timeout`` for the first); True if any arrived."""
         got = False
         while True:
             try:
-                r, msg = self._inbox.get(timeout=timeout if not got else 0.0)
+                h, msg = self._inbox.get(timeout=timeout if not got else 0.0)
             except queue.Empty:
                 return got
             got = True
-            self._handle(self._replicas[r] if r < len(self._replicas) else None, msg)
+            current = h.index < len(self._replicas) and self._replicas[h.index] is h
+            self._handle(h if current else None, msg)  # a replaced (failed) replica's late messages are dropped
 
     def _handle(self, h: ReplicaHandle | None, msg: tuple) -> None:
         if h is None:
             return
+        h.last_heard = time.monotonic()
         kind = msg[0]
         if kind == "ready":
             h.info = msg[1]
@@ -551,19 +553,6 @@ class GeneratorExecutor(ExecutorBase):
             return (f"lost its connection to the controller (the process exited or was killed, or node "
                     f"{h.process.host} failed; its srun step reports the exit code)")
         return exit_cause(h.process.exitcode)
-
-    def _fail(self, h: ReplicaHandle, cause: str, tb: str = "") -> None:
-        if self._failure is None:
-            self._failure = engine_died(h, cause, tb)
-
-    def _check_failed(self) -> None:
-        if self._failure is None:
-            for h in self._replicas:
-                if h.process.exitcode is not None:
-                    self._fail(h, self._exit_cause(h))
-                    break
-        if self._failure is not None:
-            raise self._failure
 
     def _wait(self, done, timeout: float, what: str, progress_resets: bool = True,
               also_check: Callable[[], None] | None = None) -> None:

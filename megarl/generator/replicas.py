@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import time
 import zlib
 from collections.abc import Sequence
 from pathlib import Path
@@ -52,6 +53,8 @@ class ReplicaHandle:
         self.log_path = log_path
         self.active: set[str] = set()  # rids in flight on this replica
         self.info: dict = {}
+        # when it last sent anything (or was given work while idle): supervision's frozen clock
+        self.last_heard = time.monotonic()
 
     def log_tail(self, lines: int = 25) -> str:
         try:

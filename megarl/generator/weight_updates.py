@@ -69,7 +69,7 @@ class WeightUpdater:
         self._rpc_ids = itertools.count()  # ("rpc", n) tokens: only this class makes them
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
-                       version: int | None = None) -> float:
+                       version: int | None = None, replicas: Sequence[int] | None = None) -> float:
         """Load new weights (HF names, full HF-format tensors) into every engine, between decode
         steps; in-flight requests continue under them. Bumps the policy version (to ``version``
         when given), then resumes cached partial rollouts. Returns the seconds it took.
@@ -81,25 +81,38 @@ class WeightUpdater:
         t0 = time.monotonic()
         shm = pack_to_shm(named_tensors, dtype=getattr(torch, self.cfg.dtype))
         try:
-            return self.update_weights_from_source(shm.source(), new_version, _t0=t0)
+            return self.update_weights_from_source(shm.source(), new_version, _t0=t0, replicas=replicas)
         finally:
             shm.unlink()
 
     def update_weights_from_source(self, source: dict, version: int, _t0: float | None = None,
-                                   peer_check: Callable[[], None] | None = None) -> float:
+                                   peer_check: Callable[[], None] | None = None,
+                                   replicas: Sequence[int] | None = None) -> float:
         """Like :meth:`update_weights` for a prepared weight source (see weights.py); the source
         must stay readable until this returns. ``peer_check``: called while waiting, raises if the
-        sender side died (its death would otherwise show only as this wait's timeout)."""
+        sender side died (its death would otherwise show only as this wait's timeout).
+        ``replicas``: load only into these (a restarted replica, megarl/generator/supervision.py);
+        the policy version of the others, and the executor's, stay as they are."""
         t0 = time.monotonic() if _t0 is None else _t0
-        self._quiesce()
+        targets = list(self._replicas()) if replicas is None else [self._replicas()[r] for r in replicas]
+        if replicas is None:
+            self._quiesce()
         acked: set[int] = set()
-        self._replies[("updated", version)] = acked
-        for h in self._replicas():
-            self._send(h, ("update", source, version))
-        self._wait(lambda: len(acked) == len(self._replicas()), self.cfg.update_timeout_s,
-                   f"{len(self._replicas())} replica(s) to load weights version {version}",
-                   progress_resets=False, also_check=peer_check)
-        del self._replies[("updated", version)]
+        token = ("updated", version)
+        self._replies[token] = acked
+        try:
+            for h in targets:
+                self._send(h, ("update", source, version))
+            self._wait(lambda: acked >= {h.index for h in targets}, self.cfg.update_timeout_s,
+                       f"{len(targets)} replica(s) to load weights version {version}",
+                       progress_resets=False, also_check=peer_check)
+        finally:
+            self._replies.pop(token, None)
+        if replicas is not None:
+            seconds = time.monotonic() - t0
+            log.info("generator: weights version %d loaded into replica(s) %s in %.2fs", version,
+                     ", ".join(map(str, replicas)), seconds)
+            return seconds
         self._adopt(version)
         seconds = time.monotonic() - t0
         log.info("generator: weights version %d loaded in %.2fs", version, seconds)

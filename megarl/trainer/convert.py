@@ -197,7 +197,24 @@ def load_pretrained(model, path: str | Path) -> str:
         load_model_checkpoint(model, p)
         return "mcore"
     if (p / "config.json").is_file():
-        load_hf_into_model(model, p)
+        try:
+            load_hf_into_model(model, p)
+        except Exception as e:
+            if type(e).__name__ != "SafetensorError":  # safetensors' own error names no file
+                raise
+            from safetensors import safe_open
+
+            damaged = []  # which of the folder's files the reader refuses
+            for f in sorted(p.glob("*.safetensors")):
+                try:
+                    with safe_open(str(f), framework="pt") as handle:
+                        for name in handle.keys():
+                            handle.get_slice(name)
+                except Exception:
+                    damaged.append(str(f))
+            where = ", ".join(damaged) or f"a *.safetensors file in {p}"
+            raise ValueError(f"cannot read the model weights {where}: {str(e).splitlines()[0]} (the file is damaged "
+                             f"or cut short, e.g. an interrupted copy or download: copy or convert it again)") from None
         return "hf"
     raise FileNotFoundError(f"{p} is neither a megarl Megatron checkpoint ({META_FILE}) nor an HF folder "
                             f"(config.json)")

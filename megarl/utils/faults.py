@@ -8,7 +8,9 @@ its shards are published to the generator's workers, who are waiting for them);
 ``checkpoint_async_write`` (a trainer rank's background checkpoint writer after it wrote its shards,
 before anything is committed; ``checkpoint_async_write@N``: only the step-N write); ``step_logged@N``
 (the controller after it logged step N, before step N+1 starts: a signal sent once the log shows step N
-lands between the steps, where on a quiet machine it would race the next step's training).
+lands between the steps, where on a quiet machine it would race the next step's training);
+``replica_decoding@r<R>v<V>`` (generator replica R after an engine step that left requests unfinished,
+holding weights vV; it logs 'decoding N request(s)' first, so a test kills it mid-generation).
 """
 
 from __future__ import annotations
@@ -30,9 +32,14 @@ def _pauses(spec: str) -> dict[str, float]:
     return out
 
 
+def armed(name: str) -> bool:
+    """Whether :func:`pause_point` ``name`` would pause (to log what the test waits for first)."""
+    return bool(_pauses(os.environ.get(ENV, "")).get(name))
+
+
 def pause_point(name: str, until: Callable[[], bool] | None = None) -> None:
-    """Sleep at ``name`` if ``MEGARL_FAULT_PAUSE`` asks for it; nothing otherwise. ``until``: end the
-    pause early once it returns True (polled every 50 ms; e.g. a signal was received)."""
+    """Sleep at ``name`` if ``MEGARL_FAULT_PAUSE`` asks for it; nothing otherwise.
+    ``until``: end the pause early once it returns True (polled every 50 ms; e.g. a signal was received)."""
     seconds = _pauses(os.environ.get(ENV, "")).get(name)
     if not seconds:
         return
