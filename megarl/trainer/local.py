@@ -75,7 +75,7 @@ class RankTrainer:
         dims = ModelDims.from_hf_config(read_hf_config(model_dir))
         # Every element comes from the checkpoint: skip the random init (minutes for big models on CPU).
         self.model = build_gpt_model(dims, params_dtype=params_dtype(cfg), init_weights=False,
-                                     moe_aux_loss_coeff=cfg.moe_aux_loss_coeff)
+                                     moe_aux_loss_coeff=cfg.moe_aux_loss_coeff, recompute=cfg.recompute)
         set_tp_attributes(self.model)
         load_pretrained(self.model, model_dir)
         from megarl.trainer.router_stats import RouterStats

@@ -103,8 +103,53 @@ def transformer_config(dims: ModelDims, tp: int, pp: int, params_dtype: torch.dt
     aux_loss_coeff = float(overrides.pop("moe_aux_loss_coeff", 0.0))
     if dims.is_moe:
         kwargs.update(moe_kwargs(dims, aux_loss_coeff))
+    kwargs.update(recompute_kwargs(overrides.pop("recompute", "none")))
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
+
+
+RECOMPUTE_CHOICES = ("none", "selective", "full")
+
+
+def recompute_kwargs(recompute: str) -> dict[str, Any]:
+    """megatron-core's activation recompute for ``trainer.recompute``.
+
+    - ``none``: every activation the backward needs is kept (``recompute_granularity=None``).
+    - ``selective``: ``recompute_granularity="selective"``, ``recompute_modules=["core_attn"]``:
+      megatron 0.16.1's Attention checkpoints its ``core_attention`` call (attention.py,
+      ``checkpoint_core_attention``) whatever the layer spec, so the local (CPU) spec's
+      DotProductAttention does not keep its [b, heads, s, s] scores / softmax; TE's fused attention
+      keeps none to begin with (there it only recomputes a kernel). The other selective modules
+      ("layernorm", "mlp", "moe", "moe_act" ...) are left off: "moe_act" needs grouped GEMM, which
+      megarl does not use, and the layer input norms are small next to the scores.
+    - ``full``: ``recompute_granularity="full"``, ``recompute_method="uniform"``,
+      ``recompute_num_layers=1``: every transformer layer of the stage is checkpointed on its own,
+      keeping only its input [s, b, h]; the backward reruns one layer's forward at a time.
+    """
+    if recompute == "none":
+        return {}
+    _cpu_checkpoint_rng()
+    if recompute == "selective":
+        return dict(recompute_granularity="selective", recompute_modules=["core_attn"])
+    if recompute == "full":
+        return dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    raise ValueError(f"recompute={recompute!r}; expected one of {', '.join(RECOMPUTE_CHOICES)}")
+
+
+def _cpu_checkpoint_rng() -> None:
+    """megatron's checkpoint (tensor_parallel.random.CheckpointFunction) saves and restores the CPU
+    RNG state, the model-parallel tracker's states and the CUDA RNG state; the last raises on a torch
+    without CUDA. Without CUDA there is no CUDA RNG to keep: its get/set become no-ops (idempotent;
+    nothing changes where CUDA is available)."""
+    if torch.cuda.is_available():
+        return
+    from megatron.core.tensor_parallel import random as mrandom
+
+    if getattr(mrandom, "_megarl_cpu_rng", False):
+        return
+    mrandom._get_cuda_rng_state = lambda *args, **kwargs: None
+    mrandom._set_cuda_rng_state = lambda *args, **kwargs: None
+    mrandom._megarl_cpu_rng = True
 
 
 def moe_kwargs(dims: ModelDims, aux_loss_coeff: float = 0.0) -> dict[str, Any]:
@@ -135,6 +180,9 @@ def build_gpt_model(dims: ModelDims, *, params_dtype: torch.dtype = torch.float3
                     **config_overrides: Any):
     """A GPTModel for this rank (pre/post-process from the PP stage). The returned module carries
     ``megarl_dims``, ``megarl_norm_style`` and ``megarl_vocab_divisible_by`` for the layout code.
+
+    ``recompute`` (a ``config_overrides`` key): "none" | "selective" | "full", see
+    :func:`recompute_kwargs` (``trainer.recompute``).
 
     ``init_weights=False`` skips megatron's random init (uninitialized memory) when every element
     is overwritten next, e.g. by ``load_hf_into_model`` (which also zeroes the vocab padding);
