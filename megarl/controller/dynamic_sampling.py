@@ -94,6 +94,9 @@ class DynamicSampling:
         rounds = 0
         while len(kept) < self.per_step and rounds < self.max_rounds:
             rounds += 1
+            log.info("dynamic_sampling: step %d has %d of %d groups with varying rewards; refill round %d: %d further "
+                     "prompt(s) from stream position %d", step, len(kept), self.per_step, rounds,
+                     self.per_step - len(kept), rollouts.next_prompt)
             pause_point(f"refill@{step}")  # fault tests: a kill here lands while a refill is under way
             with timer.phase("generate"):
                 more = rollouts.refill(step, self.per_step - len(kept), first_index=len(tasks),
