@@ -72,3 +72,136 @@ def merge_contiguous_runs(
         return merge_contiguous_runs_ref(src_offsets, dst_offsets, lengths)
     return merge(as_run_tensor(src_offsets, "src_offsets"), as_run_tensor(dst_offsets, "dst_offsets"),
                  as_run_tensor(lengths, "lengths"))
+
+
+# --- Blocks: runs folded into strided rectangles, the landing tables of the transports --------------
+#
+# A landing used to expand its runs into two int64 indices per element (16 B/element, kept on the
+# device by cuda_ipc; rebuilt on the CPU every sync for FP8). A *block* says the same with six or eight
+# integers: ``rows`` runs of ``length`` elements, the i-th starting at ``start + i * stride`` on each
+# side. Consecutive runs of one length whose starts advance by constant strides fold into one block:
+# a dim-1 piece (one run per row) becomes one block, Megatron's per-group ``linear_qkv`` runs become
+# three (q, k, v), so a (sender, parameter) pair takes a handful of strided copies, one launch each.
+# Tables are built once per plan (O(runs) time and memory) and held as Python ints on the host: the
+# device holds no index memory at all, and a copy is ``as_strided`` on each side.
+
+BLOCK_INTS = 6  # (src_start, src_stride, dst_start, dst_stride, rows, length)
+FP8_BLOCK_INTS = 8  # (code_start, code_stride, scale_start, scale_stride, dst_start, dst_stride, rows, length)
+CHUNK_ELEMENTS = 1 << 22  # a block landed in row chunks of at most ~4M elements: FP8's float32
+                          # temporaries stay ~24 MB however large the block (an embedding is ~500M)
+
+
+def _fold(pieces: list[tuple[int, ...]], n_sides: int) -> list[tuple[int, ...]]:
+    """Fold single-row pieces ``(start_1, ..., start_n, length)`` (the last start: the destination's) into
+    blocks ``(start_1, stride_1, ..., start_n, stride_n, rows, length)``. Pieces are taken by length, then
+    destination start (destination runs are disjoint, so the order they land in does not matter), and a
+    piece joins the block before it when it has the same length and every start is the block's next one
+    (constant stride per side, strides > 0): Megatron's per-group q, k and v runs, interleaved in the
+    plan, fold into one block each."""
+    out: list[list[int]] = []
+    for piece in sorted(pieces, key=lambda p: (p[n_sides], p[n_sides - 1])):
+        starts, length = piece[:n_sides], piece[n_sides]
+        if out:
+            b = out[-1]
+            rows = b[2 * n_sides]
+            if b[2 * n_sides + 1] == length:
+                if rows == 1:
+                    strides = [starts[k] - b[2 * k] for k in range(n_sides)]
+                    if all(st > 0 for st in strides):
+                        for k in range(n_sides):
+                            b[2 * k + 1] = strides[k]
+                        b[2 * n_sides] = 2
+                        continue
+                elif all(starts[k] == b[2 * k] + rows * b[2 * k + 1] for k in range(n_sides)):
+                    b[2 * n_sides] = rows + 1
+                    continue
+        block = []
+        for k in range(n_sides):
+            block += [starts[k], 0]
+        out.append(block + [1, length])
+    return [tuple(b) for b in out]
+
+
+def copy_blocks(src_offsets: Sequence[int], dst_offsets: Sequence[int], lengths: Sequence[int]) -> tuple[tuple[int, ...], ...]:
+    """The runs ``(src_offsets[i], dst_offsets[i], lengths[i])``, in order, as blocks
+    ``(src_start, src_stride, dst_start, dst_stride, rows, length)`` (:data:`BLOCK_INTS` ints each)."""
+    pieces = [(s, d, n) for s, d, n in zip(src_offsets, dst_offsets, lengths) if n > 0]
+    return tuple(_fold(pieces, 2))
+
+
+def fp8_blocks(code_starts: Sequence[int], src_offsets: Sequence[int], dst_offsets: Sequence[int],
+               lengths: Sequence[int], scale_bases: Sequence[int], cols: int) -> tuple[tuple[int, ...], ...]:
+    """FP8 landing blocks ``(code_start, code_stride, scale_start, scale_stride, dst_start, dst_stride, rows,
+    length)`` whose every row lies inside one source row, so one row scale serves it.
+
+    Run i's element j is code ``code_starts[i] + j`` (the codes buffer: the sender's wire tensor, or a
+    packed message), comes from source element ``src_offsets[i] + j`` of a ``cols``-wide parameter, is
+    scaled by ``scales[scale_bases[i] + (src_offsets[i] + j) // cols]`` and lands at ``dst_offsets[i] + j``.
+    A run is cut at source row edges (a partial first row, its whole rows as one block, a partial last
+    row), then consecutive pieces fold as in :func:`copy_blocks`."""
+    pieces: list[tuple[int, ...]] = []
+    for c0, s0, d0, n, base in zip(code_starts, src_offsets, dst_offsets, lengths, scale_bases):
+        pos, end = s0, s0 + n
+        while pos < end:
+            row, col = divmod(pos, cols)
+            if col == 0 and end - pos >= 2 * cols:  # whole rows: one block of its own, stride cols
+                rows = (end - pos) // cols
+                pieces.append((c0 + pos - s0, cols, base + row, 1, d0 + pos - s0, cols, rows, cols))
+                pos += rows * cols
+                continue
+            take = min(end, (row + 1) * cols) - pos
+            pieces.append((c0 + pos - s0, base + row, d0 + pos - s0, take))
+            pos += take
+    # whole-row blocks are already blocks; single-row pieces fold among themselves around them
+    out: list[tuple[int, ...]] = []
+    run: list[tuple[int, ...]] = []
+    for p in pieces:
+        if len(p) == FP8_BLOCK_INTS:
+            out += _fold(run, 3)
+            run = []
+            out.append(p)
+        else:
+            run.append(p)
+    return tuple(out + _fold(run, 3))
+
+
+def table_bytes(blocks: Sequence[tuple[int, ...]]) -> int:
+    """What a block table holds, counted as int64s (its memory, O(blocks))."""
+    return 8 * sum(len(b) for b in blocks)
+
+
+def _rows(t: torch.Tensor, start: int, stride: int, rows: int, length: int) -> torch.Tensor:
+    """``rows`` x ``length`` view of 1-D ``t``: row i is ``t[start + i * stride : ... + length]``."""
+    return t.as_strided((rows, length), (stride, 1), t.storage_offset() + start)
+
+
+def _row_chunks(rows: int, length: int):
+    step = max(1, CHUNK_ELEMENTS // max(1, length))
+    for r0 in range(0, rows, step):
+        yield r0, min(rows, r0 + step) - r0
+
+
+def land_blocks(dst: torch.Tensor, src: torch.Tensor, blocks: Sequence[tuple[int, ...]]) -> None:
+    """``dst[dst_start + i*dst_stride : +length] = src[src_start + i*src_stride : +length]`` for every row
+    of every block (1-D tensors of one dtype, on one device): one strided copy per block."""
+    for s0, ss, d0, ds, rows, n in blocks:
+        if rows == 1:
+            dst[d0:d0 + n].copy_(src[s0:s0 + n])
+        else:
+            _rows(dst, d0, ds, rows, n).copy_(_rows(src, s0, ss, rows, n))
+
+
+def dequant_blocks(dst: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
+                   blocks: Sequence[tuple[int, ...]]) -> int:
+    """Land FP8 blocks: ``dst`` rows = e4m3 ``codes`` rows (uint8) x their row's float32 scale, cast to
+    ``dst``'s dtype -- the elementwise product ``transport.base.dequant`` takes, so the bits are its bits.
+    Returns the largest scratch (float32 product and cast) held at once, in bytes."""
+    fp8 = torch.float8_e4m3fn
+    peak = 0
+    for c0, cs, g0, gs, d0, ds, rows, n in blocks:
+        for r0, r in _row_chunks(rows, n):
+            q = _rows(codes, c0 + r0 * cs, cs, r, n).view(fp8)
+            sc = scales.as_strided((r, 1), (gs, 1), scales.storage_offset() + g0 + r0 * gs)
+            _rows(dst, d0 + r0 * ds, ds, r, n).copy_((q.float() * sc).to(dst.dtype))
+            peak = max(peak, r * n * (4 + dst.element_size()))
+    return peak

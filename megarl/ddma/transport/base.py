@@ -26,6 +26,7 @@ from datetime import timedelta
 import torch
 
 from megarl.ddma.plan import Copy
+from megarl.ddma.runs import dequant_blocks, fp8_blocks
 from megarl.ddma.verify import run_indices
 
 log = logging.getLogger("megarl.ddma")
@@ -89,14 +90,40 @@ def gloo_group(store, rank: int, size: int, timeout_s: float, prefix: str = "ddm
                             timedelta(seconds=timeout_s))
 
 
-def land_fp8(flat: torch.Tensor, copies: list[Copy], cols: int, codes: torch.Tensor, scale_seg: torch.Tensor) -> int:
+def packed_fp8_blocks(copies: list[Copy], cols: int) -> tuple[tuple[int, ...], ...]:
+    """The landing blocks (:func:`megarl.ddma.runs.fp8_blocks`) of one sender's FP8 message for one
+    parameter, laid out as :func:`land_fp8` takes it: the copies' codes concatenated, then each copy's
+    source-row span of scales concatenated. O(copies); a transport computes it once per plan."""
+    code_starts, scale_bases, pos, seg = [], [], 0, 0
+    for c in copies:
+        a, b = rows_of(c, cols)
+        code_starts.append(pos)
+        scale_bases.append(seg - a)  # scale of source row r: scale_seg[seg - a + r]
+        pos += c.numel
+        seg += b - a
+    return fp8_blocks(code_starts, [c.src_offset for c in copies], [c.dst_offset for c in copies],
+                      [c.numel for c in copies], scale_bases, cols)
+
+
+def land_fp8(flat: torch.Tensor, copies: list[Copy], cols: int, codes: torch.Tensor, scale_seg: torch.Tensor,
+             blocks=None) -> int:
     """Dequantize one sender's FP8 message for one parameter into ``flat``: ``codes`` uint8 (the
     copies' elements, concatenated), ``scale_seg`` float32 (each copy's source-row span of scales,
-    concatenated). Returns the scratch bytes used. Runs on ``flat``'s device."""
+    concatenated), block by block (``blocks``: :func:`packed_fp8_blocks` of these copies, computed here
+    when not given). No per-element index. Returns the scratch bytes used. Runs on ``flat``'s device."""
+    if blocks is None:
+        blocks = packed_fp8_blocks(copies, cols)
+    dev = flat.device
+    return dequant_blocks(flat, codes.to(dev), scale_seg.to(dev), blocks)
+
+
+def land_fp8_per_element(flat: torch.Tensor, copies: list[Copy], cols: int, codes: torch.Tensor,
+                         scale_seg: torch.Tensor) -> int:
+    """The FP8 landing before issue 46: two int64 indices and a float32 scale per element, rebuilt on
+    the CPU at every call (16+ B/element). Kept only as the reference the tests compare
+    :func:`land_fp8` with and the "before" of ``megarl bench sync``'s landing figure; nothing lands with it."""
     dev = flat.device
     spans = [rows_of(c, cols) for c in copies]
-    # element -> index into scale_seg: its source row, relative to its copy's first row, plus the
-    # copy's segment start
     seg_start = torch.cumsum(torch.tensor([0] + [b - a for a, b in spans[:-1]]), 0)
     lens = torch.tensor([c.numel for c in copies])
     src_idx = run_indices([c.src_offset for c in copies], [c.numel for c in copies])
@@ -136,6 +163,7 @@ class Transport:
     def __init__(self, side):
         self.side = side
         self.spec = side.spec
+        self._tables: dict = {}  # landing tables (blocks of runs), built once per plan: see :meth:`table`
 
     # -- sender ---------------------------------------------------------------------------------
     def check_wire(self, wire: dict[str, torch.Tensor]) -> None:
@@ -152,8 +180,24 @@ class Transport:
         return {}
 
     def stats(self) -> dict:
-        """Transport-specific counters of the last sync (merged into the side's stats)."""
-        return {}
+        """Transport-specific counters of the last sync (merged into the side's stats); ``index_bytes``:
+        what this side's landing tables hold (:meth:`index_bytes`)."""
+        return {"index_bytes": self.index_bytes()}
+
+    def table(self, key, make):
+        """The landing table under ``key`` (blocks of runs, :mod:`megarl.ddma.runs`), made by ``make()``
+        the first time and kept: computed once per plan, O(runs) memory, on the host."""
+        if key not in self._tables:
+            self._tables[key] = make()
+        return self._tables[key]
+
+    def index_bytes(self) -> int:
+        """Bytes held by this side's run tables (int64 per integer; index tensors by their size)."""
+        total = 0
+        for t in self._tables.values():
+            for part in (t if isinstance(t, tuple) else (t,)):
+                total += part.numel() * part.element_size() if isinstance(part, torch.Tensor) else 8 * len(part)
+        return total
 
     def send(self, version: int, wire: dict[str, torch.Tensor], scales: dict[str, torch.Tensor]) -> int:
         """Move this sender's bytes for ``version``; returns the most scratch bytes held at once."""
@@ -212,4 +256,5 @@ def outgoing_by_param(side) -> dict:
 
 
 __all__ = ["Transport", "DdmaTransportError", "FP8", "key", "engine_dtype", "is_fp8", "dequant", "rows_of",
-           "wait_keys", "group_prefix", "gloo_group", "land_fp8", "plan_buckets"]
+           "wait_keys", "group_prefix", "gloo_group", "land_fp8", "land_fp8_per_element", "packed_fp8_blocks",
+           "plan_buckets"]

@@ -35,7 +35,7 @@ import torch
 
 from megarl.ddma.bucket_model import IN_FLIGHT, chunk_bytes
 from megarl.ddma.layouts import vllm_param_layouts
-from megarl.ddma.transport.base import Transport, engine_dtype, is_fp8, land_fp8, rows_of
+from megarl.ddma.transport.base import Transport, engine_dtype, is_fp8, land_fp8, packed_fp8_blocks, rows_of
 from megarl.ddma.transport.zero_copy import copy_runs
 
 
@@ -177,7 +177,7 @@ class BucketedTransport(Transport):
         raise NotImplementedError
 
     def stats(self) -> dict:
-        return {"rounds": self.rounds, "messages": self.messages,
+        return {**super().stats(), "rounds": self.rounds, "messages": self.messages,
                 "bytes_per_message": self.message_bytes // max(1, self.messages)}
 
     @staticmethod
@@ -376,7 +376,8 @@ class BucketedTransport(Transport):
         copies = next(cs for src, cs in self.side.incoming[dparam] if src == s)
         cols = self.side.plan.src_shapes[s][copies[0].src_param][1]
         n = sum(c.numel for c in copies)
-        return land_fp8(staging.view(-1), copies, cols, msg[:n], msg[-(-n // 4) * 4:].view(torch.float32))
+        blocks = self.table(("fp8", s, dparam), lambda: packed_fp8_blocks(copies, cols))
+        return land_fp8(staging.view(-1), copies, cols, msg[:n], msg[-(-n // 4) * 4:].view(torch.float32), blocks)
 
 
 __all__ = ["BucketedTransport", "IN_FLIGHT", "Seg", "chunk_bytes", "param_groups", "pair_streams", "chunk_segments",

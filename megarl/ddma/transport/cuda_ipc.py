@@ -43,15 +43,16 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import math
 import os
 
 import torch
 
-from megarl.ddma.transport.base import DdmaTransportError, Transport, is_fp8, land_fp8, rows_of
+from megarl.ddma.runs import copy_blocks, dequant_blocks, fp8_blocks, land_blocks
+from megarl.ddma.transport.base import DdmaTransportError, Transport, is_fp8
 from megarl.ddma.transport.zero_copy import allow_readers
 
 _SYS_PIDFD_OPEN, _SYS_PIDFD_GETFD = 434, 438  # x86_64 and aarch64 share these numbers
-MANY_RUNS = 16  # above this many runs per (sender, parameter) one indexed gather beats per-run copies
 
 
 class CudaIpcOps:
@@ -245,7 +246,6 @@ class CudaIpcTransport(Transport):
         self.ops = ops or IPC_OPS
         self.exports = ExportCache(self.ops)
         self.opens = OpenCache(self.ops)
-        self._index_cache: dict = {}
         self._readers: dict | None = None
         if hasattr(side, "outgoing"):  # a sender: let its workers take its fds under Yama ptrace_scope=1
             allow_readers()
@@ -255,7 +255,7 @@ class CudaIpcTransport(Transport):
         super().check_wire(wire)
 
     def stats(self) -> dict:
-        return {"ipc_exports": self.exports.exports, "ipc_opens": self.opens.opens}
+        return {**super().stats(), "ipc_exports": self.exports.exports, "ipc_opens": self.opens.opens}
 
     # -- sender ---------------------------------------------------------------------------------
     def readers(self) -> dict:
@@ -289,36 +289,29 @@ class CudaIpcTransport(Transport):
         whole = self.opens.get(table["pid"], k, mine, self.side.device)
         return whole[off:off + numel * dtype.itemsize].view(dtype)
 
-    def _indices(self, s, copies, device) -> tuple[torch.Tensor, torch.Tensor]:
-        from megarl.ddma.verify import run_indices
-
-        k = (s, copies[0].dst_param, str(device))
-        if k not in self._index_cache:
-            self._index_cache[k] = tuple(run_indices([getattr(c, f) for c in copies], [c.numel for c in copies]).to(device)
-                                         for f in ("src_offset", "dst_offset"))
-        return self._index_cache[k]
+    def _blocks(self, s, copies, fp8_cols: int | None) -> tuple[tuple[int, ...], ...]:
+        """This (sender, parameter)'s landing blocks, built once per plan (O(runs) host ints, no device
+        memory): engine dtype, strided copies out of the sender's wire tensor; FP8, dequantization
+        blocks over its codes (source layout) and its whole scale vector (row r: scale r)."""
+        k = (s, copies[0].dst_param)
+        if fp8_cols is None:
+            return self.table(k, lambda: copy_blocks([c.src_offset for c in copies], [c.dst_offset for c in copies],
+                                                     [c.numel for c in copies]))
+        return self.table(k, lambda: fp8_blocks([c.src_offset for c in copies], [c.src_offset for c in copies],
+                                                [c.dst_offset for c in copies], [c.numel for c in copies],
+                                                [0] * len(copies), fp8_cols))
 
     def land(self, flat, s, copies, table, scale_cache) -> int:
         src_shape = tuple(self.side.plan.src_shapes[s][copies[0].src_param])
-        numel = 1
-        for n in src_shape:
-            numel *= n
+        numel = math.prod(src_shape)
         name = copies[0].src_param
         if not is_fp8(self.spec, src_shape):
             src = self._source(table, "w", name, flat.dtype, numel).to(flat.device, non_blocking=True)
-            if len(copies) <= MANY_RUNS:
-                for c in copies:
-                    flat[c.dst_offset:c.dst_offset + c.numel].copy_(src[c.src_offset:c.src_offset + c.numel])
-                return 0
-            src_idx, dst_idx = self._indices(s, copies, flat.device)
-            flat[dst_idx] = src[src_idx]
-            return 16 * src_idx.numel()
-        codes_all = self._source(table, "w", name, torch.uint8, numel).to(flat.device)
-        scales_all = self._source(table, "s", name, torch.float32, src_shape[0]).to(flat.device)
-        src_idx, _ = self._indices(s, copies, flat.device)
-        codes = codes_all[src_idx]
-        seg = torch.cat([scales_all[slice(*rows_of(c, src_shape[1]))] for c in copies])
-        return land_fp8(flat, copies, src_shape[1], codes, seg) + 16 * src_idx.numel()
+            land_blocks(flat, src, self._blocks(s, copies, None))
+            return 0
+        codes = self._source(table, "w", name, torch.uint8, numel).to(flat.device)
+        scales = self._source(table, "s", name, torch.float32, src_shape[0]).to(flat.device)
+        return dequant_blocks(flat, codes, scales, self._blocks(s, copies, src_shape[1]))
 
     def ack(self, version: int) -> None:
         self.ops.synchronize(self.side.device)  # our copies out of the senders' buffers are done

@@ -19,7 +19,7 @@ import os
 
 import torch
 
-from megarl.ddma.transport.base import Transport, is_fp8, land_fp8, log, rows_of
+from megarl.ddma.transport.base import Transport, is_fp8, land_fp8, log, packed_fp8_blocks, rows_of
 from megarl.native import _C
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
@@ -120,7 +120,6 @@ class ZeroCopyTransport(Transport):
     def __init__(self, side):
         super().__init__(side)
         self._maps: dict = {}
-        self._byte_runs_cache: dict = {}
         if hasattr(side, "outgoing"):  # a sender
             allow_readers()
 
@@ -153,11 +152,9 @@ class ZeroCopyTransport(Transport):
 
     def _byte_runs(self, s, copies, es: int) -> tuple[torch.Tensor, ...]:
         """(src byte offsets, dst byte offsets, byte counts) of these copies, computed once."""
-        k = (s, copies[0].dst_param, es)
-        if k not in self._byte_runs_cache:
-            self._byte_runs_cache[k] = tuple(torch.tensor([getattr(c, f) * es for c in copies], dtype=torch.int64)
-                                             for f in ("src_offset", "dst_offset", "numel"))
-        return self._byte_runs_cache[k]
+        return self.table(("bytes", s, copies[0].dst_param, es),
+                          lambda: tuple(torch.tensor([getattr(c, f) * es for c in copies], dtype=torch.int64)
+                                        for f in ("src_offset", "dst_offset", "numel")))
 
     def land_digest(self, flat, s, copies, table, scale_cache, runs):
         """The copy is ours when the sender's memory is mapped here: one pass (csrc copy_checksum_runs)
@@ -194,7 +191,8 @@ class ZeroCopyTransport(Transport):
             scale_cache[k] = sc
         cols = src_shape[1]
         seg = torch.cat([scale_cache[k][slice(*rows_of(c, cols))] for c in copies])
-        return land_fp8(flat, copies, cols, buf, seg) + 4 * seg.numel()
+        blocks = self.table(("fp8", s, copies[0].dst_param), lambda: packed_fp8_blocks(copies, cols))
+        return land_fp8(flat, copies, cols, buf, seg, blocks) + 4 * seg.numel()
 
 
 __all__ = ["read_runs", "copy_runs", "share", "map_shared", "allow_readers", "ZeroCopyTransport"]
