@@ -149,6 +149,23 @@ def test_a_trainer_rank_that_does_not_start_in_time(tiny_llama_dir, tmp_path):
     assert "megarl.trainer.executor.TrainerTimeout" in _full_log(line)
 
 
+def test_a_cut_weights_file_is_named(tiny_llama_dir, tmp_path):
+    """A model folder whose safetensors file was cut in half (an interrupted copy): the trainer rank
+    reading it ends the job in one line naming the file (trainer/convert.py load_pretrained)."""
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_llama_dir, model)
+    weights = next(model.glob("*.safetensors"))
+    data = weights.read_bytes()
+    weights.write_bytes(data[:len(data) // 2])
+    done = subprocess.run([sys.executable, "-m", "megarl", "train", "configs/tiny_test.yaml", f"model.path={model}",
+                           f"logging.out_dir={tmp_path}"], capture_output=True, text=True, cwd=REPO, env=ENV,
+                          timeout=300)
+    _one_line(done, 3, "trainer rank 0 (tp 0, pp 0, dp 0; pid ", f"cannot read the model weights {weights}: ",
+              "damaged or cut short")
+
+
 # --------------------------------------------------------------------------- raised inside `megarl train`
 # Run as `python script.py CASE MODEL OUT`: replaces resolve_model (the first step of a job inside its
 # log) with one that raises CASE's error, then runs `megarl train` through megarl.cli.main.

@@ -340,7 +340,9 @@ def test_a_killed_executor_process_stops_the_async_job_naming_it(tiny_llama_dir,
     import re
 
     log_path = tmp_path / "job.log"
-    job = _job(tiny_llama_dir, tmp_path / "out", log_path, "controller.max_policy_lag=1")
+    # generator.max_restarts=0: a dead replica stops the job (by default supervision replaces it and the
+    # job goes on: tests/test_generator_faults.py)
+    job = _job(tiny_llama_dir, tmp_path / "out", log_path, "controller.max_policy_lag=1", "generator.max_restarts=0")
     controller = psutil.Process(job.pid)
     descendants: list[psutil.Process] = []
     try:

@@ -6,13 +6,16 @@ checkpoints (the staged controller state or the trainer's temp folder on disk); 
 mid-step and mid-sync; a vLLM replica mid-decode and mid-landing (after its log line "landing
 weights vN", before "weights vN landed": the test checks the second never came); a reward scoring
 process while it scores a sample (the run uses a slow import-path reward that marks each sample it
-starts). Mid-sync is rank 0 between its DDMA log lines "sending weights vN" and "weights vN sent"
+starts). Mid-decode is replica 0 after an engine step that left requests unfinished (it logs 'decoding N
+request(s)' at a fault pause point; the test kills it after reading that line). Mid-sync is rank 0 between its DDMA log lines "sending weights vN" and "weights vN sent"
 (the test checks the second never came), held there by a fault pause point while the generator's
 workers wait on it. After the kill the job ends (a killed controller's processes die with it; a killed rank or
 replica stops the job naming it, SIGKILL included), nothing is left running, and the resumed run
-trains exactly the sample ids of a run that never stopped, each once. A killed reward worker is the
-exception that does not stop the job: the pool replaces it, scores its sample again on the fresh
-process and counts it (``reward/worker_deaths``); the job finishes with those same ids, each once.
+trains exactly the sample ids of a run that never stopped, each once. A killed reward worker and a
+replica killed mid-decode are the exceptions that do not stop the job: the pool replaces the worker,
+scores its sample again on the fresh process and counts it (``reward/worker_deaths``); the generator
+restarts the replica, re-syncs it and re-issues its requests (``gen/replica_restarts``); the job
+finishes with those same ids, each once.
 
 POINTS (20) of the 7 kinds x 4 steps are drawn, every kind at least once. The first drawn point runs
 in the default suite, all 20 in the slow one (`-m slow`). SUBSET, the first point of each kind (ids
@@ -81,7 +84,10 @@ KIND_EXTRA = {"reward_worker": ("reward.fn=matrix_reward:judge", "reward.workers
 # The first run's environment per kind. Mid-sync: every trainer rank holds 3 s between its DDMA line
 # 'sending weights vN' and publishing its shards (megarl/utils/faults.py), so the kill lands while the
 # generator's workers wait on it, not in a transfer of a few milliseconds that a poll would miss.
-KIND_ENV = {"trainer_mid_sync": {"MEGARL_FAULT_PAUSE": "ddma_send=3"}}
+# Mid-decode: replica 0 holds 5 s after an engine step that left requests unfinished under weights
+# v(step - 1) and logs 'decoding N request(s)' first; the test kills it only after reading that line.
+KIND_ENV = {"trainer_mid_sync": lambda step: {"MEGARL_FAULT_PAUSE": "ddma_send=3"},
+            "replica_mid_decode": lambda step: {"MEGARL_FAULT_PAUSE": f"replica_decoding@r0v{step - 1}=5"}}
 
 
 def _cmd(out_dir: Path, model_dir: Path, *extra: str) -> list[str]:
@@ -186,17 +192,13 @@ def _kill(kind: str, step: int, proc: subprocess.Popen, run: Path, log: Path, si
         fresh = _wait(lambda: sorted(set(os.listdir(side / "marks")) - seen), "a sample being scored", proc,
                       poll=0.005)
         victim = int(fresh[0].split("-")[0])
-    else:  # replica_mid_decode: the controller's child that is neither a trainer rank nor a tracker
-        pids = _wait(lambda: re.search(r"trainer: \d+ rank\(s\) ready .*? pids \[([\d, ]+)\]", text()),
-                     "the trainer's pids", proc)
-        ranks = {int(x) for x in pids.group(1).split(",")}
-        _wait(lambda: _rows(run) >= step - 1, f"step {step - 1} logged", proc)
-        import psutil
-
-        kids = [p for p in psutil.Process(proc.pid).children() if p.pid not in ranks
-                and "resource_tracker" not in " ".join(p.cmdline())]
-        assert kids, "no replica process found"
-        victim = max(kids, key=lambda p: p.memory_info().rss).pid
+    else:  # replica_mid_decode: replica 0 says it holds unfinished requests under weights v(step - 1)
+        replica_log = side / "gen" / "generator_replica0.log"
+        marker = re.compile(rf"replica 0 \(pid (\d+)\): decoding (\d+) request\(s\) at v{step - 1}\b")
+        found = _wait(lambda: marker.search(replica_log.read_text(errors="replace")) if replica_log.is_file() else None,
+                      f"replica 0 decoding under weights v{step - 1}", proc, poll=0.01)
+        assert int(found.group(2)) >= 1, found.group(0)
+        victim = int(found.group(1))
     # The job's processes, read before the signal: once the controller is dead its children belong to
     # init, and reading them afterwards would find none (and check nothing).
     family[:] = _descendants(proc.pid)
@@ -222,7 +224,7 @@ def test_kill_then_resume_trains_every_sample_once(kind, step, straight, tiny_ll
                PYTHONPATH=os.pathsep.join(p for p in (str(side), os.environ.get("PYTHONPATH", "")) if p))
     with open(log, "w") as out:
         proc = subprocess.Popen(_cmd(tmp_path, tiny_llama_dir, *extra), cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
-                                env={**env, **KIND_ENV.get(kind, {})})
+                                env={**env, **KIND_ENV.get(kind, lambda step: {})(step)})
         try:
             family: list[int] = []
             what = _kill(kind, step, proc, run, log, side, family)
@@ -241,6 +243,11 @@ def test_kill_then_resume_trains_every_sample_once(kind, step, straight, tiny_ll
         rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
         assert sum(r.get("reward/worker_deaths", 0) for r in rows) >= 1, f"{what}: the death was not counted"
         assert "starting another (reward/worker_deaths)" in first, first[-3000:]
+    elif kind == "replica_mid_decode":  # restarted in place (megarl/generator/supervision.py); the job finishes
+        assert code == 0, f"{what}: the job did not go on\n{first[-3000:]}"
+        rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+        assert rows[-1]["gen/replica_restarts"] == 1.0, f"{what}: the restart was not counted"
+        assert re.search(r"generator: replica 0 restarted \(cause: was killed by signal SIGKILL", first), first[-3000:]
     else:
         assert code != 0, f"{what}: the job exited 0\n{first[-3000:]}"
         if kind.startswith(("trainer", "replica")):  # the job names the dead process
