@@ -6,6 +6,7 @@ overall deadline turns a step that cannot fit into a recorded failure."""
 from __future__ import annotations
 
 import json
+import re
 import os
 import signal
 import subprocess
@@ -97,3 +98,14 @@ def test_megatron_check_runs_its_cpu_reference_with_cuda_hidden(monkeypatch):
     assert tool.main() == 1
     dev, env = calls[0]
     assert dev == "cpu" and env is not None and env["CUDA_VISIBLE_DEVICES"] == ""
+
+
+def test_the_gpu_marked_tests_are_a_step_of_the_one_call(tmp_path):
+    """The gpu-marked tests (they skip themselves on CPU: this checks the step's command and its record; the
+    trainer_scale step's own flow is tests/test_gpu_trainer_check.py's)."""
+    p, doc = _run(tmp_path, timeout=600, MEGARL_GPU_CHECK_STEPS="gpu_tests")
+    steps = {s["step"]: s for s in doc["steps"]}
+    assert p.returncode == 0 and doc["ok"], p.stdout + p.stderr
+    assert list(steps) == ["gpu_tests"] and steps["gpu_tests"]["ok"] is True, steps
+    log = (tmp_path / "gpu_check.gpu_tests.log").read_text()
+    assert re.search(r"\d+ skipped", log), log[-2000:]  # collected and skipped here, run on a GPU

@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -31,3 +33,35 @@ def test_a_no_op_step_fails_it():
     rc, out = _check("step")
     assert rc == 1 and not out["ok"], out
     assert out["step_moved_frac"] == 0.0 and out["logprobs_after_worst_ratio"] == 0.0, out  # only the step check sees it
+
+
+def _scale(plant: str = "") -> tuple[int, dict]:
+    env = dict(os.environ, MEGARL_GPU_CHECK_PLANT=plant)
+    p = subprocess.run([sys.executable, "tools/gpu_trainer_scale_check.py", "--cpu-dry"], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=600)
+    return p.returncode, json.loads(p.stdout.strip().splitlines()[-1])["trainer_scale"]
+
+
+def test_the_scale_check_resumes_bit_for_bit_and_a_planted_difference_fails_it():
+    # tools/gpu_trainer_scale_check.py's control flow (its memory-vs-plan figure needs a GPU)
+    rc, out = _scale()
+    assert rc == 0 and out["ok"] and out["resume_bitwise_equal"] and out["resume_step"] == 1, out
+    rc, out = _scale("scale")
+    assert rc == 1 and not out["resume_bitwise_equal"], out
+
+
+def test_the_scale_checks_plan_figure_is_the_dry_runs_for_its_shape(tmp_path):
+    sys.path.insert(0, str(REPO / "tools"))
+    import gpu_trainer_scale_check as check
+
+    (tmp_path / "config.json").write_text(json.dumps({**check.COMMON, **check.SHAPE}))
+    total, parts = check.plan_trainer_bytes(str(tmp_path))
+    # bf16 weights 2 B + fp32 grads 4 B + Adam (fp32 master, m, v) 12 B per parameter, counted from the HF shapes
+    import math
+
+    from megarl.models.layouts import ModelDims, hf_tensor_shapes
+
+    n = sum(math.prod(s) for s in hf_tensor_shapes(ModelDims.from_hf_config({**check.COMMON, **check.SHAPE})).values())
+    assert 190e6 < n < 210e6, n
+    assert parts["weights"] * 2**30 == pytest.approx(2 * n, rel=0.01), parts
+    assert total >= 18 * n and "activations" in parts, parts

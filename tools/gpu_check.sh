@@ -8,6 +8,8 @@
 #   trainer    megarl's own trainer (build_gpt_model, DDP, the Megatron optimizer, bf16): logprobs and a
 #              step, GPU vs CPU (CUDA hidden) within a bf16-derived bound, then make_sender over the live
 #              parameters into a cuda_ipc receiver, exact                  (tools/gpu_trainer_check.py);
+#   trainer_scale  the trainer at a ~200M shape: a step's peak memory against the dry run's memory plan for
+#              the same shape, and a save/resume bit for bit          (tools/gpu_trainer_scale_check.py);
 #   megatron   megatron-core from the carried wheel: a TP1 step + logprobs, GPU vs CPU (CUDA hidden)
 #              within a float32-derived bound (tools/gpu_megatron_check.py);
 #   build      megarl._C with its CUDA kernels (nvcc; ninja from the carried wheels when there), timed;
@@ -15,12 +17,13 @@
 #   checksum   the CUDA digest kernel vs the CPU kernel and torch, to the bit; planted corruptions
 #              caught; its GB/s beside a d2d copy, reported               (tools/gpu_checksum_check.py);
 #   nccl       the nccl transport's calls on a 1-rank ProcessGroupNCCL     (tools/gpu_nccl_check.py);
-#   bench      CUDA IPC sync GB/s vs a device-to-device copy of the same bytes; goal >= 50%, enforced.
+#   bench      CUDA IPC sync GB/s vs a device-to-device copy of the same bytes; goal >= 50%, enforced;
+#   gpu_tests  the test suite's `gpu`-marked tests (pytest from the carried wheels).
 # Env: PYTHON (default python3); MEGARL_MCORE_WHEEL (default: wheels/ or shared/wheels/
 #   megatron_core-0.16.1-*.whl: tools/gpu_check_wheels.sh puts it there, hash-checked, before the call);
 #   MEGARL_GPU_CHECK_DEADLINE_S (default 470); MEGARL_GPU_CHECK_STEPS (comma list, default all);
 #   MEGARL_GPU_CHECK_IPC_CASES (tools/gpu_ddma_ipc.py --cases, default all four);
-#   MEGARL_GPU_CHECK_PLANT=build|fp8|checksum|ipc|trainer|megatron|nccl|bench plants a failure in that step (the script must exit
+#   MEGARL_GPU_CHECK_PLANT=build|fp8|checksum|ipc|trainer|scale|megatron|nccl|bench plants a failure in that step (the script must exit
 #   non-zero); MEGARL_GPU_CHECK_DRY=1 runs the same control flow on CPU (no CUDA build, no wheel).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -31,7 +34,7 @@ py="${PYTHON:-python3}"
 dry="${MEGARL_GPU_CHECK_DRY:-0}"
 plant="${MEGARL_GPU_CHECK_PLANT:-}"
 deadline_s="${MEGARL_GPU_CHECK_DEADLINE_S:-470}"
-only="${MEGARL_GPU_CHECK_STEPS:-ipc,trainer,megatron,build,fp8,checksum,nccl,bench}"
+only="${MEGARL_GPU_CHECK_STEPS:-ipc,trainer,trainer_scale,megatron,build,fp8,checksum,nccl,bench,gpu_tests}"
 dryflag=""; [[ "$dry" == 1 ]] && dryflag="--cpu-dry"
 export MEGARL_GPU_CHECK_PLANT="$plant" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PIP_NO_INDEX=1
 results="$out/gpu_check.steps.jsonl"
@@ -136,7 +139,7 @@ fi
 
 # In order of risk (issue 30); none needs another's result: ipc and megatron run without the extension.
 wants ipc && step ipc 180 "$py" tools/gpu_ddma_ipc.py --syncs 4 --cases "${MEGARL_GPU_CHECK_IPC_CASES:-bf16,fp32,fp8,flat}" $dryflag
-if wants megatron || wants trainer; then
+if wants megatron || wants trainer || wants trainer_scale; then
   if [[ "$dry" != 1 ]]; then
     wheel="${MEGARL_MCORE_WHEEL:-$(ls wheels/megatron_core-0.16.1-*.whl shared/wheels/megatron_core-0.16.1-*.whl 2>/dev/null | head -1)}"
     if [[ -n "$wheel" && -f "$wheel" ]]; then
@@ -153,6 +156,7 @@ if wants megatron || wants trainer; then
     fi
   fi
   wants trainer && step trainer 150 "$py" tools/gpu_trainer_check.py $dryflag
+  wants trainer_scale && step trainer_scale 200 "$py" tools/gpu_trainer_scale_check.py $dryflag
   wants megatron && step megatron 120 "$py" tools/gpu_megatron_check.py $dryflag
 fi
 if wants build; then
@@ -168,6 +172,16 @@ wants fp8 && step fp8 90 "$py" tools/gpu_fp8_check.py $dryflag
 wants checksum && step checksum 90 "$py" tools/gpu_checksum_check.py $dryflag
 wants nccl && step nccl 60 "$py" tools/gpu_nccl_check.py $dryflag
 wants bench && step bench 90 "$py" tools/gpu_ddma_ipc.py --bench --trials 3 $dryflag
+if wants gpu_tests; then
+  if [[ "$dry" != 1 ]] && ! "$py" -c "import pytest" 2> /dev/null && [[ -n "$wheels" ]]; then
+    test_site="$(mktemp -d)"  # pytest and its dependencies from the carried wheels (tools/gpu_check_wheels.txt)
+    "$py" -m pip install -q --no-index --no-deps --target "$test_site" "$wheels"/pytest-*.whl "$wheels"/pluggy-*.whl \
+      "$wheels"/iniconfig-*.whl "$wheels"/pygments-*.whl > /dev/null 2>&1 \
+      && export PYTHONPATH="$test_site${PYTHONPATH:+:$PYTHONPATH}"
+  fi
+  # on CPU (the dry run) the gpu-marked tests skip themselves: the step checks the command runs
+  step gpu_tests 150 "$py" -m pytest -q -m gpu -p no:cacheprovider tests/
+fi
 write_json done
 echo "gpu_check: $([[ $failed == 0 ]] && echo OK || echo FAILED) in $(( $(date +%s) - started )) s -> $json"
 exit "$failed"

@@ -12,4 +12,4 @@ mkdir -p "$dest"
 "$py" -m pip download -q --no-deps --require-hashes --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
   -r tools/gpu_check_wheels.txt -d "$dest"
-ls -l "$dest"/megatron_core-0.16.1-*.whl "$dest"/ninja-*.whl "$dest"/packaging-*.whl "$dest"/safetensors-*.whl
+ls -l "$dest"/megatron_core-0.16.1-*.whl "$dest"/ninja-*.whl "$dest"/packaging-*.whl "$dest"/safetensors-*.whl "$dest"/pytest-*.whl
