@@ -24,6 +24,8 @@ import pytest
 import torch
 
 from megarl.ddma.layouts import GeneratorTopology, SrcRank, TrainerTopology
+from megarl.ddma.plan import plan_sync
+from megarl.ddma.runs import FP8_BLOCK_INTS
 from megarl.ddma.sync import DdmaSender, DdmaTransportError, SyncSpec, host_store
 from megarl.ddma.transport import choose_transport, transport_problem
 from megarl.ddma.transport.base import plan_buckets
@@ -270,11 +272,14 @@ def test_nccl_rank_with_no_pairs_still_joins_and_each_group_has_its_own_prefix(m
 @pytest.mark.parametrize("trainer_dtype,wire", [(torch.float32, "engine"), (torch.bfloat16, "engine"),
                                                 (torch.float32, "fp8")])
 def test_cuda_ipc_protocol_lands_exact_and_exports_once(trainer_dtype, wire):
+    """Break caught: landing tables rebuilt per sync or grown per element (index_bytes), a block's
+    destination off by one (the exact bytes)."""
     dims = _dims("llama_kv2_tied")
     src, dst = TrainerTopology(2, 1, 1), GeneratorTopology(1, 2)  # TP2 senders -> two TP1 replicas
     _, res = _run(dims, src, dst, transport="cuda_ipc", wire=wire, trainer_dtype=trainer_dtype,
                   versions=(1, 2, 3), bucket_bytes=64 << 10)
     assert len(res["got"]) == 2 * 3
+    plan, index_bytes = plan_sync(dims, src, dst), {}
     for rank, v, (got, stats) in res["got"]:
         want = _expected(dims, dst, v, trainer_dtype, torch.bfloat16)[rank.tp]
         for n, w in want.items():
@@ -283,6 +288,13 @@ def test_cuda_ipc_protocol_lands_exact_and_exports_once(trainer_dtype, wire):
         # handles opened once per topology, not per sync; every sync collects
         assert stats["ipc_opens"] == res["got"][0][2][1]["ipc_opens"] or v == 1
         assert stats["collects"] >= v
+        # landing tables: O(runs), built once (the same bytes every sync), never 16 B per element
+        # (cuda_ipc's per-element _index_cache, before issue 46: every element with FP8)
+        copies = [c for (_, d), cs in plan.pairs.items() if d == rank for c in cs]
+        assert 0 < stats["index_bytes"] <= 3 * FP8_BLOCK_INTS * 8 * len(copies)
+        assert stats["index_bytes"] == index_bytes.setdefault(rank, stats["index_bytes"])
+        if wire == "fp8":
+            assert 16 * sum(c.numel for c in copies) > 20 * stats["index_bytes"]
     by_version = {}
     for rank, v, stats in res["sent"]:
         by_version.setdefault(rank, {})[v] = stats
