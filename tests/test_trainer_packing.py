@@ -38,7 +38,9 @@ from megarl.trainer.packing import (balanced_partition, first_fit_decreasing, pa
 CPUS = [0, 1] if len(os.sched_getaffinity(0)) >= 2 else None
 U = 2.0 ** -24
 LENGTHS = [5, 40, 12, 33, 20, 7, 28, 16]  # long-tailed enough that a micro-batch of 4 packs into fewer rows
-LR, ADAM_EPS = 1e-3, 1e-2  # adam_eps >> |dg| keeps the first update linear in g (see the module doc)
+# adam_eps = 1 keeps the first update lr * g / (|g| + eps) near-linear in g (slope <= lr / eps): the
+# weights' bound lr / eps * D * grad_norm (module doc) then sits well below the update itself (~lr |g|)
+LR, ADAM_EPS = 1e-3, 1.0
 ALGO = AlgorithmConfig(loss="decoupled_ppo")  # its proximal pass runs packed too
 
 
@@ -245,6 +247,7 @@ def _compare(a, b, bound):
     assert abs(m_a["grad_norm"] - m_b["grad_norm"]) <= bound * norm
     assert abs(m_a["loss"] - m_b["loss"]) <= bound * max(abs(m_a["loss"]), 1.0)
     assert w_gap <= w_bound
+    return w_a
 
 
 @pytest.mark.parametrize("layout", [dict(tp=1), dict(tp=2), dict(pp=2)], ids=["tp1", "tp2", "pp2"])
@@ -252,7 +255,20 @@ def test_packed_step_matches_padded(tiny_llama_dir, tmp_path, step_batch, layout
     bound = logprob_bound(tiny_llama_dir)
     padded = _run(tiny_llama_dir, tmp_path / "padded", packing=False, batch=step_batch, **layout)
     packed = _run(tiny_llama_dir, tmp_path / "packed", packing=True, batch=step_batch, **layout)
-    _compare(padded, packed, bound)
+    _assert_moved(tiny_llama_dir, _compare(padded, packed, bound), LR / ADAM_EPS * bound * padded[1]["grad_norm"])
+
+
+def _assert_moved(model_dir, weights, w_bound):
+    """The update moved some weight well past the bound the weights were held to (else the
+    comparison could not fail)."""
+    from safetensors.torch import load_file
+
+    initial = {}
+    for f in sorted(Path(model_dir).glob("*.safetensors")):
+        initial.update(load_file(f))
+    moved = max(float((weights[n] - initial[n].float()).abs().max()) for n in weights if n in initial)
+    print(f"moved {moved:.3g} vs weight bound {w_bound:.3g}")
+    assert moved > 3 * w_bound
 
 
 def test_dp2_token_budget_step_matches_padded(tiny_llama_dir, tmp_path, step_batch):
@@ -267,5 +283,5 @@ def test_dp2_token_budget_step_matches_padded(tiny_llama_dir, tmp_path, step_bat
     bound = logprob_bound(tiny_llama_dir)
     padded = _run(tiny_llama_dir, tmp_path / "padded", dp=2, packing=False, batch=step_batch)
     budgeted = _run(tiny_llama_dir, tmp_path / "budget", dp=2, packing=True, max_tokens=budget, batch=step_batch)
-    _compare(padded, budgeted, bound)
+    _assert_moved(tiny_llama_dir, _compare(padded, budgeted, bound), LR / ADAM_EPS * bound * padded[1]["grad_norm"])
     assert budgeted[1]["micro_batches"] in counts
