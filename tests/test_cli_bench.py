@@ -25,7 +25,7 @@ def _ok(r: subprocess.CompletedProcess) -> None:
     assert r.returncode == 0, f"rc={r.returncode}\nstdout:\n{r.stdout[-3000:]}\nstderr:\n{r.stderr[-3000:]}"
 
 
-@pytest.mark.parametrize("which", ["trainer", "generator", "sync", "prox"])
+@pytest.mark.parametrize("which", ["trainer", "generator", "sync", "prox", "packing"])
 def test_bench_help(which):
     r = _cli(which, "--help", timeout=120)
     _ok(r)

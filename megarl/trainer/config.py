@@ -38,11 +38,13 @@ class TrainerConfig:
                                  "replica (sequences); a step's rollout batch is split over DP, "
                                  "then into micro-batches (gradient accumulation). Default 4.")
 
-    packing: bool = knob(True, help="Pack a micro-batch's sequences without padding (first-fit decreasing into "
-                         "rows no longer than the micro-batch's longest sequence; each sequence keeps its own "
-                         "positions 0..len-1 and attends only to itself), for the logprob passes and training. "
-                         "Exact: the same logprobs and gradients as padded rows up to float summation order. "
-                         "false = right-padded rows. Default true.")
+    packing: bool = knob(True, help="Pack a micro-batch's sequences without padding, for the logprob passes and "
+                         "training; each sequence attends only to itself and keeps position_ids 0..len-1. Local "
+                         "(CPU) layer spec: first-fit decreasing into rows no longer than the micro-batch's longest "
+                         "sequence, block-diagonal causal mask (megatron's rope rotates by row offset, which "
+                         "cancels in q.k); transformer-engine spec: one THD row with cu_seqlens. Exact: the same "
+                         "logprobs and gradients as padded rows up to float summation order. false = right-padded "
+                         "rows. Default true.")
     max_tokens_per_micro_batch: int = knob(0, help="Token budget of one micro-batch (tokens, >= 0): micro-batches "
                                            "are formed by length so each holds at most this many real tokens (a "
                                            "longer sequence goes alone), DP ranks get balanced token counts, "
