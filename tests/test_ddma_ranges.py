@@ -198,3 +198,27 @@ def test_cuda_ipc_tables_of_llama_8b_are_o_runs(gen_tp):
             assert held < 1 << 20  # under a MiB
         else:
             assert held < 16 << 20  # o_proj / down_proj: one run per row, folded into blocks
+
+
+def test_bench_landing_figure_before_and_after():
+    """``megarl bench sync``'s landing figure (tools/bench_sync.py ``landing_figures``) on the --quick model,
+    trainer TP2 -> one worker (dim-1 pieces: one run per row): both paths land the same bits (it raises
+    otherwise), the index bytes drop from 16 B/element to the block tables, bounded by the runs.
+    Break caught: blocks that land other bits than the per-element path (e.g. a dequantized row one
+    element off: the bench refuses to report a speed)."""
+    import sys
+
+    sys.path.insert(0, os.path.join(REPO, "tools"))
+    import bench_sync
+    from megarl.ddma.layouts import GeneratorTopology, TrainerTopology
+    from megarl.models.layouts import ModelDims
+
+    fig = bench_sync.landing_figures(ModelDims.from_hf_config(bench_sync.QUICK_DIMS), TrainerTopology(2, 1, 1),
+                                     GeneratorTopology(1, 1), trials=1)
+    for kind in ("fp8", "engine"):
+        f = fig[kind]
+        assert f["runs"] > 1000 and f["blocks"] < f["runs"] / 10  # one run per row folds into blocks
+        assert 0 < f["index_bytes_after"] <= 3 * FP8_BLOCK_INTS * 8 * f["runs"]
+        assert len(f["land_s_before_all"]) == len(f["land_s_after_all"]) == 1
+    assert fig["fp8"]["index_bytes_before"] == 16 * fig["fp8"]["elements"]
+    assert fig["fp8"]["index_bytes_before"] > 1000 * fig["fp8"]["index_bytes_after"]
