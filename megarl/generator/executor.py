@@ -487,6 +487,7 @@ class GeneratorExecutor(ReplicaSupervision, ExecutorBase):
                     h.process.mark_gone(clean=self._closing)
                 self._inbox.put((h, ("eof",)))
                 return
+            h.last_heard = time.monotonic()  # here, not when handled: the controller may not pump for a while
             self._inbox.put((h, msg))
 
     def _pump(self, timeout: float) -> bool:
@@ -504,7 +505,6 @@ class GeneratorExecutor(ReplicaSupervision, ExecutorBase):
     def _handle(self, h: ReplicaHandle | None, msg: tuple) -> None:
         if h is None:
             return
-        h.last_heard = time.monotonic()
         kind = msg[0]
         if kind == "ready":
             h.info = msg[1]

@@ -25,8 +25,9 @@ re-issued; recovered in S s``, and counts ``restarts`` (the controller reports i
 ``generator.restart_window_s`` stops the job with every cause (``max_restarts: 0``: the first failure
 does, as before supervision existed). Not recovered, they stop the job as before: a failure during a
 weight update (the trainer's senders wait for the dead receivers: the sync is lost), a failure
-while a replica is being recovered, and attached replicas (srun starts those; the job's launcher
-restarts the job).
+while a replica is being recovered, a replica that never became ready (a start-up failure is the
+configuration's, not a transient fault), and attached replicas (srun starts those; the job's
+launcher restarts the job).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
+import multiprocessing as mp
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -43,7 +45,9 @@ from megarl.executors.base import kill_processes
 from megarl.generator.engine import replica_main
 from megarl.generator.errors import GeneratorError, engine_died
 from megarl.generator.replicas import ReplicaHandle, Track, remove_shm_files
+from megarl.generator.threads import threads_binds
 from megarl.utils.devices import cuda_visible
+from megarl.utils.procs import spawned_from_main_thread
 
 if TYPE_CHECKING:
     from megarl.generator.config import GeneratorConfig
@@ -139,7 +143,7 @@ class ReplicaSupervision:
         """Replica ``h`` failed: recover it at the next check, or stop the job when it cannot be."""
         if self._failure is not None or h.index in self._to_recover or self._replicas[h.index] is not h:
             return  # already failed, already being replaced, or a replaced handle's late message
-        if self._restartable():
+        if self._restartable() and h.info:  # never ready: a start-up failure is the config's, not transient
             log.warning("generator: replica %d (pid %s) failed: %s", h.index, h.process.pid, cause.splitlines()[0])
             self._to_recover[h.index] = (h, cause, time.monotonic())
         else:
@@ -165,8 +169,11 @@ class ReplicaSupervision:
             self._check_frozen()
         while self._failure is None and self._to_recover and not self._recovering:
             index = next(iter(self._to_recover))
-            self._recover(*self._to_recover[index])
-            del self._to_recover[index]
+            h, cause, since = self._to_recover[index]
+            try:
+                self._recover(h, cause, since)
+            finally:
+                del self._to_recover[index]
         if self._failure is not None:
             raise self._failure
 
@@ -188,10 +195,6 @@ class ReplicaSupervision:
             return
         self._recovering = True
         try:
-            from megarl.generator.threads import threads_binds
-            from megarl.utils.procs import spawned_from_main_thread
-            import multiprocessing as mp
-
             bind = threads_binds(self.cfg)[h.index] if self.on_cpu else None
             self.restarts_of[h.index] += 1
             self._spawn_replica(h.index, mp.get_context("spawn"), bind, spawned_from_main_thread())

@@ -52,6 +52,7 @@ from megarl.trainer.checkpoint_index import (FORMAT, LATEST, META, STEP_PREFIX, 
                                              latest_checkpoint, list_checkpoints, newest_complete,
                                              resolve_checkpoint, resume_path, should_save, step_dir_name)
 from megarl.trainer.async_save import AsyncWriter
+from megarl.utils.faults import injected
 from megarl.trainer.checkpoint_files import (_fsync_dir, _fsync_tree, _no_space, _tree_bytes,  # noqa: F401
                                              copy_hf_extra, known_shard_crcs, record_shard_crcs, write_text_atomic)
 from megarl.trainer.model import unwrap
@@ -279,8 +280,10 @@ def _space_needed(root: Path, model: list, optimizer: Any) -> int:
 
 
 def _free_bytes(root: Path) -> int:
-    """Free bytes at ``root`` before a save (tests replace it to reach the write-time check)."""
-    return shutil.disk_usage(root).free
+    """Free bytes at ``root`` before a save (tests replace it to reach the write-time check; fault
+    injection ``disk_free_bytes=N``, megarl/utils/faults.py, makes a rank see N)."""
+    faked = injected("disk_free_bytes")
+    return int(faked) if faked else shutil.disk_usage(root).free
 
 
 def _agree(problem: Optional[str]) -> Optional[str]:

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.trainer.config import TrainerConfig
+from megarl.utils.faults import armed, injected, pause_point
 
 log = logging.getLogger(__name__)
 
@@ -154,6 +155,17 @@ def all_finite(objs: TrainingObjects, loss: float) -> bool:
     return not bad
 
 
+def _poison_first_gradient(objs: TrainingObjects) -> None:
+    """Fault injection: the first gradient buffer of this rank becomes NaN."""
+    for chunk in objs.model:
+        for p in chunk.parameters():
+            g = getattr(p, "main_grad", None)
+            g = p.grad if g is None else g
+            if g is not None:
+                g.view(-1)[0] = float("nan")
+                return
+
+
 def optimizer_step(objs: TrainingObjects, loss: float = 0.0) -> dict:
     """One optimizer + scheduler step after forward/backward; zeroes grads for the next step.
 
@@ -162,6 +174,13 @@ def optimizer_step(objs: TrainingObjects, loss: float = 0.0) -> dict:
     weight) with a WARNING; ``objs.max_skipped_steps`` skipped in a row raise
     :class:`NonFiniteStepError`. Returns {"update_successful", "grad_norm", "lr", "skipped" (0/1),
     "skipped_steps" (the run's total)}."""
+    if injected("nonfinite_grad") is not None:  # fault tests (megarl/utils/faults.py): a diverged step's NaN
+        _poison_first_gradient(objs)
+    step = int(getattr(objs.scheduler, "num_steps", 0)) + objs.skipped_total + 1  # the step being trained
+    if armed(f"train_step@{step}"):  # fault tests: a signal or kill lands while this step runs
+        log.info("trainer rank %d: step %d: forward and backward done, holding before the optimizer update "
+                 "(fault pause)", dist.get_rank() if dist.is_initialized() else 0, step)
+        pause_point(f"train_step@{step}")
     finite = all_finite(objs, loss)
     if finite:
         ok, grad_norm, _ = objs.optimizer.step()

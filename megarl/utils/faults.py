@@ -9,8 +9,19 @@ its shards are published to the generator's workers, who are waiting for them);
 before anything is committed; ``checkpoint_async_write@N``: only the step-N write); ``step_logged@N``
 (the controller after it logged step N, before step N+1 starts: a signal sent once the log shows step N
 lands between the steps, where on a quiet machine it would race the next step's training);
+``train_step@N`` (a trainer rank after step N's forward and backward, before the optimizer update; it logs
+'step N: forward and backward done' first, so a test signals while the step runs);
+``ddma_received@v<V>`` (a generator worker once the first tensor of weights vV arrived from the trainer:
+bytes moved; it logs 'received B bytes of weights vV' first, so a test kills a sender mid-transfer);
 ``replica_decoding@r<R>v<V>`` (generator replica R after an engine step that left requests unfinished,
 holding weights vV; it logs 'decoding N request(s)' first, so a test kills it mid-generation).
+
+``MEGARL_FAULT_INJECT="name[=value][,name[=value]]"`` makes the real code path fail where a fault of that
+name is read (:func:`injected`), so an error-path test sees the error raised where it is in production,
+in a real rank or replica: ``nonfinite_grad`` (a trainer rank's first gradient becomes NaN before the
+optimizer's finiteness check, as a diverged step leaves it), ``disk_free_bytes=N`` (a trainer rank's
+checkpoint sees N bytes free), ``ddma_corrupt_landing`` (a generator worker lands its first DDMA tensor
+with one element changed, as a wrong byte range would, before the checksums are compared).
 """
 
 from __future__ import annotations
@@ -21,6 +32,7 @@ import time
 from typing import Callable
 
 ENV = "MEGARL_FAULT_PAUSE"
+INJECT_ENV = "MEGARL_FAULT_INJECT"
 
 
 @functools.lru_cache(maxsize=1)
@@ -46,3 +58,16 @@ def pause_point(name: str, until: Callable[[], bool] | None = None) -> None:
     end = time.monotonic() + seconds
     while (left := end - time.monotonic()) > 0 and not (until is not None and until()):
         time.sleep(min(left, 0.05) if until is not None else left)
+
+
+def injected(name: str) -> str | None:
+    """The value of fault ``name`` in ``MEGARL_FAULT_INJECT`` ('' for a bare name), or None when it is
+    not injected (always, outside tests: one environment lookup)."""
+    spec = os.environ.get(INJECT_ENV)
+    if not spec:
+        return None
+    for item in filter(None, (p.strip() for p in spec.split(","))):
+        key, _, value = item.partition("=")
+        if key.strip() == name:
+            return value.strip()
+    return None
