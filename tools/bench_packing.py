@@ -69,6 +69,20 @@ def _batch(lengths: list[int], prompt: int, vocab: int):
     return batch
 
 
+def _computed_tokens(lengths: list[int], micro_batch: int, budget: int) -> dict[str, int]:
+    """Token positions the model runs per mode (rows x row width over the micro-batches): the
+    linear layers' work, the bound on a mode's speedup before attention's per-row L^2."""
+    from megarl.trainer.packing import first_fit_decreasing, token_budget_groups
+
+    consecutive = [lengths[j:j + micro_batch] for j in range(0, len(lengths), micro_batch)]
+    by_budget = [[lengths[i] for i in g] for g in token_budget_groups(lengths, budget)]
+
+    def packed(groups):
+        return sum(len(first_fit_decreasing(g, max(g))) * max(g) for g in groups)
+    return {"padded": sum(len(g) * max(g) for g in consecutive), "packed": packed(consecutive),
+            "packed_budget": packed(by_budget)}
+
+
 def _worker(rank: int, world: int, a: argparse.Namespace) -> dict:
     from megarl.algorithms.config import AlgorithmConfig
     from megarl.algorithms.policy_loss import loss_params
@@ -106,15 +120,14 @@ def _worker(rank: int, world: int, a: argparse.Namespace) -> dict:
                     times[m]["logprobs"].append(t1 - t0)
                     times[m]["step"].append(t2 - t1)
         tokens = sum(lengths)
-        padded_rows = sum(len(range(j, min(j + a.micro_batch, len(lengths)))) * max(lengths[j:j + a.micro_batch])
-                          for j in range(0, len(lengths), a.micro_batch))
+        computed = _computed_tokens(lengths, a.micro_batch, a.budget)
         modes = {}
         for m in MODES:
             lp_s, step_s = statistics.median(times[m]["logprobs"]), statistics.median(times[m]["step"])
             modes[m] = {"logprobs_s": lp_s, "step_s": step_s, "logprobs_tokens_per_s": tokens / lp_s,
                         "step_tokens_per_s": tokens / step_s, "tokens_per_s": tokens / (lp_s + step_s),
-                        "max_abs_logprob_diff": diff[m], "times_s": times[m]}
-        out[shape] = {"rows": len(lengths), "tokens": tokens, "padded_tokens": padded_rows,
+                        "max_abs_logprob_diff": diff[m], "computed_tokens": computed[m], "times_s": times[m]}
+        out[shape] = {"rows": len(lengths), "tokens": tokens, "padded_tokens": computed["padded"],
                       "longest": max(lengths), "median_length": statistics.median(lengths), "modes": modes,
                       "packed_speedup": modes["packed"]["tokens_per_s"] / modes["padded"]["tokens_per_s"],
                       "packed_budget_speedup": modes["packed_budget"]["tokens_per_s"] / modes["padded"]["tokens_per_s"]}
@@ -134,8 +147,8 @@ def _plot(result: dict, path: Path) -> None:
                    label=part.replace("_tokens_per_s", "").replace("tokens_per_s", "logprobs + step"), color=f"C{j}")
         ax.set_xticks(range(len(MODES)), MODES)
         ax.set_ylabel("real tokens / s (median)")
-        ax.set_title(f"{shape}: {r['rows']} rows, {r['tokens']} tokens (padded {r['padded_tokens']}); "
-                     f"packed {r['packed_speedup']:.2f}x", fontsize=9)
+        ax.set_title(f"{shape}: {r['rows']} rows, {r['tokens']} tokens (computed padded {r['padded_tokens']}, "
+                     f"packed {r['modes']['packed']['computed_tokens']}); packed {r['packed_speedup']:.2f}x", fontsize=9)
         ax.legend(fontsize=8)
     save(fig, path, dpi=120)
     print(f"wrote {path}")
@@ -179,7 +192,8 @@ def main() -> None:
         figures = ", ".join(f"{m} {r['modes'][m]['tokens_per_s']:.0f} tok/s (logprobs {r['modes'][m]['logprobs_s']:.2f} s, "
                             f"step {r['modes'][m]['step_s']:.2f} s, diff {r['modes'][m]['max_abs_logprob_diff']:.2g})"
                             for m in MODES)
-        print(f"{shape} ({r['rows']} rows, {r['tokens']} tokens, {r['padded_tokens']} padded): {figures}; "
+        computed = ", ".join(f"{m} {r['modes'][m]['computed_tokens']}" for m in MODES)
+        print(f"{shape} ({r['rows']} rows, {r['tokens']} tokens; computed: {computed}): {figures}; "
               f"packed {r['packed_speedup']:.2f}x, packed+budget {r['packed_budget_speedup']:.2f}x")
     print(f"wrote {out / 'packing.json'}")
     _plot(result, out / "packing.png")
