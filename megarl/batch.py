@@ -3,8 +3,9 @@
 Sequences are right-padded to a rectangle ``[batch, seq]``. Every per-token tensor is aligned to
 token positions: ``x[b, t]`` is about token ``input_ids[b, t]`` (e.g. ``behav_logprobs[b, t]`` is
 the generator's log-probability of token t given tokens ``< t``); position 0 of a sequence has
-no logprob and must be outside ``loss_mask``. Right padding + a causal mask gives every sequence
-positions 0..len-1 without packing, which RoPE in the local (CPU) layer spec requires.
+no logprob and must be outside ``loss_mask``. This padded layout is what the loss code reads; the
+trainer packs each micro-batch for the model itself (``trainer.packing``, megarl/trainer/packing.py)
+and gathers the results back into it.
 """
 
 from __future__ import annotations
