@@ -75,6 +75,7 @@ def _run_job(cfg: MegaRLConfig) -> int:
 
     model_dir = resolve_model(cfg.model.path)
     devices = place_devices(cfg)
+    sync = resolved_sync(cfg, devices)  # before any executor holds a GPU (it may ask CUDA about peer access)
     prompts = PromptSource(cfg, model_dir)
     with ExitStack() as stack:
         # First in, last out: SIGTERM/SIGINT/SIGHUP raise JobInterrupted here, the stack closes
@@ -86,10 +87,10 @@ def _run_job(cfg: MegaRLConfig) -> int:
         stack.enter_context(signals_raise(preemption=preempt))
         run = stack.enter_context(RunFolder(cfg, n_eval=len(prompts.held)))
         trainer, generator, reward = start_executors(cfg, stack, model_dir, devices, run)
-        weights = WeightSync(resolved_sync(cfg), trainer, generator, dims=model_dims(model_dir), generator_cfg=cfg.generator,
+        weights = WeightSync(sync, trainer, generator, dims=model_dims(model_dir), generator_cfg=cfg.generator,
                              probe_prompt=prompts.eval_set()[1][0], pad_id=prompts.pad_id,
                              quiesce=cfg.controller.deterministic)
-        log.info("weight sync: %s", describe_sync(cfg))
+        log.info("weight sync: %s", describe_sync(cfg, sync))
         train(cfg, run, prompts, trainer, generator, reward, weights, preempt)
         run.finish(cfg.controller.steps)
     return 0
@@ -350,30 +351,46 @@ def model_dims(model_dir: Path) -> ModelDims:
     return ModelDims.from_hf_config(read_hf_config(model_dir))
 
 
-def resolved_sync(cfg: MegaRLConfig):
+def resolved_sync(cfg: MegaRLConfig, devices: DevicePlan | None = None):
     """``cfg.sync`` with ``transport`` resolved (auto / p2p -> the transport this job uses, megarl.ddma.transport)
     and ``probe_max_gap`` 0 replaced by the bound for the coarsest of the trainer's weights, the DDMA wire and
-    the engine."""
+    the engine. With ``devices`` (this job's GPUs) a one-host CUDA job asks whether its trainer and generator
+    GPUs have peer access, which CUDA IPC needs: auto picks nccl without it, and an explicit cuda_ipc is
+    refused naming the fix."""
     import dataclasses
 
     from megarl.config.validate import cuda_expected
     from megarl.controller.weight_sync import default_probe_gap
     from megarl.ddma.transport import choose_transport
+    from megarl.ddma.transport.choice import transport_problem
+    from megarl.utils.devices import cuda_peer_access
 
     device = "cuda" if cuda_expected(cfg.cluster.device) else "cpu"
+    same_host = cfg.cluster.launcher == "local"
     gap = cfg.sync.probe_max_gap or default_probe_gap(cfg.generator.dtype, cfg.generator.quantization,
                                                       cfg.trainer.params_dtype,
                                                       cfg.sync.wire if cfg.sync.method == "ddma" else "engine")
+    peer = None
+    if (device == "cuda" and same_host and cfg.sync.method == "ddma" and cfg.sync.transport in ("auto", "cuda_ipc")
+            and devices is not None and devices.trainer and devices.generator):
+        peer = cuda_peer_access([(t, g) for t in set(devices.trainer) for g in set(devices.generator)])
+        if peer is False:
+            problem = transport_problem(cfg.sync.transport, device=device, same_host=same_host, peer_access=peer)
+            if problem:
+                raise ConfigError([problem])
+            log.warning("weight sync: the trainer's and the generator's GPUs have no CUDA peer access, which CUDA "
+                        "IPC needs: sync.transport=auto picks nccl")
     return dataclasses.replace(cfg.sync, probe_max_gap=gap, transport=choose_transport(
-        cfg.sync.transport, device=device, same_host=cfg.cluster.launcher == "local"))
+        cfg.sync.transport, device=device, same_host=same_host, peer_access=peer))
 
 
-def describe_sync(cfg: MegaRLConfig) -> str:
-    """One line for the log: how the weights travel and how often they are proven."""
+def describe_sync(cfg: MegaRLConfig, sync=None) -> str:
+    """One line for the log: how the weights travel and how often they are proven (``sync``: the resolved
+    ``cfg.sync``, :func:`resolved_sync`'s, when the job has it)."""
     s = cfg.sync
     if s.method == "shm":
         return "full HF tensors through one shared-memory file (sync.method=shm)"
-    chosen = resolved_sync(cfg).transport
+    chosen = (sync or resolved_sync(cfg)).transport
     how = chosen if chosen == s.transport else f"{chosen} (sync.transport={s.transport})"
     return (f"DDMA {how}, wire {s.wire}, checksums every {s.verify_every or 'never'} sync(s), "
             f"logprob probe every {s.probe_every or 'never'}")

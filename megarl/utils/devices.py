@@ -25,4 +25,25 @@ def cuda_visible(ordinals: Sequence[int], environ: Mapping[str, str] | None = No
     return ",".join(entries[d] for d in ordinals)
 
 
-__all__ = ["cuda_visible"]
+def cuda_peer_access(pairs, timeout_s: float = 60.0) -> bool | None:
+    """Whether every (trainer, generator) device-ordinal pair in ``pairs`` has CUDA peer access (a pair on
+    one device needs none); None when it cannot be found out. Asked in a short-lived child process: the
+    caller (the controller) must not hold a CUDA context of its own on a GPU the executors use."""
+    import json
+    import subprocess
+    import sys
+
+    pairs = sorted({(int(a), int(b)) for a, b in pairs if int(a) != int(b)})
+    if not pairs:
+        return True
+    code = ("import json, sys, torch; pairs = json.loads(sys.argv[1]); "
+            "print(json.dumps(all(torch.cuda.can_device_access_peer(a, b) for a, b in pairs)))")
+    try:
+        out = subprocess.run([sys.executable, "-c", code, json.dumps(pairs)], capture_output=True, text=True,
+                             timeout=timeout_s)
+        return bool(json.loads(out.stdout.strip().splitlines()[-1])) if out.returncode == 0 else None
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return None
+
+
+__all__ = ["cuda_peer_access", "cuda_visible"]

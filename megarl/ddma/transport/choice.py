@@ -21,7 +21,7 @@ _NEEDS = {  # transport -> (device it moves, needs a shared host)
 }
 
 
-def choose_transport(requested: str = "auto", *, device: str, same_host: bool) -> str:
+def choose_transport(requested: str = "auto", *, device: str, same_host: bool, peer_access: bool | None = None) -> str:
     """The DDMA transport for one job.
 
     Args:
@@ -32,6 +32,9 @@ def choose_transport(requested: str = "auto", *, device: str, same_host: bool) -
             memory) or ``"cuda"``.
         same_host: whether every trainer rank shares a host with every generator worker it sends to
             (a local job: yes; trainer and generator pools on different Slurm nodes: no).
+        peer_access: whether each trainer GPU can access each generator GPU it sends to (CUDA peer access,
+            which opening another GPU's IPC handle needs; ``megarl.utils.devices.cuda_peer_access``); None
+            = not known (assumed). Without it ``auto`` picks nccl on one host too.
 
     Returns one of ``zero_copy`` (same host, host memory), ``cuda_ipc`` (same host, CUDA),
     ``gloo`` (other host, host memory) or ``nccl`` (other host, CUDA).
@@ -40,7 +43,7 @@ def choose_transport(requested: str = "auto", *, device: str, same_host: bool) -
         raise ValueError(f"choose_transport: device {device!r}: choose one of {DEVICES}")
     if requested == "auto":
         if same_host:
-            return "zero_copy" if device == "cpu" else "cuda_ipc"
+            return "zero_copy" if device == "cpu" else ("nccl" if peer_access is False else "cuda_ipc")
         return "gloo" if device == "cpu" else "nccl"
     if requested == "p2p":
         return "gloo" if device == "cpu" else "nccl"
@@ -49,15 +52,15 @@ def choose_transport(requested: str = "auto", *, device: str, same_host: bool) -
     return requested
 
 
-def transport_problem(requested: str, *, device: str, same_host: bool) -> str | None:
-    """Why ``requested`` cannot run with bytes on ``device`` (``same_host`` as in
+def transport_problem(requested: str, *, device: str, same_host: bool, peer_access: bool | None = None) -> str | None:
+    """Why ``requested`` cannot run with bytes on ``device`` (``same_host``, ``peer_access`` as in
     :func:`choose_transport`), as a config error naming what to set; None when it can."""
     if requested not in TRANSPORT_CHOICES:
         return f"sync.transport={requested!r}: choose one of {', '.join(TRANSPORT_CHOICES)}"
     if requested in ALIASES:
         return None
     want_device, want_same_host = _NEEDS[requested]
-    fits = choose_transport("auto", device=device, same_host=same_host)
+    fits = choose_transport("auto", device=device, same_host=same_host, peer_access=peer_access)
     where = f"{'CUDA' if device == 'cuda' else 'CPU'} run{'' if same_host else ' across hosts'}"
     if want_device != device:
         return (f"sync.transport={requested} moves {'CUDA' if want_device == 'cuda' else 'host'} memory, but this is "
@@ -65,6 +68,11 @@ def transport_problem(requested: str, *, device: str, same_host: bool) -> str | 
     if want_same_host and not same_host:
         return (f"sync.transport={requested} reads the trainer's memory from the same host, but trainer and "
                 f"generator are on different hosts: set sync.transport=auto (picks {fits}) or sync.transport={fits}")
+    if requested == "cuda_ipc" and peer_access is False:
+        return ("sync.transport=cuda_ipc opens the trainer GPUs' memory on the generator's GPUs, which needs CUDA peer "
+                "access between them, and these GPUs have none (nvidia-smi topo -p2p r shows it): set "
+                "sync.transport=auto (picks nccl) or sync.transport=nccl, or place trainer and generator on GPUs "
+                "with peer access (cluster.trainer_devices / cluster.generator_devices)")
     return None
 
 
