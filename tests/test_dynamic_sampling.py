@@ -10,15 +10,15 @@ whose gold answer is a multiple of 3 are **planted**: every reply is wrong (a tr
 ``wrong`` too), so their groups are always all-equal. ``DS_ALL_EQUAL=1`` plants every prompt.
 
 Planted breaks seen failing, then restored:
-* not dropping (``DynamicSampling._split`` returning every group as varying): planted groups trained,
-  ``batch/dropped_groups`` 0 (test_planted_all_equal_groups_are_dropped_and_refilled);
-* refills from the step's own batch position (``RolloutQueue.refill`` not advancing ``next_prompt``):
-  a stream position consumed twice (the accounting in every test);
-* the cursor not restored on resume (``load_state_dict`` ignoring ``next_prompt``, i.e. the cursor
-  derived from the step as before): the resumed run's batches repeat prompts the killed run's
-  refills had consumed (test_kill_mid_refill_loses_and_repeats_no_prompt);
-* an unbounded refill (``max_refill_rounds`` ignored): the all-equal run never ends its first step
-  (test_spent_refill_rounds_train_the_padded_batch_and_warn_once, its timeout).
+* not dropping (``DynamicSampling._split`` returning every group as varying): a planted group trained
+  with rewards [0, 0, 0, 0] (test_planted_all_equal_groups_are_dropped_and_refilled);
+* refills re-reading the cursor's prompts (``RolloutQueue.refill`` not advancing ``next_prompt``):
+  stream position 8 consumed twice (the same test's accounting);
+* the cursor not restored on resume (``load_state_dict`` ignoring ``next_prompt``, so the cursor is
+  derived from the step as before refills existed): position 12 consumed twice, by a refill of the
+  killed run's checkpointed steps and by the resumed batches (test_kill_mid_refill_loses_and_repeats_no_prompt);
+* an unbounded refill (``max_refill_rounds`` ignored): refills without end
+  (test_selection_refills_what_is_missing_and_pads_when_rounds_are_spent).
 """
 
 from __future__ import annotations
@@ -136,9 +136,9 @@ def _check_accounting(run: Path, steps: int, prompts, *, all_equal: bool = False
 
 
 def test_planted_all_equal_groups_are_dropped_and_refilled(tiny_llama_dir, tmp_path):
-    """4 steps at max_policy_lag 1 (the next batch generates while a step refills): planted groups
+    """3 steps at max_policy_lag 1 (the next batch generates while a step refills): planted groups
     dropped, refills taken from the cursor after the batch admitted ahead, the batch kept at 4 groups."""
-    steps = 4
+    steps = 3
     overrides = _overrides(tiny_llama_dir, tmp_path, steps, "algorithm.dynamic_sampling=true",
                            "algorithm.max_refill_rounds=8", "controller.max_policy_lag=1")
     env = _side(tmp_path)
@@ -159,7 +159,7 @@ def test_planted_all_equal_groups_are_dropped_and_refilled(tiny_llama_dir, tmp_p
 def test_off_is_the_batch_as_it_was(tiny_llama_dir, tmp_path):
     """dynamic_sampling false (the default): step s trains stream positions (s-1)*P.. and nothing else,
     all-equal groups included, no record file, the batch/* metrics 0 on every row."""
-    steps = 2
+    steps = 1
     overrides = _overrides(tiny_llama_dir, tmp_path, steps)
     env = _side(tmp_path)
     _train(overrides, env)
@@ -176,6 +176,92 @@ def test_off_is_the_batch_as_it_was(tiny_llama_dir, tmp_path):
         assert row["data/prompts_crc32"] == prompts_crc32(prompts.batch(step - 1, PER_STEP)[1])
 
 
+class _Refills:
+    """RolloutQueue's refill as the selection sees it: ``count`` prompts from the cursor, one group each."""
+
+    def __init__(self, first_position: int):
+        self.next_prompt, self.asked, self._group = first_position, [], 1000
+
+    def refill(self, step, count, first_index, trainer_version):
+        self.asked.append(count)
+        assert len(self.asked) <= 50, "refills without end"
+        return _groups(step, range(first_index, first_index + count),
+                       range(self.next_prompt, self._advance(count)), self)
+
+    def _advance(self, count):
+        self.next_prompt += count
+        return self.next_prompt
+
+
+def _groups(step, indices, positions, source):
+    from megarl.controller.rollouts import StepRollouts
+    from megarl.rollout import Sample
+
+    indices, positions = list(indices), list(positions)
+    samples = []
+    for index in indices:
+        source._group += 1
+        samples += [Sample([1], [2], [0.0], [0], "stop", group_id=source._group, sample_index=k, prompt_index=index,
+                           uid=f"s{step}p{index}k{k}") for k in range(N)]
+    return StepRollouts([f"task{p}" for p in positions], [[p] for p in positions], samples, positions,
+                        first_index=indices[0])
+
+
+def _select(sampling, step, varying_positions, refills):
+    """One step through DynamicSampling.select: its batch at positions refills.next_prompt - PER_STEP..;
+    a group varies when its stream position is in ``varying_positions``."""
+    from megarl.utils.metrics import PhaseTimer
+
+    first = refills.next_prompt - PER_STEP
+    batch = _groups(step, range(PER_STEP), range(first, first + PER_STEP), refills)
+
+    def score(tasks, samples):  # the reward: a varying group scores 0, 1, 0, 1
+        for s in samples:
+            position = int(tasks[s.prompt_index][4:])
+            s.reward = float(s.sample_index % 2) if position in varying_positions else 0.0
+        return samples, {"reward/errors": 1.0}
+
+    counts = score(batch.tasks, batch.samples)[1]
+    samples, metrics, record = sampling.select(step, batch, refills, score, 0, PhaseTimer(), counts)
+    return samples, metrics, record, counts
+
+
+def test_selection_refills_what_is_missing_and_pads_when_rounds_are_spent(tmp_path, caplog):
+    """Without the stack: each round asks for exactly the groups still missing, from the cursor;
+    spent rounds pad with the first dropped groups and warn once per run, not per step; the refills'
+    reward counts are added. Planted break seen failing: max_refill_rounds ignored (refills without end)."""
+    import logging
+
+    from megarl.controller.dynamic_sampling import DynamicSampling
+
+    sampling = DynamicSampling(enabled=True, max_refill_rounds=3, prompts_per_step=PER_STEP, run_dir=tmp_path)
+    refills = _Refills(PER_STEP)
+    # batch 0..3: 1 and 3 vary; round 1 asks 2 (4, 5: 5 varies); round 2 asks 1 (6 varies): done
+    samples, metrics, record, counts = _select(sampling, 1, {1, 3, 5, 6}, refills)
+    assert refills.asked == [2, 1] and refills.next_prompt == 7
+    assert metrics == {"batch/dropped_groups": 3.0, "batch/refill_rounds": 2.0, "batch/padded_groups": 0.0}
+    assert sorted({s.prompt_index for s in samples}) == [1, 3, 5, 6] and len(samples) == PER_STEP * N
+    assert [(g["index"], g["prompt"], g["fate"]) for g in record["groups"]] == \
+        [(0, 0, "dropped"), (1, 1, "trained"), (2, 2, "dropped"), (3, 3, "trained"), (4, 4, "dropped"),
+         (5, 5, "trained"), (6, 6, "trained")]
+    assert counts == {"reward/errors": 3.0}  # the batch's and two rounds'
+
+    with caplog.at_level(logging.WARNING, logger="megarl"):
+        for step in (2, 3):  # nothing varies: 3 rounds of 4, then the batch's own 4 groups as padding
+            refills.asked.clear()
+            refills.next_prompt += PER_STEP  # the step's batch, admitted from the cursor
+            samples, metrics, record, _ = _select(sampling, step, set(), refills)
+            assert refills.asked == [PER_STEP] * 3
+            assert metrics == {"batch/dropped_groups": 12.0, "batch/refill_rounds": 3.0, "batch/padded_groups": 4.0}
+            assert sorted({s.prompt_index for s in samples}) == [0, 1, 2, 3]
+    assert [r.getMessage() for r in caplog.records].count(caplog.records[0].getMessage()) == 1
+    assert len(caplog.records) == 1 and "step 2 has 0 of" in caplog.records[0].getMessage()
+
+    off = DynamicSampling(enabled=False, max_refill_rounds=3, prompts_per_step=PER_STEP, run_dir=tmp_path)
+    samples, metrics, record, _ = _select(off, 4, set(), _Refills(PER_STEP))
+    assert len(samples) == PER_STEP * N and record == {} and set(metrics.values()) == {0.0}
+
+
 def _family(pid: int) -> list[psutil.Process]:
     try:
         root = psutil.Process(pid)
@@ -188,7 +274,7 @@ def test_kill_mid_refill_loses_and_repeats_no_prompt(tiny_llama_dir, tmp_path):
     """SIGKILL the controller while a refill of step >= 2 is under way (held at its pause point), after
     checkpoints whose cursor is past earlier refills; the rerun resumes and finishes: over the whole run
     every stream position is trained once or dropped once, none repeated, none lost."""
-    steps = 5
+    steps = 3
     overrides = _overrides(tiny_llama_dir, tmp_path, steps, "algorithm.dynamic_sampling=true",
                            "algorithm.max_refill_rounds=8", "controller.max_policy_lag=1",
                            "controller.deterministic=true", "trainer.checkpoint_interval=1")
