@@ -27,10 +27,13 @@ makes every node name resolve to one address: the same map then runs as local pr
 from __future__ import annotations
 
 import math
+import os
 import re
 import shlex
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+
+from megarl.ddma.transport.choice import job_nccl_env
 
 PORT_FLOOR = 15000   # job ports live in [15000, 31000): below Linux's ephemeral range (32768+)
 PORT_SLOTS = 4000    # jobs whose ids differ by a multiple of this share ports (only a problem on a shared node)
@@ -257,7 +260,8 @@ class RoleMap:
         return {"MEGARL_WORLD_SIZE": str(self.world_size), "MEGARL_JOB_ID": str(self.job_id),
                 "MEGARL_MASTER_ADDR": self.master_addr, "MEGARL_MASTER_PORT": str(self.master_port),
                 "MEGARL_CONTROLLER_ADDR": self.controller_addr, "MEGARL_CONTROLLER_PORT": str(self.controller_port),
-                "MEGARL_GENERATOR_PORT": str(self.generator_port), "MEGARL_TMPDIR": self.tmp_dir}
+                "MEGARL_GENERATOR_PORT": str(self.generator_port), "MEGARL_TMPDIR": self.tmp_dir,
+                **job_nccl_env(os.environ)}  # one NCCL setting on every node (megarl/ddma/transport/choice.py)
 
     @property
     def generator_world(self) -> int:

@@ -68,7 +68,10 @@ def controller_log_path(cfg: MegaRLConfig) -> Path:
 
 
 def _run_job(cfg: MegaRLConfig) -> int:
+    from megarl.ddma.transport.choice import job_nccl_env
+
     _select_device(cfg.cluster.device)
+    os.environ.update(job_nccl_env(os.environ))  # one NCCL setting for every process the job starts
     cfg = claim_run_folder(cfg)  # resume (said first, with the step) or start over, never mixing two runs
     _announce_native(cfg.sync.native)
     from megarl.controller.weight_sync import WeightSync

@@ -76,4 +76,18 @@ def transport_problem(requested: str, *, device: str, same_host: bool, peer_acce
     return None
 
 
-__all__ = ["TRANSPORTS", "TRANSPORT_CHOICES", "choose_transport", "transport_problem"]
+# NCCL reads NCCL_CUMEM_ENABLE once per process, at its first communicator, and the processes of one
+# communicator must agree on it (cuMem buffers and legacy CUDA IPC buffers do not mix in NCCL's P2P
+# transport). The DDMA nccl group joins trainer ranks (which made their Megatron communicators first) and
+# vLLM workers (which made theirs, under whatever vLLM set in its own environment overrides; some versions
+# set 0), so the job fixes one value for every process before any starts: the user's if set, else 0.
+NCCL_CUMEM_ENV = "NCCL_CUMEM_ENABLE"
+
+
+def job_nccl_env(environ) -> dict[str, str]:
+    """The NCCL variables every process of the job gets, the same everywhere (see above)."""
+    return {NCCL_CUMEM_ENV: environ.get(NCCL_CUMEM_ENV) or "0"}
+
+
+__all__ = ["NCCL_CUMEM_ENV", "TRANSPORTS", "TRANSPORT_CHOICES", "choose_transport", "job_nccl_env",
+           "transport_problem"]

@@ -1,7 +1,10 @@
-"""CUDA IPC on one host opens trainer GPUs' memory on the generator's GPUs, which needs CUDA peer access:
-the job asks before it starts (megarl.utils.devices.cuda_peer_access, in a child process), ``auto`` then
-picks nccl where there is none, and an explicit ``cuda_ipc`` is refused naming the fix. The GPU's answer is
-the one boundary faked here (``..._faked_gpu``); no GPU on this machine."""
+"""What a GPU job settles about its weight-sync transport before it starts.
+
+CUDA IPC on one host opens trainer GPUs' memory on the generator's GPUs, which needs CUDA peer access: the
+job asks before it starts (megarl.utils.devices.cuda_peer_access, in a child process), ``auto`` then picks
+nccl where there is none, and an explicit ``cuda_ipc`` is refused naming the fix. Every process of the job
+gets one NCCL_CUMEM_ENABLE (the DDMA nccl group joins trainer ranks and vLLM workers, which must agree).
+The GPU's answer is the one boundary faked here (``..._faked_gpu``); no GPU on this machine."""
 
 from __future__ import annotations
 
@@ -10,7 +13,7 @@ import pytest
 from megarl.config import ConfigError, load_config
 from megarl.config.placement import DevicePlan
 from megarl.ddma.transport import choose_transport
-from megarl.ddma.transport.choice import transport_problem
+from megarl.ddma.transport.choice import job_nccl_env, transport_problem
 from megarl.utils import devices
 
 
@@ -54,3 +57,17 @@ def test_the_job_refuses_cuda_ipc_between_gpus_without_peer_access_faked_gpu(mon
     cfg = load_config("configs/gpu_smoke.yaml", ["sync.transport=cuda_ipc"])
     with pytest.raises(ConfigError, match="needs CUDA peer access"):
         resolved_sync(cfg, DevicePlan(trainer=[0], generator=[1], note=""))
+
+
+def test_one_nccl_cumem_setting_for_the_whole_job_the_users_if_set(monkeypatch):
+    from megarl.cluster.slurm import SlurmEnv, build_role_map
+
+    assert job_nccl_env({}) == {"NCCL_CUMEM_ENABLE": "0"}
+    assert job_nccl_env({"NCCL_CUMEM_ENABLE": "1"}) == {"NCCL_CUMEM_ENABLE": "1"}
+    env = SlurmEnv.from_env({"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n[1-2]", "SLURM_NNODES": "2",
+                             "SLURM_GPUS_ON_NODE": "8"})
+    cfg = load_config("configs/tiny_test.yaml", ["cluster.launcher=slurm"])
+    monkeypatch.delenv("NCCL_CUMEM_ENABLE", raising=False)
+    assert build_role_map(env, cfg).job_env()["NCCL_CUMEM_ENABLE"] == "0"  # every srun task of the job
+    monkeypatch.setenv("NCCL_CUMEM_ENABLE", "1")
+    assert build_role_map(env, cfg).job_env()["NCCL_CUMEM_ENABLE"] == "1"
