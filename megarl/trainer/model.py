@@ -9,12 +9,15 @@ Layer spec: Transformer-Engine when it imports (GPU), else the local megatron-co
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from megarl.models.layouts import ModelDims, padded_vocab_size, validate_parallel
+
+log = logging.getLogger(__name__)
 
 DEFAULT_VOCAB_DIVISIBLE_BY = 128
 
@@ -36,6 +39,25 @@ def have_transformer_engine() -> bool:
         return False
 
 
+_said_spec = False
+
+
+def _say_spec(kind: str) -> None:
+    """Say once per process which layer spec ``auto`` picked, and on a GPU without Transformer Engine what
+    that costs (it was picked silently; docs/memory.md counts the scores)."""
+    global _said_spec
+    if _said_spec:
+        return
+    _said_spec = True
+    if kind == "local" and torch.cuda.is_available():
+        log.warning("trainer: transformer-engine is not importable, so the model uses megatron-core's local layer "
+                    "spec: unfused attention that stores its [batch, heads, seq, seq] scores for the backward pass "
+                    "(the dry run's memory plan counts them; trainer.recompute=selective recomputes them instead). "
+                    "The GPU stack (bash tools/setup_env.sh --gpu) has TE's fused attention.")
+    else:
+        log.info("trainer: layer spec %s (%s)", kind, "transformer-engine" if kind == "te" else "megatron-core local, CPU")
+
+
 def layer_spec(dims: ModelDims, kind: str = "auto", config=None):
     """(ModuleSpec, norm_style): "te" spec fuses the norms into linear_qkv/linear_fc1. An MoE model
     gets megatron's block spec from ``config`` (its ``moe_layer_freq`` mixes sparse and dense layers),
@@ -44,6 +66,7 @@ def layer_spec(dims: ModelDims, kind: str = "auto", config=None):
 
     if kind == "auto":
         kind = "te" if have_transformer_engine() else "local"
+        _say_spec(kind)
     if dims.is_moe and kind in ("te", "local"):
         if config is None:
             raise ValueError("an MoE model's layer spec needs its TransformerConfig")

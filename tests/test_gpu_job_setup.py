@@ -1,9 +1,10 @@
-"""What a GPU job settles about its weight-sync transport before it starts.
+"""What a GPU job settles before it starts: its weight-sync transport, its NCCL setting, its layer spec.
 
 CUDA IPC on one host opens trainer GPUs' memory on the generator's GPUs, which needs CUDA peer access: the
 job asks before it starts (megarl.utils.devices.cuda_peer_access, in a child process), ``auto`` then picks
 nccl where there is none, and an explicit ``cuda_ipc`` is refused naming the fix. Every process of the job
-gets one NCCL_CUMEM_ENABLE (the DDMA nccl group joins trainer ranks and vLLM workers, which must agree).
+gets one NCCL_CUMEM_ENABLE (the DDMA nccl group joins trainer ranks and vLLM workers, which must agree). The
+layer spec ``auto`` picks is said once, with its memory cost on a GPU without Transformer Engine.
 The GPU's answer is the one boundary faked here (``..._faked_gpu``); no GPU on this machine."""
 
 from __future__ import annotations
@@ -71,3 +72,22 @@ def test_one_nccl_cumem_setting_for_the_whole_job_the_users_if_set(monkeypatch):
     assert build_role_map(env, cfg).job_env()["NCCL_CUMEM_ENABLE"] == "0"  # every srun task of the job
     monkeypatch.setenv("NCCL_CUMEM_ENABLE", "1")
     assert build_role_map(env, cfg).job_env()["NCCL_CUMEM_ENABLE"] == "1"
+
+
+@pytest.mark.parametrize("cuda, level, words", [(True, "WARNING", "stores its [batch, heads, seq, seq] scores"),
+                                                (False, "INFO", "layer spec local")])
+def test_the_layer_spec_auto_picks_is_said_once_and_its_cost_on_a_gpu_faked_gpu(monkeypatch, caplog, cuda, level,
+                                                                                 words):
+    import logging
+
+    import torch
+
+    from megarl.trainer import model
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(model, "_said_spec", False)
+    with caplog.at_level(logging.INFO, logger="megarl.trainer.model"):
+        model._say_spec("local")
+        model._say_spec("local")
+    said = [r for r in caplog.records if r.name == "megarl.trainer.model"]
+    assert len(said) == 1 and said[0].levelname == level and words in said[0].getMessage(), said
