@@ -37,13 +37,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 from megarl.controller.rollouts import RolloutQueue, StepRollouts
+from megarl.controller.run import DYNAMIC_SAMPLING_RECORD
 from megarl.rollout import Sample
 from megarl.utils.faults import pause_point
 from megarl.utils.metrics import PhaseTimer
 
 log = logging.getLogger("megarl")
 
-RECORD_FILE = "dynamic_sampling.jsonl"
+RECORD_FILE = DYNAMIC_SAMPLING_RECORD  # a run file (controller/run.py): --overwrite deletes it, a fresh start sees it
 
 # scores (tasks of the step's prompt indices, samples) -> (scored samples, reward counts): the loop's reward call
 Scorer = Callable[[list, list[Sample]], tuple[list[Sample], dict[str, float]]]

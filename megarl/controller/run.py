@@ -136,7 +136,8 @@ class RunFolder:
 
 # ------------------------------------------------------------------------------ rerun semantics
 # What a run writes that a second run would append to or mix with (besides its checkpoints).
-RUN_FILES = ("metrics.jsonl", "trained_samples.jsonl", "eval_samples.jsonl")
+DYNAMIC_SAMPLING_RECORD = "dynamic_sampling.jsonl"  # algorithm.dynamic_sampling's per-step record
+RUN_FILES = ("metrics.jsonl", "trained_samples.jsonl", "eval_samples.jsonl", DYNAMIC_SAMPLING_RECORD)
 RUN_EXTRAS = ("summary.json", "metrics.png", "tensorboard")  # deleted with them on overwrite
 
 
