@@ -138,4 +138,7 @@ def test_plan_numbers_for_the_8b_recipe():
     assert plan.trainer["gradients"] == pytest.approx(4 * 8_030_261_248, rel=1e-3)
     assert plan.trainer["optimizer"] == pytest.approx(12 * 8_030_261_248 / 32, rel=1e-3)
     assert plan.generator["weights"] == pytest.approx(2 * 8_030_261_248, rel=1e-6)
+    # logits [2560 tokens, 128256] at their real size: bf16 output 2 + fp32 copy 4 + fp32 grad 4 + bf16 grad 2
+    # (tests/test_memory_plan.py has every term)
+    assert plan.trainer["logits"] == 2560 * 128_256 * 12
     assert plan.problems == []

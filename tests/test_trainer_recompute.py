@@ -9,7 +9,7 @@ ones a no-recompute forward keeps, bit for bit, and so do the gradients and Adam
 them. Any difference would mean recompute changed the math (e.g. a module rerun in another
 precision), which an fp32 tolerance would hide.
 
-Memory: each mode runs in a fresh process; the peak resident set over one ``train_step`` is Linux's
+Memory: the modes run one after another in one process; the peak resident set over one ``train_step`` is Linux's
 VmHWM after resetting it (``echo 5 > /proc/self/clear_refs``) just before the step, minus the RSS at
 that point (weights, optimizer state, Python/torch). The shape makes the [b, heads, s, s] attention
 scores the largest activation (seq 384, 8 heads, 4 layers), so selective (scores recomputed) must
@@ -57,7 +57,9 @@ def _rss(field: str) -> int:
     raise RuntimeError(field)
 
 
-def _worker(rank, world, hf_dir, batch, recompute):
+def _worker(rank, world, hf_dir, batch, modes):
+    import gc
+
     from megarl.models.layouts import ModelDims
     from megarl.trainer.config import TrainerConfig
     from megarl.trainer.convert import load_hf_into_model
@@ -67,33 +69,36 @@ def _worker(rank, world, hf_dir, batch, recompute):
     from megarl.trainer.train_step import train_step
     from megarl.utils.dist import init_model_parallel
 
-    cfg = TrainerConfig(lr=1e-3, grad_clip=1.0, recompute=recompute)
-    init_model_parallel(1, 1, seed=1)
-    model = build_gpt_model(ModelDims.from_hf_config(read_hf_config(hf_dir)), recompute=cfg.recompute)
-    load_hf_into_model(model, hf_dir)
-    objs = build_training(cfg, model, total_steps=1)
-    conf = unwrap(model).config
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # reset VmHWM (peak RSS) to the current RSS
-    before = _rss("VmRSS")
-    metrics = train_step(objs, batch, loss_name="aipo", loss_params={"rho": 4.0, "entropy_coef": 0.0},
-                         micro_batch_size=BATCH, current_version=0)
-    peak = _rss("VmHWM") - before
-    # the updated weights, bit for bit (a digest: tensors do not survive the worker's exit)
-    weights = [hashlib.sha256(s.local_view.detach().contiguous().numpy().tobytes()).hexdigest()
-               for s in local_shard_specs(model)]
-    return dict(loss=metrics["loss"], grad_norm=metrics["grad_norm"], weights=weights, peak=peak,
-                granularity=conf.recompute_granularity, modules=list(conf.recompute_modules or []))
-
-
-def _run(hf_dir, recompute):
-    return run_multiprocess(_worker, 1, str(hf_dir), _batch(), recompute, timeout_s=300)[0]
+    out = {}
+    for recompute in modes:  # one process, one mode after another: the peak is reset before each step
+        cfg = TrainerConfig(lr=1e-3, grad_clip=1.0, recompute=recompute)
+        init_model_parallel(1, 1, seed=1)
+        model = build_gpt_model(ModelDims.from_hf_config(read_hf_config(hf_dir)), recompute=cfg.recompute)
+        load_hf_into_model(model, hf_dir)
+        objs = build_training(cfg, model, total_steps=1)
+        conf = unwrap(model).config
+        gc.collect()
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # reset VmHWM (peak RSS) to the current RSS
+        before = _rss("VmRSS")
+        metrics = train_step(objs, batch, loss_name="aipo", loss_params={"rho": 4.0, "entropy_coef": 0.0},
+                             micro_batch_size=BATCH, current_version=0)
+        peak = _rss("VmHWM") - before
+        # the updated weights, bit for bit (a digest: tensors do not survive the worker's exit)
+        weights = [hashlib.sha256(s.local_view.detach().contiguous().numpy().tobytes()).hexdigest()
+                   for s in local_shard_specs(model)]
+        out[recompute] = dict(loss=metrics["loss"], grad_norm=metrics["grad_norm"], weights=weights, peak=peak,
+                              granularity=conf.recompute_granularity, modules=list(conf.recompute_modules or []))
+        del model, objs, metrics
+        gc.collect()
+    return out
 
 
 def test_recompute_same_step_less_memory(scores_heavy_dir, monkeypatch):
     # glibc returns freed blocks >= 64 KiB to the kernel at once (mmap), so RSS follows live tensors
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
-    runs = {mode: _run(scores_heavy_dir, mode) for mode in ("none", "selective", "full")}
+    runs = run_multiprocess(_worker, 1, str(scores_heavy_dir), _batch(), ["none", "selective", "full"],
+                            timeout_s=600)[0]
     assert runs["none"]["granularity"] is None
     assert runs["selective"]["granularity"] == "selective" and runs["selective"]["modules"] == ["core_attn"]
     assert runs["full"]["granularity"] == "full"
