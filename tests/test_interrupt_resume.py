@@ -6,14 +6,15 @@ abandoned (the process exits by itself). Starting over in a folder that holds a 
 refused in one line unless --overwrite; so is resuming with another model.path or data.train_path.
 
 The signal mechanics (megarl.utils.procs.Preemption with ``requeue=False``) are checked in small
-Python processes, the whole path through the CLI on the tiny model (one run SIGTERMed at step 2 of 6
-and its rerun: about 2 minutes on 2 cores).
+Python processes, the whole path through the CLI on the tiny model (one run SIGTERMed while step 3 of 6
+trains, and its rerun: about 2 minutes on 2 cores).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -136,23 +137,32 @@ def _steps(path: Path) -> list[int]:
     return [json.loads(line)["step"] for line in path.read_text().splitlines() if line.strip()]
 
 
-def test_sigterm_at_step_2_of_6_checkpoints_and_the_rerun_resumes(tiny_llama_dir, tmp_path):
-    """SIGTERM once step 2 of 6 is logged (trainer.checkpoint_interval=100: no scheduled save before
-    the end): the job checkpoints step 2 and exits 143; the rerun of the same command resumes at step 2
-    and trains steps 3-6, each sample once."""
+def test_sigterm_while_step_3_of_6_trains_checkpoints_it_and_the_rerun_resumes(tiny_llama_dir, tmp_path):
+    """SIGTERM while step 3 of 6 trains (trainer.checkpoint_interval=100: no scheduled save before the
+    end): the step in flight finishes and is logged, the job checkpoints step 3 and exits 143; the rerun
+    of the same command resumes at step 3 and trains steps 4-6, each sample once.
+
+    The signal lands inside the step: the trainer rank holds 5 s after step 3's forward and backward,
+    before its optimizer update (fault pause ``train_step@3``, megarl/utils/faults.py), and logs so
+    first; the test signals after reading that line and checks step 3 was not logged yet."""
     cmd = _cmd(tiny_llama_dir, tmp_path)
     run = tmp_path / "tiny-test"
     log_path = tmp_path / "first.log"
     with open(log_path, "w") as log:
-        # held up to 20 s after step 2's line (until the signal): it lands between steps 2 and 3 however
-        # fast a step is (unheld, a quiet machine had started training step 3, which a signal lets finish)
         job = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
-                               env=dict(_env(), MEGARL_FAULT_PAUSE="step_logged@2=20"))
+                               env=dict(_env(), MEGARL_FAULT_PAUSE="train_step@3=5"))
     try:
         deadline = time.monotonic() + 300
-        while job.poll() is None and time.monotonic() < deadline and "step 2/6 |" not in log_path.read_text():
-            time.sleep(0.1)
-        assert job.poll() is None, log_path.read_text()[-3000:]
+        rank_log = None
+        while job.poll() is None and time.monotonic() < deadline:  # the rank says step 3 is running
+            found = re.search(r"ready .*? pids \[[\d, ]+\], logs in (\S+)", log_path.read_text())
+            rank_log = Path(found.group(1)) / "trainer_rank0.log" if found else None
+            if rank_log and rank_log.is_file() and "step 3: forward and backward done" in rank_log.read_text():
+                break
+            time.sleep(0.05)
+        assert job.poll() is None and rank_log is not None, log_path.read_text()[-3000:]
+        assert "step 3: forward and backward done" in rank_log.read_text(), "step 3 never ran within 300 s"
+        assert _steps(run / "metrics.jsonl") == [1, 2]  # step 3 is in flight, not yet logged
         job.send_signal(signal.SIGTERM)
         t0 = time.monotonic()
         code = job.wait(120)
@@ -163,9 +173,10 @@ def test_sigterm_at_step_2_of_6_checkpoints_and_the_rerun_resumes(tiny_llama_dir
             job.wait(30)
     text = log_path.read_text()
     assert code == 128 + signal.SIGTERM, text[-3000:]
-    assert "interrupted: checkpoint of step 2 in place" in text, text[-3000:]
-    assert "interrupted by SIGTERM; checkpointed at step 2: rerun the same command to resume" in text, text[-3000:]
-    assert (run / "checkpoints" / "latest").read_text().strip() == "step_00000002"
+    assert _steps(run / "metrics.jsonl") == [1, 2, 3]  # the step in flight finished
+    assert "interrupted: checkpoint of step 3 in place" in text, text[-3000:]
+    assert "interrupted by SIGTERM; checkpointed at step 3: rerun the same command to resume" in text, text[-3000:]
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step_00000003"
     assert took < 60, took
     print(f"SIGTERM -> exit {code} in {took:.1f}s")
 
@@ -175,7 +186,7 @@ def test_sigterm_at_step_2_of_6_checkpoints_and_the_rerun_resumes(tiny_llama_dir
     other.write_text("".join(json.dumps({"question": f"What is {i} + {i}?", "answer": f"#### {2 * i}"}) + "\n"
                              for i in range(64)))
     for extra, want in ((["--fresh"], f"run folder {run} holds an earlier run (metrics.jsonl, trained_samples.jsonl, "
-                                      f"checkpoints/step_00000002) and this run starts over"),
+                                      f"checkpoints/step_00000003) and this run starts over"),
                         ([f"data.train_path={other}"],
                          f"was trained with data.train_path=builtin:arithmetic, this run has data.train_path={other}")):
         refused = subprocess.run(cmd + extra, capture_output=True, text=True, timeout=300, cwd=REPO, env=_env())
@@ -183,12 +194,12 @@ def test_sigterm_at_step_2_of_6_checkpoints_and_the_rerun_resumes(tiny_llama_dir
         line = [x for x in refused.stderr.splitlines() if x.startswith("megarl: ")]
         assert len(line) == 1 and want in line[0] and "--overwrite" in line[0], refused.stderr[-3000:]
         assert "starting the trainer" not in refused.stdout + refused.stderr
-    assert _steps(run / "metrics.jsonl") == [1, 2]
+    assert _steps(run / "metrics.jsonl") == [1, 2, 3]
 
     again = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO, env=_env())
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     first = (again.stdout + again.stderr).splitlines()[:3]
-    assert any(f"resume: {run} holds a checkpoint at step 2" in x and "resuming at step 2 of 6" in x
+    assert any(f"resume: {run} holds a checkpoint at step 3" in x and "resuming at step 3 of 6" in x
                for x in first), first
     assert _steps(run / "metrics.jsonl") == [1, 2, 3, 4, 5, 6]
     rows = [json.loads(line) for line in (run / "trained_samples.jsonl").read_text().splitlines()]

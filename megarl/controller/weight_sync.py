@@ -169,6 +169,8 @@ class WeightSync:
         t0 = time.monotonic()
         if self.quiesce:  # before the senders start: their wait (sync.timeout_s) must not cover it
             self.generator.drain()
+        if hasattr(self.generator, "recover_failed"):  # a replica restore is a sync of its own: before this one
+            self.generator.recover_failed()
         out = self.strategy.push(version)
         self.syncs += 1
         if probe_due(self.syncs, self.cfg.probe_every):

@@ -104,13 +104,19 @@ class ReplicaSupervision:
         verifies them and returns their version (controller/weight_sync.py registers it)."""
         self._restorer = restorer
 
+    def recover_failed(self) -> None:
+        """Restart every failed replica now (or raise what stops the job); the controller calls it
+        before a sync (controller/weight_sync.py)."""
+        self._check_failed()
+
     @contextlib.contextmanager
     def _weight_update(self) -> Iterator[None]:
         """While weights load, a replica failure stops the job (the sync's senders would wait for
-        the dead receivers); failures noticed before it are recovered first."""
-        self._check_failed()
+        the dead receivers). Recover earlier failures with :meth:`recover_failed` before the trainer
+        starts sending: a restore is a sync of its own and cannot run inside one."""
         self._updating += 1
         try:
+            self._check_failed()
             yield
         finally:
             self._updating -= 1

@@ -1,21 +1,23 @@
 """The seeded kill matrix: a tiny async job (lag 2, partial rollouts cut every 4 tokens, a checkpoint
 every step) is killed at a point drawn from a fixed seed, then resumed with trainer.resume_from=auto.
 
-Kinds of kill point (SIGKILL each): the controller after a logged step; the controller while it
-checkpoints (the staged controller state or the trainer's temp folder on disk); a trainer rank
-mid-step and mid-sync; a vLLM replica mid-decode and mid-landing (after its log line "landing
-weights vN", before "weights vN landed": the test checks the second never came); a reward scoring
-process while it scores a sample (the run uses a slow import-path reward that marks each sample it
-starts). Mid-decode is replica 0 after an engine step that left requests unfinished (it logs 'decoding N
-request(s)' at a fault pause point; the test kills it after reading that line). Mid-sync is rank 0 between its DDMA log lines "sending weights vN" and "weights vN sent"
-(the test checks the second never came), held there by a fault pause point while the generator's
-workers wait on it. After the kill the job ends (a killed controller's processes die with it; a killed rank or
-replica stops the job naming it, SIGKILL included), nothing is left running, and the resumed run
-trains exactly the sample ids of a run that never stopped, each once. A killed reward worker and a
-replica killed mid-decode are the exceptions that do not stop the job: the pool replaces the worker,
-scores its sample again on the fresh process and counts it (``reward/worker_deaths``); the generator
-restarts the replica, re-syncs it and re-issues its requests (``gen/replica_restarts``); the job
-finishes with those same ids, each once.
+Kinds of kill point (SIGKILL each), each checked by the test where its name says: the controller
+after a logged step; the controller while it checkpoints (the staged controller state or the
+trainer's temp folder on disk); trainer rank 0 mid-step (after step N's forward and backward, before
+its optimizer update: it logs so at a fault pause point, and step N is never logged) and mid-sync
+(while the generator's worker holds after receiving the first bytes of weights vN: it logs how many,
+and rank 0 never logs "weights vN sent"); a vLLM replica mid-decode (after an engine step that left
+requests unfinished under vN-1: it logs 'decoding N request(s)') and mid-landing (after its log line
+"landing weights vN", before "weights vN landed": the test checks the second never came); a reward
+scoring process while it scores a sample (the run uses a slow import-path reward that marks each
+sample it starts). Fault pause points: megarl/utils/faults.py. After the kill the job ends (a killed
+controller's processes die with it; a killed rank or a replica killed while landing stops the job
+naming it, SIGKILL included), nothing is left running, and the resumed run trains exactly the sample
+ids of a run that never stopped, each once. A killed reward worker and a replica killed mid-decode
+are the exceptions that do not stop the job: the pool replaces the worker, scores its sample again on
+the fresh process and counts it (``reward/worker_deaths``); the generator restarts the replica,
+re-syncs it and re-issues its requests (megarl/generator/supervision.py, ``gen/replica_restarts``);
+the job finishes with those same ids, each once.
 
 POINTS (20) of the 7 kinds x 4 steps are drawn, every kind at least once. The first drawn point runs
 in the default suite, all 20 in the slow one (`-m slow`). SUBSET, the first point of each kind (ids
@@ -81,12 +83,15 @@ def judge(completion, gold, *, strict):
     return completion.strip() == gold.strip()
 """
 KIND_EXTRA = {"reward_worker": ("reward.fn=matrix_reward:judge", "reward.workers=2", "generator.stop=[e]")}
-# The first run's environment per kind. Mid-sync: every trainer rank holds 3 s between its DDMA line
-# 'sending weights vN' and publishing its shards (megarl/utils/faults.py), so the kill lands while the
-# generator's workers wait on it, not in a transfer of a few milliseconds that a poll would miss.
+# The first run's environment per kind (fault pause points, megarl/utils/faults.py). Mid-sync: the
+# generator's worker holds 5 s once the first tensor of weights vN has arrived from the trainer (bytes
+# moved) and logs how many bytes, so the kill lands inside the transfer, not in one of a few milliseconds
+# that a poll would miss. Mid-step: trainer rank 0 holds 5 s after step N's forward and backward, before
+# its optimizer update, and logs so.
 # Mid-decode: replica 0 holds 5 s after an engine step that left requests unfinished under weights
 # v(step - 1) and logs 'decoding N request(s)' first; the test kills it only after reading that line.
-KIND_ENV = {"trainer_mid_sync": lambda step: {"MEGARL_FAULT_PAUSE": "ddma_send=3"},
+KIND_ENV = {"trainer_mid_sync": lambda step: {"MEGARL_FAULT_PAUSE": f"ddma_received@v{step}=5"},
+            "trainer_mid_step": lambda step: {"MEGARL_FAULT_PAUSE": f"train_step@{step}=5"},
             "replica_mid_decode": lambda step: {"MEGARL_FAULT_PAUSE": f"replica_decoding@r0v{step - 1}=5"}}
 
 
@@ -166,20 +171,23 @@ def _kill(kind: str, step: int, proc: subprocess.Popen, run: Path, log: Path, si
         _wait(lambda: any(ckpts.glob(f".stage_step_{step:08d}")) or any(ckpts.glob(f".tmp_step_{step:08d}")),
               f"the step-{step} save in progress", proc, poll=0.002)
         victim = proc.pid
-    elif kind == "trainer_mid_step":
-        pids = _wait(lambda: re.search(r"trainer: \d+ rank\(s\) ready .*? pids \[([\d, ]+)\]", text()),
-                     "the trainer's pids", proc)
-        victim = int(pids.group(1).split(",")[0])
-        marker = f"answer: train step {step}"
-        _wait(lambda: marker in text(), f"'{marker}'", proc)
-    elif kind == "trainer_mid_sync":  # rank 0 between its DDMA log lines 'sending weights vN' and 'sent'
+    elif kind == "trainer_mid_step":  # rank 0 says step `step` runs (forward and backward done, no update yet)
         ready = _wait(lambda: re.search(r"trainer: \d+ rank\(s\) ready .*? pids \[([\d, ]+)\], logs in (\S+)",
                                         text()), "the trainer's pids", proc)
         victim = int(ready.group(1).split(",")[0])
         rank_log = Path(ready.group(2)) / "trainer_rank0.log"
-        marker = f"DDMA rank 0: sending weights v{step} "
+        marker = f"trainer rank 0: step {step}: forward and backward done"
         _wait(lambda: rank_log.is_file() and marker in rank_log.read_text(errors="replace"), f"'{marker}'", proc,
-              poll=0.002)
+              poll=0.01)
+    elif kind == "trainer_mid_sync":  # the generator's worker received bytes of weights v`step` from rank 0
+        ready = _wait(lambda: re.search(r"trainer: \d+ rank\(s\) ready .*? pids \[([\d, ]+)\], logs in (\S+)",
+                                        text()), "the trainer's pids", proc)
+        victim = int(ready.group(1).split(",")[0])
+        replica_log = side / "gen" / "generator_replica0.log"
+        marker = re.compile(rf"received (\d+) bytes of weights v{step} ")
+        moved = _wait(lambda: marker.search(replica_log.read_text(errors="replace")) if replica_log.is_file() else None,
+                      f"bytes of weights v{step} received", proc, poll=0.01)
+        assert int(moved.group(1)) > 0, moved.group(0)
     elif kind == "replica_mid_landing":  # the replica logs this line as it starts landing an update
         replica_log = side / "gen" / "generator_replica0.log"
         marker = re.compile(rf"replica 0 \(pid (\d+)\): landing weights v{step}\b")
@@ -257,6 +265,8 @@ def test_kill_then_resume_trains_every_sample_once(kind, step, straight, tiny_ll
             assert (ckpts / "latest").read_text().strip() == f"step_{step - 1:08d}", \
                 f"{what}: latest is {(ckpts / 'latest').read_text()!r}"
             assert not (ckpts / f"step_{step:08d}" / "meta.json").exists(), f"{what}: the save completed"
+        if kind == "trainer_mid_step":  # it died inside the step: the step was never logged
+            assert f"step {step}/{STEPS} |" not in first, f"{what}: killed after the step"
         if kind == "trainer_mid_sync":  # it died inside the transfer, not after it
             rank_log = re.search(r"logs in (\S+)", first).group(1)
             sent = (Path(rank_log) / "trainer_rank0.log").read_text(errors="replace")
