@@ -133,7 +133,9 @@ def local_trainer(tiny_llama_dir, tmp_path_factory):
     from megarl.trainer.local import LocalTrainer
 
     cfg = TrainerConfig(lr=LR, adam_eps=ADAM_EPS, micro_batch_size=4, grad_clip=0.0)
-    return LocalTrainer(cfg, ALGO, tiny_llama_dir, total_steps=2, run_dir=tmp_path_factory.mktemp("pack"))
+    trainer = LocalTrainer(cfg, ALGO, tiny_llama_dir, total_steps=2, run_dir=tmp_path_factory.mktemp("pack"))
+    yield trainer
+    trainer.close()  # this process's torch.distributed: later in-process trainers (test_weight_sync) start their own
 
 
 def _logprob_gap(trainer, **kw) -> float:

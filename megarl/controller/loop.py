@@ -133,6 +133,7 @@ def train(cfg: MegaRLConfig, run: RunFolder, prompts: PromptSource, trainer: Tra
             with preempt.deferred():  # later turns, reward, refills, train, sync, log and save finish before a preemption
                 score = rollout_scorer(turns, reward, prompts, timer)
                 samples, reward_counts = score(batch.tasks, batch.samples)
+                batch.samples = samples  # the scored ones: a multi-turn environment returns new samples
                 # dynamic_sampling: all-equal groups out, further prompts in (off: the batch as it is)
                 samples, batch_metrics, sampling_record = sampling.select(step, batch, rollouts, score,
                                                                           trainer.step_count, timer, reward_counts)
