@@ -15,11 +15,16 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _check(plant: str = "") -> tuple[int, dict]:
+def _dry_run(tool: str, key: str, plant: str = "") -> tuple[int, dict]:
+    """``tools/<tool> --cpu-dry`` with ``plant``: (exit code, its JSON line's ``key`` part)."""
     env = dict(os.environ, MEGARL_GPU_CHECK_PLANT=plant)
-    p = subprocess.run([sys.executable, "tools/gpu_trainer_check.py", "--cpu-dry"], cwd=REPO, env=env,
+    p = subprocess.run([sys.executable, f"tools/{tool}", "--cpu-dry"], cwd=REPO, env=env,
                        capture_output=True, text=True, timeout=600)
-    return p.returncode, json.loads(p.stdout.strip().splitlines()[-1])["megarl_trainer"]
+    return p.returncode, json.loads(p.stdout.strip().splitlines()[-1])[key]
+
+
+def _check(plant: str = "") -> tuple[int, dict]:
+    return _dry_run("gpu_trainer_check.py", "megarl_trainer", plant)
 
 
 def test_the_cpu_dry_run_passes_and_sees_the_step():
@@ -36,10 +41,7 @@ def test_a_no_op_step_fails_it():
 
 
 def _scale(plant: str = "") -> tuple[int, dict]:
-    env = dict(os.environ, MEGARL_GPU_CHECK_PLANT=plant)
-    p = subprocess.run([sys.executable, "tools/gpu_trainer_scale_check.py", "--cpu-dry"], cwd=REPO, env=env,
-                       capture_output=True, text=True, timeout=600)
-    return p.returncode, json.loads(p.stdout.strip().splitlines()[-1])["trainer_scale"]
+    return _dry_run("gpu_trainer_scale_check.py", "trainer_scale", plant)
 
 
 def test_the_scale_check_resumes_bit_for_bit_and_a_planted_difference_fails_it():
