@@ -70,6 +70,37 @@ class RewardConfig:
     code_sandbox_uid_base: int = knob(61000, help="code reward: the first of the sandbox's slot uids/gids (it uses "
                                       "this and the next 256); none may be a user or group of the machine, or "
                                       "the pool refuses to start (uid, > 0); default 61000")
+    # --- a generative reward model (judge), megarl/reward/judge.py; docs/rewards.md ---
+    model: str = knob("", help="generative reward model: an HF folder (config.json, weights, tokenizer) served "
+                      "greedily by its own vLLM executor; it reads each finished reply in reward.judge_template and "
+                      "its reply's last line 'SCORE: x' (x in 0..reward.judge_scale) scores it, replacing reward.fn "
+                      "(reward = wrong + x/judge_scale * (correct - wrong); a reply cut at max_new_tokens still gets "
+                      "reward.truncated, unjudged). An unparseable judge reply scores reward.wrong and is counted in "
+                      "reward/errors (reward.max_error_frac applies). '' = no judge: reward.fn scores. Default ''")
+    judge_template: str = knob("", help="the judge's prompt (one user turn, in the judge tokenizer's chat template): "
+                               "text with {question}, {reply} and optionally {gold}; {reply} must stand between "
+                               "the lines <<<REPLY>>> and <<<END REPLY>>> and {question} between <<<QUESTION>>> and "
+                               "<<<END QUESTION>>> (what the judge is told is data), and it must ask for a last line "
+                               "'SCORE: x'. '' = the built-in template (megarl/reward/judge.py DEFAULT_TEMPLATE: "
+                               "correctness of the final answer against the gold answer). Default ''")
+    judge_scale: int = knob(10, help="the top of the judge's score range: SCORE: 0 .. judge_scale, normalised to "
+                            "0..1 (points, >= 1; 1 or 10 are usual). Default 10")
+    judge_tp: int = knob(1, help="tensor-parallel size of each judge vLLM engine (GPUs per replica), its own, "
+                         "not the generator's. Default 1")
+    judge_replicas: int = knob(1, help="judge engine replicas, each its own process (replicas, >= 1). Default 1")
+    judge_max_tokens: int = knob(256, help="longest judge reply (tokens); a judge reply cut there is unparseable "
+                                 "(its last line may be a cut 'SCORE: 1' of 'SCORE: 10'). Default 256")
+    judge_max_reply_tokens: int = knob(1024, help="longest judged reply quoted to the judge (judge tokens); a "
+                                       "longer one keeps its first and last halves with a '[... N tokens cut "
+                                       "...]' marker between. Default 1024")
+    judge_max_model_len: int = knob(4096, help="longest judge prompt + judge reply the judge engine accepts "
+                                    "(tokens); a prompt that leaves no room for judge_max_tokens is not sent and "
+                                    "counts in reward/errors. Default 4096")
+    judge_kv_cache_gib: int = knob(2, help="KV-cache memory per judge engine (GiB, integer). Default 2")
+    judge_devices: str = knob("", help="GPU placement of the judge: CUDA device ids, judge_tp per replica, "
+                              "replica-major ('4-5'); '' = the devices after the trainer's and the generator's "
+                              "(with cluster.share_devices: the first ones, shared). Ignored on a CPU host. "
+                              "Default ''")
 
     def __post_init__(self) -> None:
         problems = self.problems()
@@ -104,6 +135,9 @@ class RewardConfig:
         if isinstance(weaker, (list, tuple)) and set(weaker) - set(MECHANISMS):  # the loader checks it is a list
             found.append(f"reward.code_sandbox_allow_weaker={weaker!r}: a list of {', '.join(MECHANISMS)} (the sandbox "
                          f"mechanisms one accepts missing)")
+        from megarl.reward.judge import judge_problems  # stdlib only
+
+        found += judge_problems(self)
         if self.correct <= self.wrong:
             found.append(f"reward.correct={self.correct!r} must be greater than reward.wrong={self.wrong!r}, "
                          f"or a right answer is not rewarded")
