@@ -241,3 +241,55 @@ def test_the_judges_death_names_it(judge):  # last in the module: it kills the f
         judge.score(_samples(2), ["4", "7"], _decode(judge.tokenizer))
     assert e.value.component.startswith("reward judge replica 0 (pid "), e.value.component
     assert time.monotonic() - t0 < 60
+
+
+# ------------------------------------------------------------------ placement, memory plan, recipe
+def _cfg(*overrides: str):
+    from megarl.config import load_config
+
+    return load_config(REPO / "configs" / "recipes" / "judge_qwen25_05b_gsm8k.yaml", list(overrides), dry_run=True)
+
+
+def test_the_judge_gets_its_own_gpus():
+    from megarl.config.placement import device_plan
+
+    plan = device_plan(_cfg(), visible=3)
+    assert (plan.trainer, plan.generator, plan.judge) == ([0], [1], [2])
+    assert plan.note.endswith("; reward judge workers on GPU(s) 2")
+    plan = device_plan(_cfg("reward.judge_tp=2", "reward.judge_replicas=2"), visible=8)
+    assert plan.judge == [2, 3, 4, 5]  # judge_tp per replica, replica-major, after trainer and generator
+    assert device_plan(_cfg("reward.judge_devices=7"), visible=8).judge == [7]
+    with pytest.raises(ValueError, match=r"reward judge needs 1 GPU\(s\) .* got 0 of 2 visible"):
+        device_plan(_cfg(), visible=2)
+    with pytest.raises(ValueError, match=r"reward.judge_devices='1': device\(s\) \[1\] are the trainer's or the "
+                                         r"generator's"):
+        device_plan(_cfg("reward.judge_devices=1"), visible=3)
+    shared = device_plan(_cfg("cluster.share_devices=true"), visible=1)
+    assert (shared.trainer, shared.generator, shared.judge) == ([0], [0], [0])
+    assert device_plan(_cfg("reward.model="), visible=2).judge is None  # no judge, no devices
+    assert device_plan(_cfg(), visible=0).judge is None  # a CPU run: every engine on the CPU
+
+
+def test_the_dry_run_plans_the_judges_memory():
+    from megarl.config.memory import GB, OVERHEAD_GB, dry_run_report, generator_weight_bytes, kv_bytes_per_token
+    from megarl.config.validate import model_shape
+    from megarl.models.dims import ModelDims
+
+    lines, problems = dry_run_report(_cfg())
+    assert problems == []
+    (head,) = [ln for ln in lines if "reward judge, per GPU" in ln]
+    dims = ModelDims.from_hf_config(model_shape("Qwen/Qwen2.5-1.5B-Instruct", shipped_ok=True))
+    # the same terms as a generator worker's (memory.py): weights at judge_tp in bf16, the KV GiB, the overhead
+    weights = generator_weight_bytes(dims, 1, "bfloat16", "none")
+    assert 2.9e9 < weights < 3.3e9  # Qwen2.5-1.5B: 1.54e9 parameters x 2 bytes (its model card)
+    total = weights + 16 * 2**30 + OVERHEAD_GB * GB
+    assert f"{total / GB:6.1f} GB of 80" in head, head
+    assert f"KV holds {16 * 2**30 / kv_bytes_per_token(dims, 1, 'bfloat16'):,.0f} tokens" in head
+    lines, problems = dry_run_report(_cfg("reward.judge_kv_cache_gib=90"))
+    assert problems and problems[0].startswith("reward.judge_tp=1: the judge's") and "does not fit 80 GB" in problems[0]
+    lines, problems = dry_run_report(_cfg("reward.judge_kv_cache_gib=1", "reward.judge_max_model_len=100000",
+                                          "reward.judge_max_reply_tokens=1000"))
+    assert any(p.startswith("reward.judge_kv_cache_gib=1: holds less than one") for p in problems), problems
+    lines, _ = dry_run_report(_cfg("reward.model="))
+    assert not any("reward judge" in ln for ln in lines)
+

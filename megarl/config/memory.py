@@ -469,4 +469,37 @@ def dry_run_report(cfg) -> tuple[list[str], list[str]]:
         return lines + ["memory plan: none (the model's config.json is not here nor in configs/models/)"], []
     lines.append(f"memory plan against {plan.gpu_bytes / GB:g} GB per GPU ({plan.gpu_source}); estimates, "
                  f"megarl/config/memory.py says how each is counted:")
-    return lines + [f"  {ln}" for ln in plan.lines()], plan.problems
+    judge_lines, judge_problems = judge_memory(cfg, plan.gpu_bytes)  # reward.model: the judge's engines
+    return lines + [f"  {ln}" for ln in plan.lines() + judge_lines], plan.problems + judge_problems
+
+
+def judge_memory(cfg, gpu_bytes: float) -> tuple[list[str], list[str]]:
+    """(plan lines, problems) of the reward judge's GPUs (reward.model, megarl/reward/judge.py): as a
+    generator worker's, for the judge model at reward.judge_tp in generator.dtype, unquantized: weights,
+    reward.judge_kv_cache_gib of KV cache (at least one reward.judge_max_model_len sequence) and the
+    overhead. Nothing without reward.model; a line saying so when its config.json is not here."""
+    from megarl.config.validate import model_shape
+
+    r, dtype = cfg.reward, cfg.generator.dtype
+    if not r.model:
+        return [], []
+    shape = model_shape(r.model, shipped_ok=True)
+    if not shape or "_error" in shape:
+        return [f"reward judge: no plan (reward.model={r.model}: its config.json is not here nor in configs/models/)"], []
+    dims = ModelDims.from_hf_config(shape)
+    terms = {"weights": generator_weight_bytes(dims, r.judge_tp, dtype, "none"), "kv_cache": r.judge_kv_cache_gib * 2**30,
+             "overhead": OVERHEAD_GB * GB}
+    total, per_token = sum(terms.values()), kv_bytes_per_token(dims, r.judge_tp, dtype)
+    lines = [f"reward judge, per GPU: {total / GB:6.1f} GB of {gpu_bytes / GB:.0f}; tp{r.judge_tp} x "
+             f"{r.judge_replicas} replica(s); KV holds {terms['kv_cache'] / per_token:,.0f} tokens (judge_max_model_len "
+             f"{r.judge_max_model_len})"] + [f"    {k:<17} {v / GB:7.2f} GB" for k, v in terms.items()]
+    problems = []
+    if total > gpu_bytes:
+        problems.append(f"reward.judge_tp={r.judge_tp}: the judge's {total / GB:.1f} GB per GPU (weights "
+                        f"{terms['weights'] / GB:.1f}, KV {terms['kv_cache'] / GB:.1f}) does not fit {gpu_bytes / GB:g} GB; "
+                        f"raise reward.judge_tp or lower reward.judge_kv_cache_gib")
+    elif terms["kv_cache"] < r.judge_max_model_len * per_token:
+        problems.append(f"reward.judge_kv_cache_gib={r.judge_kv_cache_gib}: holds less than one reward.judge_max_model_len="
+                        f"{r.judge_max_model_len} sequence; set it to "
+                        f"{math.ceil(r.judge_max_model_len * per_token / 2**30)} or more")
+    return lines, problems

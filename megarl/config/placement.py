@@ -11,6 +11,7 @@ GPU 4), so two executors never land on the same GPU unless the config says they 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from megarl.utils.procs import parse_cpu_list
@@ -21,6 +22,7 @@ class DevicePlan:
     trainer: list[int] | None    # one device per trainer rank, in global rank order
     generator: list[int] | None  # generator.tp devices per replica, replica-major
     note: str                    # one line for the log: what went where and why
+    judge: list[int] | None = None  # reward.judge_tp devices per judge replica (reward.model), replica-major
 
 
 def needed(cfg) -> tuple[int, int]:
@@ -71,15 +73,47 @@ def device_plan(cfg, visible: int) -> DevicePlan:
                          f"visible after the trainer's {len(train)}; lower generator.replicas or generator.tp, "
                          f"or set cluster.share_devices=true")
     if n_train == 0:
-        return DevicePlan(None, gen[:n_gen], f"trainer ranks attach from the trainer pool (cluster.launcher="
-                                             f"slurm); generator workers on GPU(s) {_fmt(gen[:n_gen])}")
+        return _with_judge(cfg, visible, DevicePlan(None, gen[:n_gen], f"trainer ranks attach from the trainer pool "
+                                                    f"(cluster.launcher=slurm); generator workers on GPU(s) "
+                                                    f"{_fmt(gen[:n_gen])}"))
     # Shared (or explicitly listed) devices are used round-robin.
     train = [train[r % len(train)] for r in range(n_train)]
     gen = [gen[w % len(gen)] for w in range(n_gen)]
     shared = sorted(set(train) & set(gen))
     note = (f"trainer ranks on GPU(s) {_fmt(train)}, generator workers on GPU(s) {_fmt(gen)}"
             + (f" (sharing {_fmt(shared)}: cluster.share_devices)" if shared else " (disjoint)"))
-    return DevicePlan(train, gen, note)
+    return _with_judge(cfg, visible, DevicePlan(train, gen, note))
+
+
+def judge_needed(cfg) -> int:
+    """GPUs the reward judge needs (reward.judge_tp x judge_replicas; 0 without reward.model)."""
+    r = cfg.reward
+    return r.judge_tp * r.judge_replicas if r.model else 0
+
+
+def _with_judge(cfg, visible: int, plan: DevicePlan) -> DevicePlan:
+    """``plan`` with the reward judge's devices (reward.model, megarl/reward/judge.py): reward.judge_devices,
+    else the devices neither the trainer nor the generator has (with cluster.share_devices: the first ones,
+    round-robin); its engines start from the controller, so under Slurm these are the controller node's."""
+    n = judge_needed(cfg)
+    if not n:
+        return plan
+    taken = set(plan.trainer or []) | set(plan.generator or [])
+    judge = _parse("reward.judge_devices", cfg.reward.judge_devices, visible)
+    if cfg.cluster.share_devices:
+        judge = judge or list(range(min(n, visible)))
+    else:
+        both = sorted(set(judge) & taken)
+        if both:
+            raise ValueError(f"reward.judge_devices={cfg.reward.judge_devices!r}: device(s) {both} are the trainer's or "
+                             f"the generator's; give the judge its own or set cluster.share_devices=true")
+        judge = judge or [d for d in range(visible) if d not in taken][:n]
+        if len(judge) < n:
+            raise ValueError(f"the reward judge needs {n} GPU(s) (reward.judge_tp*judge_replicas) and got {len(judge)} "
+                             f"of {visible} visible after the trainer's and the generator's; lower reward.judge_tp or "
+                             f"reward.judge_replicas, free devices, or set cluster.share_devices=true")
+    judge = [judge[w % len(judge)] for w in range(n)]
+    return dataclasses.replace(plan, judge=judge, note=f"{plan.note}; reward judge workers on GPU(s) {_fmt(judge)}")
 
 
 def _parse(key: str, text: str, visible: int) -> list[int]:
@@ -97,4 +131,4 @@ def _fmt(ids: list[int]) -> str:
     return ",".join(str(d) for d in ids)
 
 
-__all__ = ["DevicePlan", "device_plan", "needed"]
+__all__ = ["DevicePlan", "device_plan", "judge_needed", "needed"]

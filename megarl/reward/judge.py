@@ -43,7 +43,7 @@ import socket
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
-from megarl.executors.base import ExecutorError, ProcessDied
+from megarl.executors.base import ExecutorBase, ExecutorError, ProcessDied
 
 if TYPE_CHECKING:
     from megarl.reward.config import RewardConfig
@@ -170,6 +170,18 @@ def parse_score(judge_reply: str, scale: int, *, cut: bool = False) -> Optional[
 
 
 # ------------------------------------------------------------------ the executor
+def reward_executor(cfg, devices=None, log_dir: str | Path | None = None):
+    """The job's reward executor, not started (the controller enters it on its ExitStack): the judge on
+    its own vLLM replicas when ``reward.model`` is set (``devices``: the job's DevicePlan, whose ``judge``
+    GPUs it takes; ``log_dir``: its replicas' logs), else the rule-reward pool (RewardPool, reward.fn)."""
+    from megarl.reward.pool import RewardPool
+
+    if not cfg.reward.model:
+        return RewardPool(cfg.reward, cfg.generator.max_new_tokens)
+    return JudgeScorer(cfg.reward, cfg.generator, cfg.generator.max_new_tokens,
+                       cuda_devices=getattr(devices, "judge", None), log_dir=log_dir)
+
+
 def judge_generator_config(cfg: RewardConfig, generator, log_dir: str = ""):
     """The GeneratorConfig the judge's engines run with: greedy, one reply per prompt, the judge's own
     TP, replicas, lengths and KV cache; dtype and timeouts as the policy's generator (``generator``);
@@ -181,7 +193,7 @@ def judge_generator_config(cfg: RewardConfig, generator, log_dir: str = ""):
         round_token_budget=0, threads_bind="auto", max_restarts=0, log_dir=log_dir)
 
 
-class JudgeScorer:
+class JudgeScorer(ExecutorBase):
     """The step's RewardScorer when ``reward.model`` is set (megarl/executors/base.py): the judge model
     on a GeneratorExecutor. ``start`` starts its replicas, ``close`` ends them; ``score`` judges a batch.
     ``last_counts``: the last batch's reward/errors (unparseable judge replies), reward/timeouts and
@@ -195,7 +207,9 @@ class JudgeScorer:
         if problems:
             raise ValueError("; ".join(problems))
         self.cfg, self.max_new_tokens = cfg, max_new_tokens
-        self.model_dir = Path(cfg.model)
+        from megarl.config.model_source import local_model_dir
+
+        self.model_dir = local_model_dir(cfg.model) or Path(cfg.model)  # a folder, or an HF id in the local cache
         self.template = cfg.judge_template or DEFAULT_TEMPLATE
         self.gen_cfg = judge_generator_config(cfg, generator_cfg, str(log_dir or ""))
         self.cuda_devices = cuda_devices
@@ -217,12 +231,6 @@ class JudgeScorer:
         with self._naming():
             self.executor = GeneratorExecutor(self.gen_cfg, self.model_dir, cuda_devices=self.cuda_devices).start()
         return self
-
-    def __enter__(self) -> "JudgeScorer":
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
     def close(self) -> None:
         if self.executor is not None:
@@ -334,4 +342,4 @@ class _JudgeErrors:
 
 
 __all__ = ["CORRECT_AT", "DEFAULT_TEMPLATE", "JudgeDied", "JudgeScorer", "bound_tokens", "judge_message",
-           "judge_problems", "parse_score", "quote", "template_problems"]
+           "judge_problems", "parse_score", "quote", "reward_executor", "template_problems"]
