@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from megarl.config import ConfigError
-from megarl.controller.loop import _select_device
+from megarl.controller.startup import select_device as _select_device
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")

@@ -98,7 +98,7 @@ def test_config_errors_before_start():
 
 def test_sync_log_line_names_the_chosen_transport():
     from megarl.config import load_config
-    from megarl.controller.loop import describe_sync, resolved_sync
+    from megarl.config.job import describe_sync, resolved_sync
 
     cfg = load_config(os.path.join(REPO, "configs/quickstart.yaml"), ["cluster.device=cpu"])
     assert cfg.sync.transport == "auto"
@@ -509,12 +509,13 @@ def test_cuda_ipc_between_processes_on_one_gpu():
 _START = textwrap.dedent("""
     import logging, sys
     from megarl.config import ConfigError, load_config
+    import megarl.config.job as job
     import megarl.controller.loop as loop
     class Stop(Exception):
         pass
     def stop(*a, **k):
         raise Stop()
-    loop.resolve_model = stop  # the first step after the start-up checks
+    job.resolve_model = stop  # the first step after the start-up checks
     try:
         cfg = load_config({cfg!r}, ["cluster.device=cpu", "sync.native={mode}"])
     except ConfigError as e:

@@ -203,10 +203,10 @@ SCRIPT = textwrap.dedent('''
 
 
     if __name__ == "__main__":  # the reward pool spawns: its processes import this file
-        import megarl.controller.loop as loop
+        import megarl.config.job as job
         from megarl.cli import main
 
-        loop.resolve_model = boom
+        job.resolve_model = boom
         sys.exit(main(["train", "configs/tiny_test.yaml", f"model.path={model}", f"logging.out_dir={out}"]))
 ''')
 

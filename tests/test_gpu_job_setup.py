@@ -40,7 +40,7 @@ def test_peer_access_of_one_device_needs_no_question_and_no_cuda_here_is_unknown
 @pytest.mark.parametrize("transport, peer, want", [("auto", False, "nccl"), ("auto", True, "cuda_ipc"),
                                                     ("auto", None, "cuda_ipc"), ("nccl", False, "nccl")])
 def test_the_job_resolves_its_transport_from_its_own_gpus_faked_gpu(monkeypatch, transport, peer, want):
-    from megarl.controller.loop import describe_sync, resolved_sync
+    from megarl.config.job import describe_sync, resolved_sync
 
     asked = []
     monkeypatch.setattr(devices, "cuda_peer_access", lambda pairs: asked.append(sorted(pairs)) or peer)
@@ -52,7 +52,7 @@ def test_the_job_resolves_its_transport_from_its_own_gpus_faked_gpu(monkeypatch,
 
 
 def test_the_job_refuses_cuda_ipc_between_gpus_without_peer_access_faked_gpu(monkeypatch):
-    from megarl.controller.loop import resolved_sync
+    from megarl.config.job import resolved_sync
 
     monkeypatch.setattr(devices, "cuda_peer_access", lambda pairs: False)
     cfg = load_config("configs/gpu_smoke.yaml", ["sync.transport=cuda_ipc"])

@@ -241,14 +241,13 @@ def test_starting_over_in_a_used_folder_is_refused_unless_overwrite(tiny_llama_d
     assert "--overwrite" in msg and "name=tiny-test-2" in msg and "rerun without --fresh" in msg, msg
     assert (run / "metrics.jsonl").read_text() == '{"step": 1}\n'  # untouched
 
-    cfg = claim_run_folder(_cfg(tiny_llama_dir, tmp_path, "trainer.resume_from=null", "logging.overwrite=true"))
-    assert cfg.trainer.resume_from is None
+    assert claim_run_folder(_cfg(tiny_llama_dir, tmp_path, "trainer.resume_from=null", "logging.overwrite=true")) is None
     left = sorted(str(p.relative_to(run)) for p in run.rglob("*"))
     assert left == ["checkpoints", "logs"], left  # metrics, samples, step folders, latest, TensorBoard gone
 
     # a new folder, or one with only the logs of a run that never trained a step, just starts
-    assert claim_run_folder(_cfg(tiny_llama_dir, tmp_path, "trainer.resume_from=null")).trainer.resume_from is None
-    assert claim_run_folder(_cfg(tiny_llama_dir, tmp_path / "new")).trainer.resume_from is None
+    assert claim_run_folder(_cfg(tiny_llama_dir, tmp_path, "trainer.resume_from=null")) is None
+    assert claim_run_folder(_cfg(tiny_llama_dir, tmp_path / "new")) is None
 
 
 def test_auto_without_a_checkpoint_does_not_append_to_an_earlier_run(tiny_llama_dir, tmp_path):

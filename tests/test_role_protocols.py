@@ -20,7 +20,7 @@ import torch
 from megarl.batch import RolloutBatch
 from megarl.config import load_config
 from megarl.controller.evaluation import EvalResult, StrictScorer, score_replies, strict_correct
-from megarl.controller.loop import model_dims
+from megarl.controller.startup import model_dims
 from megarl.ddma.layouts import GeneratorTopology, TrainerTopology
 from megarl.ddma.sync import SyncSpec, host_store
 from megarl.executors.base import ExecutorError, Generator, RewardScorer, Trainer

@@ -90,7 +90,7 @@ def launch_slurm(config: str, overrides: Sequence[str], *, dry_run: bool = False
     """Inside an allocation: print the role map and srun lines; unless ``dry_run``, run them and
     supervise them (:func:`supervise`). Returns the job's exit code."""
     from megarl.cluster.slurm import format_srun
-    from megarl.controller.loop import controller_log_path
+    from megarl.controller.startup import controller_log_path
 
     env = dict(os.environ if env is None else env)
     over = task_overrides(overrides, resume=True)
@@ -157,7 +157,7 @@ def launch_local(config: str, overrides: Sequence[str], *, trainer_nodes: int = 
     """The Slurm job's tasks as local processes: the controller + one process per trainer rank,
     spread over ``trainer_nodes`` simulated nodes, same role map, same ``megarl rank`` command."""
     from megarl.cluster.slurm import format_srun
-    from megarl.controller.loop import controller_log_path
+    from megarl.controller.startup import controller_log_path
     from megarl.config import load_config
 
     cfg0 = load_config(config, list(overrides))

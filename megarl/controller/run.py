@@ -150,9 +150,9 @@ class RunFolderConflict(ConfigError):
         self.problems = [message]
 
 
-def claim_run_folder(cfg: MegaRLConfig) -> MegaRLConfig:
-    """Decide, before anything starts, what this run does with its run folder; ``cfg`` with
-    trainer.resume_from pinned to one verified step folder (or None: start over).
+def claim_run_folder(cfg: MegaRLConfig) -> Path | None:
+    """Decide, before anything starts, what this run does with its run folder; the one verified step
+    folder it resumes from (config/job.py ``ResolvedJob.resume_dir``), or None: start over.
 
     * A checkpoint to resume from ('auto', the default, finds the newest complete one): resume, and
       say so (the step, the run folder); refused, naming the key, when the checkpoint was written
@@ -164,22 +164,20 @@ def claim_run_folder(cfg: MegaRLConfig) -> MegaRLConfig:
 
     path = Path(cfg.logging.out_dir) / cfg.name
     asked = cfg.trainer.resume_from
-    cfg = pin_resume(cfg, path)
-    step_dir = cfg.trainer.resume_from
+    step_dir = pin_resume(cfg, path)
     if step_dir is not None:
-        step_dir = Path(step_dir)
         _refuse_other_run(cfg, step_dir, FILE, path)
         step = _checkpoint_step(step_dir)
         left = cfg.controller.steps - step
         log.info("resume: %s holds a checkpoint at step %d (%s): resuming at step %d of %d%s (trainer.resume_from=%s; "
                  "`megarl train --fresh` starts over)", path, step, step_dir, step, cfg.controller.steps,
                  "" if left > 0 else ": nothing left to train", asked)
-        return cfg
+        return step_dir
     root = run_checkpoint_root(cfg)
     found = [name for name in RUN_FILES if (path / name).is_file() and (path / name).stat().st_size]
     found += [str(p.relative_to(path) if p.is_relative_to(path) else p) for p in _step_folders(root)]
     if not found:
-        return cfg
+        return None
     how = ("it has no complete checkpoint to resume from" if asked not in (None, "") else
            "this run starts over (--fresh / trainer.resume_from=null)")
     if not cfg.logging.overwrite:
@@ -190,7 +188,7 @@ def claim_run_folder(cfg: MegaRLConfig) -> MegaRLConfig:
             f"run another name= (e.g. name={cfg.name}-2)")
     _delete_run(path, root)
     log.warning("logging.overwrite: deleted the earlier run's files in %s (%s); starting over", path, ", ".join(found))
-    return cfg
+    return None
 
 
 def _step_folders(root: Path) -> list[Path]:

@@ -18,7 +18,6 @@ again, from the same prompts.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 from pathlib import Path
@@ -60,24 +59,24 @@ def stage_controller_state(cfg: MegaRLConfig, *, policy_version: int, rollouts: 
     return stage_file(run_checkpoint_root(cfg), policy_version, FILE, text)
 
 
-def pin_resume(cfg: MegaRLConfig, run_dir: Path) -> MegaRLConfig:
-    """``cfg`` with trainer.resume_from resolved to one verified step folder (None: start fresh),
-    so the controller and every trainer rank load the same one. 'auto' and a checkpoint dir take
-    the newest complete checkpoint that holds the controller's state (a damaged newer one: one
-    WARNING naming the file, then the previous one). Raises ConfigError when nothing usable is there."""
+def pin_resume(cfg: MegaRLConfig, run_dir: Path) -> Path | None:
+    """The one verified step folder trainer.resume_from names (None: start fresh), so the controller
+    and every trainer rank load the same one (config/job.py ``ResolvedJob.resume_dir``; ``cfg`` is left
+    as the user wrote it). 'auto' and a checkpoint dir take the newest complete checkpoint that holds
+    the controller's state (a damaged newer one: one WARNING naming the file, then the previous one).
+    Raises ConfigError when nothing usable is there."""
     from megarl.config import ConfigError
     from megarl.trainer.checkpoint import CheckpointError, resume_path
 
     if cfg.trainer.resume_from in (None, ""):
-        return cfg
+        return None
     try:
         path = resume_path(cfg.trainer, run_dir, require=(FILE,), checksums=True)
     except CheckpointError as e:
         raise ConfigError([f"trainer.resume_from={cfg.trainer.resume_from!r}: {e}"]) from None
     if path is not None:
         log.info("resume: step folder %s (trainer.resume_from=%s)", path, cfg.trainer.resume_from)
-    pinned = str(path) if path is not None else None
-    return dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, resume_from=pinned))
+    return path
 
 
 def load_controller_state(step_dir: Path | None, *, policy_version: int, data_seed: int) -> dict | None:

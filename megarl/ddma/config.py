@@ -25,6 +25,16 @@ def native_extension_present() -> bool:
         return False
 
 
+def default_probe_gap(dtype: str, quantization: str, trainer_dtype: str = "float32", wire: str = "engine") -> float:
+    """The probe bound (nats) for an engine of ``dtype`` fed by a trainer whose weights are ``trainer_dtype``
+    over a DDMA ``wire`` (where each number comes from: megarl/controller/weight_sync.py's docstring): the
+    coarsest of the three sets it. ``wire="fp8"`` lands e4m3-rounded weights, so an fp32 engine then holds FP8
+    values. The job resolves it once (megarl/config/job.py resolved_sync)."""
+    if quantization != "none" or wire == "fp8":
+        return 1.0
+    return 1e-3 if dtype == trainer_dtype == "float32" else 0.25
+
+
 @dataclass
 class SyncConfig:
     method: str = knob("ddma", choices=METHODS, help=(

@@ -183,16 +183,17 @@ def test_pin_resume_gives_every_process_the_same_verified_folder(saved, tmp_path
     cfg = load_config(Path(__file__).resolve().parents[2] / "configs" / "tiny_test.yaml",
                       [f"trainer.checkpoint_dir={root}", "trainer.resume_from=auto",
                        "model.path=builtin:smollm2"])
-    assert pin_resume(cfg, tmp_path).trainer.resume_from == str(root / "step_00000003")
+    assert pin_resume(cfg, tmp_path) == root / "step_00000003"
+    assert cfg.trainer.resume_from == "auto"  # the input config is left as written (the job holds the folder)
     _damage_no_controller_state(root / "step_00000003")
-    assert pin_resume(cfg, tmp_path).trainer.resume_from == str(root / "step_00000002")
+    assert pin_resume(cfg, tmp_path) == root / "step_00000002"
     _damage_meta(root / "step_00000002")
     with pytest.raises(ConfigError, match="trainer.resume_from='auto': no complete checkpoint"):
         pin_resume(cfg, tmp_path)
     fresh = load_config(Path(__file__).resolve().parents[2] / "configs" / "tiny_test.yaml",
                         [f"trainer.checkpoint_dir={tmp_path / 'none'}", "trainer.resume_from=auto",
                          "model.path=builtin:smollm2"])
-    assert pin_resume(fresh, tmp_path).trainer.resume_from is None  # nothing saved yet: fresh
+    assert pin_resume(fresh, tmp_path) is None  # nothing saved yet: fresh
 
 
 def test_a_save_prunes_an_abandoned_timeline_and_keeps_the_newest(tmp_path):

@@ -2,7 +2,7 @@
 
 No torch import (config validation calls it before anything starts). The cluster launcher calls
 :func:`choose_transport` for multi-node jobs; ``megarl train`` calls it for local ones
-(``controller/loop.py`` ``resolved_sync``). It is the only place an alias (``auto``, ``p2p``) resolves:
+(``config/job.py`` ``resolved_sync``). It is the only place an alias (``auto``, ``p2p``) resolves:
 :class:`megarl.ddma.sync.SyncSpec` takes only a concrete transport and refuses an alias.
 """
 
