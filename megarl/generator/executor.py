@@ -1,9 +1,11 @@
 """Generator executor: vLLM engine replicas, routing, policy versions, partial rollouts.
 
 The executor runs in the controller's process and never generates itself: every replica is its
-own process (:mod:`megarl.generator.engine`), so a crashed engine is observed (its exit code or
-traceback) and reported as :class:`GeneratorEngineDied` instead of a hang. Every wait has a
-timeout from the config and logs what it waits for.
+own process (:mod:`megarl.generator.engine`) in the executor's process group
+(megarl/executors/group.py: spawn or attach, pipes, reader threads, waits, heartbeats, kill-all),
+so a crashed engine is observed (its exit code or traceback) and reported as
+:class:`GeneratorEngineDied` instead of a hang. Every wait has a timeout from the config and
+names what it waits for.
 
 Lifecycle: ``start()`` -> ``submit()`` / ``collect()`` (or ``generate()``) with
 ``update_weights()`` at any time -> ``shutdown()`` (also on ``with`` exit and interpreter exit).
@@ -30,21 +32,18 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-import multiprocessing as mp
 import os
-import queue
 import shutil
 import tempfile
-import threading
 import time
-import weakref
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from megarl.executors.base import ExecutorBase, exit_cause, kill_processes
+from megarl.executors.base import ExecutorBase
+from megarl.executors.group import ProcessGroup, member_cause
 from megarl.generator.config import GeneratorConfig
 from megarl.generator.threads import threads_binds
 from megarl.generator.replicas import ReplicaHandle, Track, model_vocab_size, remove_shm_files, request_seed
@@ -57,7 +56,6 @@ from megarl.utils.procs import spawned_from_main_thread
 
 log = logging.getLogger(__name__)
 
-_POLL_S = 0.25  # granularity of waits: liveness is re-checked this often
 SAMPLING_OVERRIDES = {"temperature", "top_p", "top_k", "stop", "ignore_eos"}  # ignore_eos: benchmarks
 
 
@@ -85,8 +83,8 @@ class GeneratorExecutor(ReplicaSupervision, ExecutorBase):
         self.cuda_devices = list(cuda_devices) if cuda_devices is not None else None
         self.deterministic = bool(deterministic)
         self.version = 0
-        self._replicas: list[ReplicaHandle] = []
-        self._inbox: queue.Queue = queue.Queue()
+        # the replica processes, their pipes and reader threads, waits, heartbeats, kill-all
+        self._group = ProcessGroup("generator")
         self._tracks: dict[str, Track] = {}  # rid -> track in flight
         self._partials: list[Track] = []
         self._done: list[Sample] = []
@@ -100,13 +98,18 @@ class GeneratorExecutor(ReplicaSupervision, ExecutorBase):
         log_dir = log_dir or cfg.log_dir
         self._own_log_dir = not log_dir  # a temporary folder, removed after a clean shutdown
         self._log_dir = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="megarl-gen-"))
-        self._finalizer = None
         self._closing = False
         self._init_supervision()
-        self._weights = WeightUpdater(cfg, replicas=lambda: self._replicas, replies=self._replies, send=self._send,
-                                      wait=self._wait, check_failed=self._check_failed,
-                                      current_version=lambda: self.version, quiesce=self._quiesce_for_update,
-                                      adopt=self._adopt_version)
+        self._weights = WeightUpdater(cfg, self)  # the executor as its UpdateHost
+
+    @property
+    def _replicas(self) -> list[ReplicaHandle]:
+        return self._group.members
+
+    @property
+    def _procs(self) -> list:
+        """Every replica process spawned here (restarted ones too)."""
+        return self._group.procs
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> "GeneratorExecutor":
@@ -115,16 +118,13 @@ class GeneratorExecutor(ReplicaSupervision, ExecutorBase):
         if self.launcher == "slurm":
             return self._attach()
         binds = threads_binds(cfg) if self.on_cpu else [None] * cfg.replicas
-        ctx = mp.get_context("spawn")
-        # Runs on shutdown(), on garbage collection and at interpreter exit: no engine outlives us.
-        # Armed before the first spawn (the list fills as replicas start, restarted ones too), so an
-        # interruption in the middle of start() still kills those already running. Each replica also
+        # The group kills every replica it spawned on shutdown(), on garbage collection and at
+        # interpreter exit, also those already running when start() is interrupted; each replica also
         # watches this process (megarl.utils.procs.watch_parent), for the deaths that run no finalizer.
-        self._finalizer = weakref.finalize(self, kill_processes, self._procs)
         pdeathsig = spawned_from_main_thread()
         try:
             for r in range(cfg.replicas):
-                self._spawn_replica(r, ctx, binds[r], pdeathsig)
+                self._spawn_replica(r, binds[r], pdeathsig)
             self._await_started("generator")
         except BaseException:
             self.shutdown()  # a failed start leaves no engine behind
@@ -134,7 +134,7 @@ class GeneratorExecutor(ReplicaSupervision, ExecutorBase):
     def _attach(self) -> "GeneratorExecutor":
         """Attach mode: accept the replicas srun started on the generator nodes, send each its start
         arguments (what a spawned replica gets as its arguments), wait until every one is ready."""
-        from megarl.executors.attach import AttachError, AttachSpec, RemoteProcess, accept_ranks
+        from megarl.executors.attach import AttachError, AttachSpec, accept_ranks
 
         cfg = self.cfg
         try:
@@ -148,8 +148,7 @@ class GeneratorExecutor(ReplicaSupervision, ExecutorBase):
                 log_path = self._log_dir / f"generator_replica{r}.log"
                 conn.send(("init", {"cfg": cfg, "model_dir": self.model_dir, "on_cpu": self.on_cpu,
                                     "log_path": str(log_path), "deterministic": self.deterministic}))
-                self._adopt(ReplicaHandle(r, RemoteProcess(hello["pid"], hello.get("node") or hello["host"]), conn,
-                                          log_path))
+                self._group.attach(r, conn, hello, log_path, make=ReplicaHandle)
             self._await_started("attached generator")
         except BaseException:
             self.shutdown()
@@ -157,16 +156,6 @@ class GeneratorExecutor(ReplicaSupervision, ExecutorBase):
         log.info("generator: %d replica(s) ready on %s", cfg.replicas,
                  ", ".join(sorted({h.process.host for h in self._replicas})))
         return self
-
-    def _adopt(self, handle: ReplicaHandle) -> None:
-        """A started replica (spawned or attached; or restarted, in place of the failed one): tracked,
-        its pipe drained by a reader thread."""
-        if handle.index < len(self._replicas):
-            self._replicas[handle.index] = handle
-        else:
-            self._replicas.append(handle)
-        threading.Thread(target=self._reader, args=(handle,), daemon=True,
-                         name=f"megarl-gen-reader-{handle.index}").start()
 
     def _await_started(self, kind: str) -> None:
         """Wait until every replica reported ready (``kind``: 'generator' or 'attached generator')."""
@@ -180,25 +169,11 @@ class GeneratorExecutor(ReplicaSupervision, ExecutorBase):
         would only delay a job that is being stopped, e.g. by a signal during start-up. An attached
         replica exits when told to, or when its connection closes."""
         self._closing = True
-        for h in self._replicas:
-            try:
-                h.conn.send(("shutdown",))
-            except (OSError, BrokenPipeError):
-                pass
-        deadline = time.monotonic() + self.cfg.shutdown_timeout_s
-        for h in self._replicas:
-            if h.info:  # started: it reads the pipe between engine steps
-                h.process.join(max(0.0, deadline - time.monotonic()))
-        if self._finalizer is not None:
-            self._finalizer()  # kills stragglers (and their TP workers), idempotent
-        for h in self._replicas:
-            if h.remote:
-                from megarl.executors.attach import shutdown as close_socket
-
-                close_socket(h.conn)  # wakes its reader; the replica sees EOF and exits
-            h.conn.close()
+        # only a started replica reads its pipe (between engine steps); the rest are killed at once;
+        # the group kills stragglers (and their TP workers), attached replicas exit on the EOF
+        for h in self._group.close(("shutdown",), self.cfg.shutdown_timeout_s, leaving=lambda h: bool(h.info),
+                                   knob="generator.shutdown_timeout_s"):
             remove_shm_files(h.info.get("shm_prefixes", []))
-        self._replicas = []
         if self._own_log_dir and self._failure is None:
             shutil.rmtree(self._log_dir, ignore_errors=True)  # after a failure it names the logs
 
@@ -471,39 +446,20 @@ class GeneratorExecutor(ReplicaSupervision, ExecutorBase):
 
     def _send(self, h: ReplicaHandle, msg: tuple) -> None:
         """A command to one replica; a closed pipe means it died: raise naming it and how."""
-        try:
-            h.conn.send(msg)
-        except OSError:
+        if not self._group.send(h, msg):
             self._fail(h, self._exit_cause(h))
             self._check_failed()
-
-    def _reader(self, h: ReplicaHandle) -> None:
-        """Drain one replica's pipe into the inbox (so a replica never blocks on a full pipe)."""
-        while True:
-            try:
-                msg = h.conn.recv()
-            except (EOFError, OSError):
-                if h.remote:  # here, not in _handle: shutdown() waits for it without pumping
-                    h.process.mark_gone(clean=self._closing)
-                self._inbox.put((h, ("eof",)))
-                return
-            h.last_heard = time.monotonic()  # here, not when handled: the controller may not pump for a while
-            self._inbox.put((h, msg))
 
     def _pump(self, timeout: float) -> bool:
         """Handle inbox messages (waiting up to ``timeout`` for the first); True if any arrived."""
         got = False
-        while True:
-            try:
-                h, msg = self._inbox.get(timeout=timeout if not got else 0.0)
-            except queue.Empty:
-                return got
+        while (item := self._group.get(timeout if not got else 0.0)) is not None:
             got = True
-            current = h.index < len(self._replicas) and self._replicas[h.index] is h
-            self._handle(h if current else None, msg)  # a replaced (failed) replica's late messages are dropped
+            self._handle(*item)
+        return got
 
-    def _handle(self, h: ReplicaHandle | None, msg: tuple) -> None:
-        if h is None:
+    def _handle(self, h: ReplicaHandle, msg: tuple) -> None:
+        if not self._group.current(h):  # a replaced (failed) replica's late messages are dropped
             return
         kind = msg[0]
         if kind == "ready":
@@ -549,10 +505,7 @@ class GeneratorExecutor(ReplicaSupervision, ExecutorBase):
 
     def _exit_cause(self, h: ReplicaHandle) -> str:
         h.process.join(2.0)
-        if h.remote:
-            return (f"lost its connection to the controller (the process exited or was killed, or node "
-                    f"{h.process.host} failed; its srun step reports the exit code)")
-        return exit_cause(h.process.exitcode)
+        return member_cause(h)
 
     def _wait(self, done, timeout: float, what: str, progress_resets: bool = True,
               also_check: Callable[[], None] | None = None) -> None:
@@ -560,25 +513,19 @@ class GeneratorExecutor(ReplicaSupervision, ExecutorBase):
         after ``timeout`` seconds (without any message arriving, when ``progress_resets``)."""
         from megarl.utils.procs import raise_if_preempted
 
-        deadline = time.monotonic() + timeout
-        last_log = time.monotonic()
-        while True:
+        def check() -> None:
             raise_if_preempted()  # a preemption abandons this wait (not inside a deferred sync or save)
             self._check_failed()
             if also_check is not None:
                 also_check()
-            if done():
-                return
-            now = time.monotonic()
-            if now >= deadline:
-                exc = GeneratorTimeout(f"generator: timed out after {timeout:.0f}s waiting for {what}; "
-                                       f"replica logs in {self._log_dir}")
-                exc.component = "generator replica(s) " + ", ".join(
-                    f"{h.index} (pid {h.process.pid})" for h in self._replicas)
-                exc.log_path = str(self._log_dir)
-                raise exc
-            if now - last_log > 30:
-                log.info("generator: still waiting for %s (%.0fs left)", what, deadline - now)
-                last_log = now
-            if self._pump(min(_POLL_S, deadline - now)) and progress_resets:
-                deadline = time.monotonic() + timeout
+
+        def on_timeout() -> GeneratorTimeout:
+            exc = GeneratorTimeout(f"generator: timed out after {timeout:.0f}s waiting for {what}; "
+                                   f"replica logs in {self._log_dir}")
+            exc.component = "generator replica(s) " + ", ".join(
+                f"{h.index} (pid {h.process.pid})" for h in self._replicas)
+            exc.log_path = str(self._log_dir)
+            return exc
+
+        self._group.wait(done, timeout, what, self._handle, check=check, on_timeout=on_timeout,
+                         progress_resets=progress_resets, quiet=True)

@@ -35,13 +35,11 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
-import multiprocessing as mp
 import os
 import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
-from megarl.executors.base import kill_processes
 from megarl.generator.engine import replica_main
 from megarl.generator.errors import GeneratorError, engine_died
 from megarl.generator.replicas import ReplicaHandle, Track, remove_shm_files
@@ -50,6 +48,7 @@ from megarl.utils.devices import cuda_visible
 from megarl.utils.procs import spawned_from_main_thread
 
 if TYPE_CHECKING:
+    from megarl.executors.group import ProcessGroup
     from megarl.generator.config import GeneratorConfig
 
 log = logging.getLogger("megarl.generator.executor")  # the executor's logger: one log name for the generator
@@ -83,9 +82,11 @@ class RestartBudget:
 
 class ReplicaSupervision:
     """The supervising half of :class:`megarl.generator.executor.GeneratorExecutor` (a mixin: it
-    uses the executor's replica handles, tracks, inbox and waits)."""
+    uses the executor's process group (megarl/executors/group.py), replica handles, tracks and
+    waits)."""
 
     cfg: GeneratorConfig
+    _group: ProcessGroup
     _replicas: list[ReplicaHandle]
     _tracks: dict[str, Track]
 
@@ -97,7 +98,6 @@ class ReplicaSupervision:
         self._restorer: WeightRestorer | None = None
         self._updating = 0  # > 0 while a weight update waits: a failure then stops the job
         self._recovering = False
-        self._procs: list = []  # every process spawned here (the finalizer kills what still runs)
 
     def set_weight_restorer(self, restorer: WeightRestorer | None) -> None:
         """``restorer(replica)`` loads the current weights into that (restarted) replica alone,
@@ -122,23 +122,17 @@ class ReplicaSupervision:
             self._updating -= 1
 
     # ------------------------------------------------------------------ spawning
-    def _spawn_replica(self, r: int, ctx, bind: str | None, pdeathsig) -> None:
-        """Start replica ``r``'s process and adopt its handle (in place of a failed one)."""
+    def _spawn_replica(self, r: int, bind: str | None, pdeathsig) -> None:
+        """Start replica ``r``'s process in the group (in place of a failed one)."""
         cfg = self.cfg
-        parent_conn, child_conn = ctx.Pipe(duplex=True)
         cuda = None
         if self.cuda_devices is not None:
             cuda = cuda_visible(self.cuda_devices[r * cfg.tp:(r + 1) * cfg.tp])  # ordinals as we see them
         log_path = self._log_dir / f"generator_replica{r}.log"
-        proc = ctx.Process(target=replica_main, name=f"megarl-gen-{r}",
-                           args=(child_conn, cfg, self.model_dir, r, bind, self.on_cpu,
-                                 str(log_path), cuda, os.getpid(), pdeathsig),
-                           kwargs={"deterministic": self.deterministic, "restarts": self.restarts_of[r]},
-                           daemon=False)
-        proc.start()
-        self._procs.append(proc)
-        child_conn.close()
-        self._adopt(ReplicaHandle(r, proc, parent_conn, log_path))
+        self._group.spawn(r, replica_main, (cfg, self.model_dir, r, bind, self.on_cpu, str(log_path), cuda,
+                                            os.getpid(), pdeathsig),
+                          {"deterministic": self.deterministic, "restarts": self.restarts_of[r]},
+                          name=f"megarl-gen-{r}", log_path=log_path, make=ReplicaHandle)
 
     # ------------------------------------------------------------------ noticing failures
     def _restartable(self) -> bool:
@@ -156,15 +150,15 @@ class ReplicaSupervision:
             self._failure = engine_died(h, cause, tb)
 
     def _check_frozen(self) -> None:
-        """A replica that holds work and has said nothing for heartbeat_timeout_s is frozen."""
+        """A replica that holds work and has said nothing for heartbeat_timeout_s is frozen (the
+        group's heartbeat detector; a decoding replica's progress messages are its heartbeats)."""
         if self._updating or self._recovering or self.launcher != "local":
             return
-        now = time.monotonic()
-        for h in self._replicas:
-            silent = now - h.last_heard
-            if h.active and h.info and silent > self.cfg.heartbeat_timeout_s and h.index not in self._to_recover:
-                self._fail(h, f"made no progress for {silent:.0f}s while holding {len(h.active)} request(s) "
-                              f"(frozen: generator.heartbeat_timeout_s={self.cfg.heartbeat_timeout_s:.0f})")
+        busy = lambda h: bool(h.active and h.info) and h.index not in self._to_recover  # noqa: E731
+        for h in self._group.silent(self.cfg.heartbeat_timeout_s, busy):
+            silent = time.monotonic() - h.last_heard
+            self._fail(h, f"made no progress for {silent:.0f}s while holding {len(h.active)} request(s) "
+                          f"(frozen: generator.heartbeat_timeout_s={self.cfg.heartbeat_timeout_s:.0f})")
 
     def _check_failed(self) -> None:
         """Raise the failure that stops the job; recover every replica that can be."""
@@ -187,13 +181,12 @@ class ReplicaSupervision:
     def _recover(self, h: ReplicaHandle, cause: str, since: float) -> None:
         """Replace failed replica ``h`` (module docstring, steps 1-4)."""
         refused = self._budget.allow(h.index, cause)
-        kill_processes([h.process])  # SIGKILL ends a SIGSTOPped process too
+        self._group.kill(h)  # SIGKILL ends a SIGSTOPped process too
         if refused:
             self._failure = engine_died(h, f"{cause.splitlines()[0]}; it {refused}")
             return
         lost = [self._tracks.pop(rid) for rid in sorted(h.active) if rid in self._tracks]
         h.active.clear()
-        h.conn.close()
         remove_shm_files(h.info.get("shm_prefixes", []))
         if self.version != 0 and self._restorer is None:
             self._failure = engine_died(h, f"{cause.splitlines()[0]}; it cannot be restarted: the generator holds "
@@ -203,7 +196,7 @@ class ReplicaSupervision:
         try:
             bind = threads_binds(self.cfg)[h.index] if self.on_cpu else None
             self.restarts_of[h.index] += 1
-            self._spawn_replica(h.index, mp.get_context("spawn"), bind, spawned_from_main_thread())
+            self._spawn_replica(h.index, bind, spawned_from_main_thread())
             new = self._replicas[h.index]
             self._wait(lambda: bool(new.info), self.cfg.start_timeout_s, f"replica {h.index} to restart",
                        progress_resets=False)

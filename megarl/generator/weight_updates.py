@@ -3,11 +3,11 @@ verification: :class:`WeightUpdater`, which :class:`megarl.generator.executor.Ge
 owns and delegates ``update_weights``, ``update_weights_from_source``, ``inspect_weight`` and
 ``landed_weights`` to.
 
-The updater is given everything it uses when it is built (nothing reaches into the executor): the
-generator config, the replica handles, the executor's reply table, how to send to a replica and
-wait for replies, and three policy hooks -- the current version, what to do before the replicas
-load (``quiesce``: drain in deterministic mode) and after they all did (``adopt``: the version
-becomes current, cached partial rollouts resume).
+The updater is given the generator config and one typed interface to its executor,
+:class:`UpdateHost` (what it may use, nothing else): the replica handles, the reply table, how to
+send to a replica and wait for replies, and the policy hooks -- the current version, what to do
+before the replicas load (drain in deterministic mode) and after they all did (the version becomes
+current, cached partial rollouts resume).
 
 Two entries: ``sync.method=shm`` gives full HF tensors to :meth:`WeightUpdater.update_weights`,
 which packs them into one host shared-memory file every worker maps; DDMA gives
@@ -21,7 +21,7 @@ import itertools
 import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -34,9 +34,32 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("megarl.generator.executor")  # the executor's logger: one log name for the generator
 
-# wait(done, timeout_s, what, *, progress_resets, also_check): pump replica messages until done()
-# (GeneratorExecutor._wait: raises on a dead replica, when also_check raises, or at the timeout)
-Wait = Callable[..., None]
+class UpdateHost(Protocol):
+    """What the updater uses of its generator executor (``GeneratorExecutor`` is one)."""
+
+    version: int  # the policy version the replicas serve now
+    _replicas: Sequence[ReplicaHandle]  # the replica handles now (replaced on shutdown / restart)
+    # the reply table: the updater puts a slot under a token and the executor's message handler fills
+    # it (("updated", version): a set the acknowledging replica indices are added to; ("rpc", n): results)
+    _replies: dict[Any, Any]
+
+    def _send(self, h: ReplicaHandle, msg: tuple) -> None:
+        """One command to one replica (raises if it died)."""
+
+    def _wait(self, done: Callable[[], bool], timeout: float, what: str, progress_resets: bool = True,
+              also_check: Callable[[], None] | None = None) -> None:
+        """Pump replica messages until ``done()``; raises on a dead replica, when ``also_check``
+        raises, or at the timeout."""
+
+    def _check_failed(self) -> None:
+        """Raise the error of a replica that died."""
+
+    def _quiesce_for_update(self) -> None:
+        """Before the replicas load new weights (deterministic mode: wait until no round is in
+        flight, so every round runs under the weights it was submitted with)."""
+
+    def _adopt_version(self, version: int) -> None:
+        """Every replica loaded ``version``: make it current, resume cached partial rollouts."""
 
 
 class WeightUpdater:
@@ -44,28 +67,11 @@ class WeightUpdater:
 
     Args:
         cfg: the generator config (``dtype``, ``update_timeout_s``, ``request_timeout_s``).
-        replicas: returns the replica handles now (the executor replaces its list on shutdown).
-        replies: the executor's reply table: the updater puts a slot under a token and the
-            executor's message handler fills it (``("updated", version)``: a set the acknowledging
-            replica indices are added to; ``("rpc", n)``: the workers' results).
-        send: ``send(handle, message)``, one command to one replica (raises if it died).
-        wait: see :data:`Wait`.
-        check_failed: raises the error of a replica that died.
-        current_version: the policy version the replicas serve now.
-        quiesce: called before the replicas load new weights (deterministic mode: waits until no
-            round is in flight, so every round runs under the weights it was submitted with).
-        adopt: called with the new version once every replica loaded it (the executor makes it
-            current, then resumes its cached partial rollouts under it).
+        host: the executor, seen through :class:`UpdateHost`.
     """
 
-    def __init__(self, cfg: GeneratorConfig, *, replicas: Callable[[], Sequence[ReplicaHandle]],
-                 replies: dict[Any, Any], send: Callable[[ReplicaHandle, tuple], None], wait: Wait,
-                 check_failed: Callable[[], None], current_version: Callable[[], int],
-                 quiesce: Callable[[], None], adopt: Callable[[int], None]):
-        self.cfg = cfg
-        self._replicas, self._replies, self._send, self._wait = replicas, replies, send, wait
-        self._check_failed, self._current_version = check_failed, current_version
-        self._quiesce, self._adopt = quiesce, adopt
+    def __init__(self, cfg: GeneratorConfig, host: UpdateHost):
+        self.cfg, self._host = cfg, host
         self._rpc_ids = itertools.count()  # ("rpc", n) tokens: only this class makes them
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
@@ -76,8 +82,8 @@ class WeightUpdater:
 
         This is the ``sync.method=shm`` entry: the tensors go through one host shared-memory file
         every worker maps. DDMA uses :meth:`update_weights_from_source` with a ``ddma`` source."""
-        self._check_failed()
-        new_version = self._current_version() + 1 if version is None else int(version)
+        self._host._check_failed()
+        new_version = self._host.version + 1 if version is None else int(version)
         t0 = time.monotonic()
         shm = pack_to_shm(named_tensors, dtype=getattr(torch, self.cfg.dtype))
         try:
@@ -94,26 +100,26 @@ class WeightUpdater:
         ``replicas``: load only into these (a restarted replica, megarl/generator/supervision.py);
         the policy version of the others, and the executor's, stay as they are."""
         t0 = time.monotonic() if _t0 is None else _t0
-        targets = list(self._replicas()) if replicas is None else [self._replicas()[r] for r in replicas]
+        targets = list(self._host._replicas) if replicas is None else [self._host._replicas[r] for r in replicas]
         if replicas is None:
-            self._quiesce()
+            self._host._quiesce_for_update()
         acked: set[int] = set()
         token = ("updated", version)
-        self._replies[token] = acked
+        self._host._replies[token] = acked
         try:
             for h in targets:
-                self._send(h, ("update", source, version))
-            self._wait(lambda: acked >= {h.index for h in targets}, self.cfg.update_timeout_s,
+                self._host._send(h, ("update", source, version))
+            self._host._wait(lambda: acked >= {h.index for h in targets}, self.cfg.update_timeout_s,
                        f"{len(targets)} replica(s) to load weights version {version}",
                        progress_resets=False, also_check=peer_check)
         finally:
-            self._replies.pop(token, None)
+            self._host._replies.pop(token, None)
         if replicas is not None:
             seconds = time.monotonic() - t0
             log.info("generator: weights version %d loaded into replica(s) %s in %.2fs", version,
                      ", ".join(map(str, replicas)), seconds)
             return seconds
-        self._adopt(version)
+        self._host._adopt_version(version)
         seconds = time.monotonic() - t0
         log.info("generator: weights version %d loaded in %.2fs", version, seconds)
         return seconds
@@ -131,11 +137,11 @@ class WeightUpdater:
     def _rpc(self, replica: int, method: str, *args) -> Any:
         """Call a worker-extension method on every TP worker of ``replica``; one result per worker."""
         token = ("rpc", next(self._rpc_ids))
-        self._replies[token] = None
-        self._send(self._replicas()[replica], ("rpc", token, method, args))
-        self._wait(lambda: self._replies[token] is not None, self.cfg.request_timeout_s,
+        self._host._replies[token] = None
+        self._host._send(self._host._replicas[replica], ("rpc", token, method, args))
+        self._host._wait(lambda: self._host._replies[token] is not None, self.cfg.request_timeout_s,
                    f"replica {replica} to answer {method}", progress_resets=False)
-        out = self._replies.pop(token)
+        out = self._host._replies.pop(token)
         if isinstance(out, str):
             raise GeneratorError(f"{method} on replica {replica} failed: {out}")
         return out

@@ -11,7 +11,8 @@ more than ``reward.max_error_frac`` of a batch's scored samples raising stops th
 :class:`RewardError` carrying the first traceback. A scoring process that dies (killed from
 outside, or crashed) is replaced and counted (``reward/worker_deaths``); the sample it held is scored
 again once on a fresh process (dying on it twice scores it as an error), so the batch goes on.
-``arithmetic`` and ``gsm8k`` are a few linear-time regexes over the reply: they run in the calling
+The scoring processes are a process group (megarl/executors/group.py: spawn, pipes, reader
+threads, kill). ``arithmetic`` and ``gsm8k`` are a few linear-time regexes over the reply: they run in the calling
 process, since shipping a batch to workers would cost more than scoring it.
 """
 
@@ -20,15 +21,14 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
-import multiprocessing as mp
 import os
 import socket
 import time
 import traceback
-from multiprocessing.connection import wait as wait_any
 from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Sequence
 
 from megarl.executors.base import ExecutorBase, ProcessDied, exit_cause
+from megarl.executors.group import Member, ProcessGroup
 from megarl.reward.config import RewardConfig
 from megarl.reward.registry import get_reward, reward_meta
 from megarl.utils.procs import spawned_from_main_thread, watch_parent
@@ -97,7 +97,7 @@ class RewardPool(ExecutorBase):
         meta = reward_meta(self.fn)
         self._extract: Optional[Callable] = meta["extract"]
         self.in_process: bool = bool(meta["in_process"])
-        self._workers: List[_Worker] = []
+        self._group = ProcessGroup("reward")  # the scoring processes, their pipes and reader threads
         self.last_counts: Dict[str, float] = {"reward/timeouts": 0, "reward/errors": 0, "reward/worker_deaths": 0}
         self._deaths = 0  # scoring processes found dead during the current batch
 
@@ -108,7 +108,11 @@ class RewardPool(ExecutorBase):
 
     @property
     def pids(self) -> list[int]:
-        return [p.pid for p in self._processes()]
+        return self._group.pids
+
+    @property
+    def _workers(self) -> List["_Worker"]:
+        return self._group.members
 
     def health(self) -> list[dict]:
         """One dict per scoring process (pid, alive); raises :class:`ProcessDied` naming a worker
@@ -124,7 +128,7 @@ class RewardPool(ExecutorBase):
 
     def _processes(self) -> list:
         """The pool's worker processes (none for an in-process reward or a closed pool)."""
-        return [w.proc for w in self._workers]
+        return [w.process for w in self._workers]
 
     @property
     def correct(self) -> float:
@@ -233,32 +237,29 @@ class RewardPool(ExecutorBase):
                     w.give(i, completions[i], golds[i], self.cfg.strict)
             due = [w.given + timeout for w in workers if w.task is not None] + \
                   [w.spawned + START_TIMEOUT_S for w in workers if not w.ready]
-            readable = wait_any([w.conn for w in workers], timeout=max(0.0, min(due) - now) if due else None)
-            for w in list(workers):
-                if w.conn not in readable:
-                    continue
-                try:
-                    msg = w.conn.recv()
-                except (EOFError, OSError):  # the process died (killed from outside, or crashed)
+            got = self._group.get(max(0.0, min(due) - now) if due else START_TIMEOUT_S)
+            arrived = [got] if got is not None and self._group.current(got[0]) else []  # a replaced one's EOF: dropped
+            for w, msg in arrived:
+                if msg == ("eof",):  # the process died (killed from outside, or crashed)
                     if not w.ready:
                         early_deaths += 1
                         if early_deaths > MAX_START_DEATHS:
-                            cause = exit_cause(_reap(w.proc))
+                            cause = exit_cause(_reap(w.process))
                             exc = self._error(f"reward: scoring processes for reward.fn={self.cfg.fn!r} die while "
                                               f"starting ({early_deaths} times; the last {cause}); see its import",
-                                              pids=[w.proc.pid])
+                                              pids=[w.process.pid])
                             self.close()
                             raise exc
                     if w.task is not None:
                         if w.task in retried:
-                            out[w.task] = _Verdict(False, "error", f"the scoring process pid {w.proc.pid} "
-                                                   f"{exit_cause(w.proc.exitcode)} twice on this sample")
+                            out[w.task] = _Verdict(False, "error", f"the scoring process pid {w.process.pid} "
+                                                   f"{exit_cause(w.process.exitcode)} twice on this sample")
                         else:  # once more on a fresh process: a kill from outside loses nothing
                             retried.add(w.task)
                             pending.appendleft(w.task)
                     self._deaths += 1
                     log.warning("reward: scoring process pid %d %s%s; starting another (reward/worker_deaths)",
-                                w.proc.pid, exit_cause(_reap(w.proc)),
+                                w.process.pid, exit_cause(_reap(w.process)),
                                 " while scoring a sample, which is scored again" if w.task is not None else "")
                     self._replace(w)
                     continue
@@ -266,7 +267,7 @@ class RewardPool(ExecutorBase):
                     w.ready = True
                 elif msg[0] == "init_error":
                     exc = self._error(f"reward: reward.fn={self.cfg.fn!r} could not be loaded in a scoring "
-                                      f"process:\n{msg[1].rstrip()}", pids=[w.proc.pid])
+                                      f"process:\n{msg[1].rstrip()}", pids=[w.process.pid])
                     self.close()
                     raise exc
                 else:
@@ -278,46 +279,43 @@ class RewardPool(ExecutorBase):
                 if w.task is not None and now - w.given >= timeout:
                     out[w.task] = _Verdict(False, "timeout")
                     log.warning("reward: sample cut after %.1fs (reward.timeout_s); scoring process pid %d "
-                                "killed and replaced", timeout, w.proc.pid)
+                                "killed and replaced", timeout, w.process.pid)
                     self._replace(w)
                 elif not w.ready and now - w.spawned >= START_TIMEOUT_S:
-                    pid = w.proc.pid
+                    pid = w.process.pid
                     self.close()
                     raise ProcessDied(f"reward: scoring process pid {pid} did not start within "
                                       f"{START_TIMEOUT_S:.0f}s")
         return [v if v is not None else _Verdict(False, "error", "not scored") for v in out]
 
+    def _spawn(self, index: int) -> "_Worker":
+        """Start scoring process ``index`` (in place of a cut or dead one). Started from this thread;
+        each watches this process and dies with it (megarl.utils.procs.watch_parent), so no scorer
+        outlives the job."""
+        return self._group.spawn(index, _worker_main, (self.cfg.fn_name(), self.cfg.timeout_s, os.getpid(),
+                                                       spawned_from_main_thread(), _sandbox_knobs(self.cfg)),
+                                 name="megarl-reward", daemon=True, make=_Worker)
+
     def _replace(self, w: "_Worker") -> "_Worker":
         """Kill ``w`` and start another in its place (in ``self._workers``, the list being iterated)."""
-        w.kill()
-        fresh = _Worker(self.cfg.fn_name(), self.cfg.timeout_s, _sandbox_knobs(self.cfg))
-        self._workers[self._workers.index(w)] = fresh
-        return fresh
+        self._group.kill(w)
+        return self._spawn(w.index)
 
     def _ensure_pool(self) -> List["_Worker"]:
         if not self._workers:
-            # Started from this thread; each watches this process and dies with it
-            # (megarl.utils.procs.watch_parent), so no scorer outlives the job.
-            self._workers = [_Worker(self.cfg.fn_name(), self.cfg.timeout_s, _sandbox_knobs(self.cfg))
-                             for _ in range(self.cfg.workers)]
+            for i in range(self.cfg.workers):
+                self._spawn(i)
         return self._workers
 
     def close(self) -> None:
-        workers, self._workers = self._workers, []
-        for w in workers:
-            w.kill()  # a stuck sympy call ignores a polite request
+        self._group.discard()  # killed: a stuck sympy call ignores a polite request
 
 
-class _Worker:
-    """One scoring process and its pipe; ``task``: the sample index it is scoring, if any."""
+class _Worker(Member):
+    """One scoring process of the pool's group; ``task``: the sample index it is scoring, if any."""
 
-    def __init__(self, spec: str, timeout_s: float, sandbox_knobs: Optional[dict] = None):
-        ctx = mp.get_context("spawn")
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_worker_main, name="megarl-reward", daemon=True,
-                                args=(child, spec, timeout_s, os.getpid(), spawned_from_main_thread(), sandbox_knobs))
-        self.proc.start()
-        child.close()
+    def __init__(self, index: int, process, conn, log_path=None):
+        super().__init__(index, process, conn, log_path)
         self.spawned, self.given = time.monotonic(), 0.0
         self.ready = False
         self.task: Optional[int] = None
@@ -325,12 +323,6 @@ class _Worker:
     def give(self, i: int, completion: str, gold: str, strict: bool) -> None:
         self.conn.send((i, completion, gold, strict))
         self.task, self.given = i, time.monotonic()
-
-    def kill(self) -> None:
-        if self.proc.is_alive():
-            self.proc.kill()
-        _reap(self.proc)
-        self.conn.close()
 
 
 def _reap(proc) -> Optional[int]:

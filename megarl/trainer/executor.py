@@ -18,7 +18,8 @@ Interface (what the controller's loop uses; the same as ``LocalTrainer`` where t
         tr.hf_weights()                 # full HF tensors (gathers the model here: checks, shm push)
         tr.health(), tr.pids
 
-Supervision: every wait is bounded by a knob of ``TrainerConfig`` (``start_timeout_s``,
+Supervision (the process group, megarl/executors/group.py: spawn or attach, pipes, reader threads,
+waits, the heartbeat detector, kill-all): every wait is bounded by a knob of ``TrainerConfig`` (``start_timeout_s``,
 ``step_timeout_s``, ``save_timeout_s``, ``heartbeat_timeout_s``) and logs what it waits for. A rank
 that dies, raises, stops beating or does not answer in time raises :class:`TrainerRankFailed` /
 :class:`TrainerTimeout` naming the rank (global and tp/pp/dp), the cause and the exit code, and
@@ -34,14 +35,9 @@ with a rank's connection EOF standing for its exit and its host and pid in every
 from __future__ import annotations
 
 import logging
-import multiprocessing as mp
 import os
 import pickle
-import queue
-import socket
-import threading
 import time
-import weakref
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -49,8 +45,9 @@ from typing import Any
 import torch
 
 from megarl.algorithms.config import AlgorithmConfig
-from megarl.executors.attach import AttachError, AttachSpec, RemoteProcess, accept_ranks, shutdown
-from megarl.executors.base import ExecutorBase, ExecutorError, ExecutorTimeout, ProcessDied, exit_cause, kill_processes
+from megarl.executors.attach import AttachError, AttachSpec, accept_ranks
+from megarl.executors.base import ExecutorBase, ExecutorError, ExecutorTimeout, ProcessDied
+from megarl.executors.group import Member, ProcessGroup, member_cause, member_node, member_where
 from megarl.batch import RolloutBatch
 from megarl.trainer.config import TrainerConfig
 from megarl.trainer.worker import rank_main
@@ -60,8 +57,6 @@ from megarl.utils.errors import exception_line, remote_error
 
 log = logging.getLogger(__name__)
 
-_POLL_S = 0.25       # liveness and heartbeats are re-checked this often while waiting
-_LOG_EVERY_S = 30.0  # a long wait says it is still waiting this often
 _GRACE_S = 3.0       # after a rank raises: time for a dead peer (the likely cause) to show
 _SYNC_MARGIN_S = 60.0  # finish_sync waits the spec's own timeout plus this
 
@@ -108,31 +103,22 @@ def rank_cores(cpus: Sequence[int] | None, world: int) -> list[list[int] | None]
     return [cpus[r * len(cpus) // world:(r + 1) * len(cpus) // world] for r in range(world)]
 
 
-class _Rank:
-    def __init__(self, index: int, coords: dict, process, conn, log_path: Path):
-        self.index, self.coords, self.process, self.conn, self.log_path = index, coords, process, conn, log_path
-        self.info: dict = {}
-        self.last_beat = time.monotonic()
-        self.exit_acked = False
-        self.remote = isinstance(process, RemoteProcess)  # attached (started elsewhere), not spawned here
+class _Rank(Member):
+    """A rank process of the group (megarl/executors/group.py) with its tp/pp/dp coordinates."""
+
+    def __init__(self, index: int, process, conn, log_path: Path, coords: dict):
+        super().__init__(index, process, conn, log_path)
+        self.coords = coords
 
     @property
     def name(self) -> str:
         c = self.coords
-        where = f"pid {self.process.pid} on {self.process.host}" if self.remote else f"pid {self.process.pid}"
-        return f"trainer rank {self.index} (tp {c['tp']}, pp {c['pp']}, dp {c['dp']}; {where})"
+        return f"trainer rank {self.index} (tp {c['tp']}, pp {c['pp']}, dp {c['dp']}; {member_where(self)})"
 
     @property
     def component(self) -> str:
         """:attr:`name` with the node also for a rank spawned here (the command's last line)."""
-        return self.name if self.remote else f"{self.name[:-1]} on {socket.gethostname()})"
-
-    def cause(self) -> str:
-        """How it ended, for an error message."""
-        if self.remote and self.process.exitcode not in (None, 0):
-            return (f"lost its connection to the controller (the process exited or was killed, or node "
-                    f"{self.process.host} failed; its srun step reports the exit code)")
-        return exit_cause(self.process.exitcode)
+        return self.name if self.remote else f"{self.name[:-1]} on {member_node(self)})"
 
     def failure(self, cause: str, what: str, note: str = "", detail: str = "") -> TrainerRankFailed:
         """The error that ends the job for this rank: ``cause`` (how it ended), ``what`` the
@@ -145,12 +131,6 @@ class _Rank:
         exc.component, exc.log_path = self.component, str(self.log_path)
         exc.remote_error = remote_error(detail) if detail else None
         return exc
-
-    def log_tail(self, lines: int = 20) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return "(no log)"
 
 
 class TrainerExecutor(ExecutorBase):
@@ -178,14 +158,21 @@ class TrainerExecutor(ExecutorBase):
             raise ValueError(f"launcher={launcher!r}: one of 'local' (spawn the ranks here) or 'slurm' (they attach)")
         self.launcher = launcher
         self.log_dir = self.run_dir / "logs"
-        self._ranks: list[_Rank] = []
-        self._procs: list = []  # every process spawned, for the finalizer
-        self._inbox: queue.Queue = queue.Queue()
+        # the rank processes, their pipes and reader threads, waits, heartbeats, kill-all
+        self._group = ProcessGroup("trainer", beats=("beat",))
         self._seq = 0
         self._step_count = 0
         self._failure: TrainerError | None = None
         self._pending: tuple[int, float, str] | None = None  # (seq, timeout, what) of an in-flight sync
-        self._finalizer = None
+
+    @property
+    def _ranks(self) -> list[_Rank]:
+        return self._group.members
+
+    @property
+    def _procs(self) -> list:
+        """Every rank process spawned here (a relaunch's too)."""
+        return self._group.procs
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> "TrainerExecutor":
@@ -196,9 +183,6 @@ class TrainerExecutor(ExecutorBase):
         from megarl.utils.procs import spawned_from_main_thread
 
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        # Runs on close(), on garbage collection and at interpreter exit: no rank outlives us (each
-        # rank also watches this process for the deaths that run no finalizer).
-        self._finalizer = weakref.finalize(self, kill_processes, self._procs)
         pdeathsig = spawned_from_main_thread()
         try:
             if self.launcher == "slurm":
@@ -219,24 +203,18 @@ class TrainerExecutor(ExecutorBase):
                  self.world, self.cfg.tp, self.cfg.pp, self.cfg.dp, self._step_count, self.pids, self.log_dir)
         return self
 
+    def _make_rank(self, index: int, process, conn, log_path: Path) -> _Rank:
+        return _Rank(index, process, conn, log_path, rank_coords(index, self.cfg.tp, self.cfg.pp, self.cfg.dp))
+
     def _launch(self, pdeathsig: bool) -> bool:
-        self._kill_ranks()
-        ctx = mp.get_context("spawn")
+        self._group.discard()
         port = free_tcp_port()
-        self._ranks = []
         for r in range(self.world):
-            parent_conn, child_conn = ctx.Pipe(duplex=True)
             log_path = self.log_dir / f"trainer_rank{r}.log"
-            proc = ctx.Process(target=rank_main, name=f"megarl-trainer-{r}", daemon=False,
-                               args=(child_conn, r, self.world, port, self.cfg, self.algo, self.model_dir,
-                                     self.total_steps, str(self.run_dir), self.cores[r], str(log_path),
-                                     os.getpid(), pdeathsig, self.devices[r]))
-            proc.start()
-            self._procs.append(proc)
-            child_conn.close()
-            rank = _Rank(r, rank_coords(r, self.cfg.tp, self.cfg.pp, self.cfg.dp), proc, parent_conn, log_path)
-            self._ranks.append(rank)
-            threading.Thread(target=self._reader, args=(rank,), daemon=True, name=f"megarl-trainer-reader-{r}").start()
+            self._group.spawn(r, rank_main, (r, self.world, port, self.cfg, self.algo, self.model_dir,
+                                             self.total_steps, str(self.run_dir), self.cores[r], str(log_path),
+                                             os.getpid(), pdeathsig, self.devices[r]),
+                              name=f"megarl-trainer-{r}", log_path=log_path, make=self._make_rank)
         return self._await_ready()
 
     def _attach(self) -> None:
@@ -249,13 +227,11 @@ class TrainerExecutor(ExecutorBase):
             raise TrainerError(str(e)) from None
         for r, (conn, hello) in enumerate(conns):
             log_path = self.log_dir / f"trainer_rank{r}.log"
-            rank = _Rank(r, rank_coords(r, self.cfg.tp, self.cfg.pp, self.cfg.dp),
-                         RemoteProcess(hello["pid"], hello.get("node") or hello["host"]), conn, log_path)
-            self._ranks.append(rank)
-            self._post(rank, ("init", {"cfg": self.cfg, "algo": self.algo, "model_dir": self.model_dir,
-                                       "total_steps": self.total_steps, "run_dir": str(self.run_dir),
-                                       "cores": self.cores[r], "log_path": str(log_path)}))
-            threading.Thread(target=self._reader, args=(rank,), daemon=True, name=f"megarl-trainer-reader-{r}").start()
+            rank = self._group.attach(r, conn, hello, log_path, make=self._make_rank)
+            self._group.send_bytes(rank, pickle.dumps(
+                ("init", {"cfg": self.cfg, "algo": self.algo, "model_dir": self.model_dir,
+                          "total_steps": self.total_steps, "run_dir": str(self.run_dir), "cores": self.cores[r],
+                          "log_path": str(log_path)})))
         if not self._await_ready():
             host = self._ranks[0].process.host
             port = os.environ.get("MEGARL_MASTER_PORT", "?")
@@ -264,7 +240,8 @@ class TrainerExecutor(ExecutorBase):
 
     def _await_ready(self) -> bool:
         self._wait(lambda: all(r.info for r in self._ranks), self.cfg.start_timeout_s,
-                   f"{self.world} trainer rank(s) to start (build model + optimizer, resume)")
+                   f"{self.world} trainer rank(s) to start (build model + optimizer, resume)",
+                   missing=lambda: [r for r in self._ranks if not r.info])
         if any(r.info.get("port_taken") for r in self._ranks):
             return False
         for r in self._ranks:
@@ -278,33 +255,11 @@ class TrainerExecutor(ExecutorBase):
         """Ask every rank to exit (they tear down their process group), wait ``shutdown_timeout_s``,
         kill the rest. A failed executor's ranks were killed already. Idempotent."""
         if self._ranks and self._failure is None:
-            exiting = [r for r in self._ranks if r.info and not r.info.get("port_taken")]
-            for r in exiting:
-                self._post(r, ("exit", -1))
-            deadline = time.monotonic() + self.cfg.shutdown_timeout_s
-            log.info("trainer: waiting up to %.0fs for %d rank(s) to exit", self.cfg.shutdown_timeout_s, len(exiting))
-            for r in exiting:
-                r.process.join(max(0.0, deadline - time.monotonic()))
-            for r in self._ranks:
-                if r.process.exitcode is None:
-                    log.warning("trainer: %s did not exit within %.0fs; killing it", r.name,
-                                self.cfg.shutdown_timeout_s)
-        self._kill_ranks()
-        self._ranks = []
+            self._group.close(("exit", -1), self.cfg.shutdown_timeout_s,
+                              leaving=lambda r: bool(r.info) and not r.info.get("port_taken"),
+                              knob="trainer.shutdown_timeout_s")
+        self._group.discard()
         self._pending = None
-
-    def _kill_ranks(self) -> None:
-        if self._finalizer is not None:
-            kill_processes(self._procs)  # the finalizer's own call, without detaching it
-        self._drop_remote()
-        for r in self._ranks:
-            r.conn.close()
-
-    def _drop_remote(self) -> None:
-        """Attached ranks cannot be killed from here: shut their connections; they exit on the EOF."""
-        for r in self._ranks:
-            if r.remote and not r.conn.closed:
-                shutdown(r.conn)
 
     # ------------------------------------------------------------------ commands
     @property
@@ -372,8 +327,7 @@ class TrainerExecutor(ExecutorBase):
         self._pending = None
         if self._failure is None:
             self._failure = TrainerError(f"trainer: DDMA sync abandoned ({why}); every trainer rank was killed")
-            kill_processes(self._procs)
-            self._drop_remote()
+            self._group.kill_all()
 
     def raise_if_dead(self) -> None:
         """Raise :class:`TrainerRankFailed` if a rank process has exited. Cheap and reads no
@@ -382,7 +336,7 @@ class TrainerExecutor(ExecutorBase):
             raise self._failure
         for r in self._ranks:
             if r.process.exitcode is not None:
-                self._rank_failed(r, r.cause(), "the DDMA sync in flight")
+                self._rank_failed(r, member_cause(r), "the DDMA sync in flight")
 
     def hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, full tensor) of every weight, reassembled here from the dp 0 ranks' shards.
@@ -418,34 +372,10 @@ class TrainerExecutor(ExecutorBase):
         self._seq += 1
         data = pickle.dumps((name, self._seq, *args), protocol=pickle.HIGHEST_PROTOCOL)  # once for all ranks
         for r in self._ranks:
-            try:
-                r.conn.send_bytes(data)
-            except OSError:  # its end is closed: it died (or is dying)
+            if not self._group.send_bytes(r, data):  # its end is closed: it died (or is dying)
                 r.process.join(2.0)
-                self._rank_failed(r, r.cause(), f"the ranks to take the {name!r} command")
+                self._rank_failed(r, member_cause(r), f"the ranks to take the {name!r} command")
         return self._seq
-
-    def _post(self, r: _Rank, msg: tuple) -> None:
-        try:
-            r.conn.send_bytes(pickle.dumps(msg))
-        except OSError:
-            pass
-
-    def _reader(self, r: _Rank) -> None:
-        """Drain one rank's pipe (so a rank never blocks on a full pipe); heartbeats are noted here."""
-        while True:
-            try:
-                msg = pickle.loads(r.conn.recv_bytes())
-            except (EOFError, OSError):
-                if r.remote:
-                    r.process.mark_gone(clean=r.exit_acked)
-                self._inbox.put((r, ("eof",)))
-                return
-            r.last_beat = time.monotonic()
-            if msg[0] == "ok" and msg[1] == -1:  # the answer to close()'s exit request
-                r.exit_acked = True
-            if msg[0] != "beat":
-                self._inbox.put((r, msg))
 
     def _collect(self, seq: int, timeout: float, what: str) -> list:
         replies: dict[int, Any] = {}
@@ -458,38 +388,34 @@ class TrainerExecutor(ExecutorBase):
                    f"answer: {what}", on_reply, missing=lambda: [r for r in self._ranks if r.index not in replies])
         return [replies[r.index] for r in self._ranks]
 
-    def _wait(self, done, timeout: float, what: str, on_reply=None, missing=None) -> None:
+    def _wait(self, done, timeout: float, what: str, on_reply=None, *, missing) -> None:
         """Handle messages until ``done()``; raise (killing every rank) on a dead, failed or frozen
-        rank, or after ``timeout`` seconds."""
-        start = time.monotonic()
-        deadline, last_log = start + timeout, start
-        log.info("trainer: waiting up to %.0fs for %s", timeout, what)
-        while not done():
-            now = time.monotonic()
-            frozen = [r for r in self._ranks if r.info and now - r.last_beat > self.cfg.heartbeat_timeout_s]
-            if frozen or now >= deadline:
-                silent = frozen or (missing() if missing else [r for r in self._ranks if not r.info])
-                why = (f"sent no heartbeat for {self.cfg.heartbeat_timeout_s:.0f}s (frozen)" if frozen else
-                       f"did not answer within {timeout:.0f}s")
-                lines = "\n".join(f"  {r.name}: last heartbeat {now - r.last_beat:.1f}s ago; last lines of "
-                                  f"{r.log_path}:\n{r.log_tail(8)}" for r in silent)
-                exc = TrainerTimeout(f"trainer: {', '.join(r.name for r in silent)} {why} while waiting "
-                                     f"for {what}\n{lines}", [r.index for r in silent])
-                exc.component = ", ".join(r.component for r in silent)
-                exc.log_path = str(silent[0].log_path) if silent else None
-                self._raise(exc)
-            if now - last_log > _LOG_EVERY_S:
-                log.info("trainer: still waiting for %s (%.0fs left)", what, deadline - now)
-                last_log = now
-            try:
-                r, msg = self._inbox.get(timeout=min(_POLL_S, max(deadline - now, 0.01)))
-            except queue.Empty:
-                self._check_alive(what, on_reply)  # a backstop: a death normally shows as its pipe's EOF
-                continue
-            self._handle(r, msg, what, on_reply)
+        rank (the group's heartbeat detector), or after ``timeout`` seconds."""
+        def check() -> None:
+            frozen = self._group.silent(self.cfg.heartbeat_timeout_s)
+            if frozen:
+                self._raise(self._timeout(frozen, f"sent no heartbeat for {self.cfg.heartbeat_timeout_s:.0f}s "
+                                                  f"(frozen)", what))
+            self._check_alive(what, on_reply)  # a backstop: a death normally shows as its pipe's EOF
+
+        def on_timeout() -> TrainerError:
+            self._raise(self._timeout(missing(), f"did not answer within {timeout:.0f}s", what))
+
+        self._group.wait(done, timeout, what, lambda r, msg: self._handle(r, msg, what, on_reply),
+                         check=check, on_timeout=on_timeout)
+
+    def _timeout(self, silent: list[_Rank], why: str, what: str) -> TrainerTimeout:
+        now = time.monotonic()
+        lines = "\n".join(f"  {r.name}: last heartbeat {now - r.last_heard:.1f}s ago; last lines of "
+                          f"{r.log_path}:\n{r.log_tail(8)}" for r in silent)
+        exc = TrainerTimeout(f"trainer: {', '.join(r.name for r in silent)} {why} while waiting "
+                             f"for {what}\n{lines}", [r.index for r in silent])
+        exc.component = ", ".join(r.component for r in silent)
+        exc.log_path = str(silent[0].log_path) if silent else None
+        return exc
 
     def _handle(self, r: _Rank, msg: tuple, what: str, on_reply) -> None:
-        if r.conn.closed or not any(r is mine for mine in self._ranks):  # from an earlier launch
+        if r.conn.closed or not self._group.current(r):  # from an earlier launch
             return
         kind = msg[0]
         if kind == "ready":
@@ -504,7 +430,7 @@ class TrainerExecutor(ExecutorBase):
             if r.info.get("port_taken"):
                 return
             r.process.join(2.0)
-            self._rank_failed(r, r.cause(), what)
+            self._rank_failed(r, member_cause(r), what)
         elif on_reply is not None:
             on_reply(r, msg)
 
@@ -517,14 +443,12 @@ class TrainerExecutor(ExecutorBase):
             return
         deadline = time.monotonic() + 2.0
         while time.monotonic() < deadline:
-            try:
-                r, msg = self._inbox.get(timeout=0.1)
-            except queue.Empty:
-                continue
-            self._handle(r, msg, what, on_reply)
+            item = self._group.get(0.1)
+            if item is not None:
+                self._handle(*item, what, on_reply)
             if all(r.info.get("port_taken") for r in dead):
                 return
-        self._rank_failed(dead[0], dead[0].cause(), what)
+        self._rank_failed(dead[0], member_cause(dead[0]), what)
 
     def _rank_raised(self, r: _Rank, tb: str, what: str) -> None:
         # A peer's death makes the others' collectives fail: report the death, the root cause.
@@ -532,7 +456,7 @@ class TrainerExecutor(ExecutorBase):
         while time.monotonic() < deadline:
             dead = [o for o in self._ranks if o is not r and o.process.exitcode not in (None, 0)]
             if dead:
-                self._rank_failed(dead[0], dead[0].cause(), what,
+                self._rank_failed(dead[0], member_cause(dead[0]), what,
                                   note=f"\n{r.name} then raised: {_last_line(tb)}")
             time.sleep(0.1)
         code = r.process.exitcode
@@ -547,8 +471,7 @@ class TrainerExecutor(ExecutorBase):
         if self._failure is None:
             self._failure = exc
             log.error("%s", str(exc).splitlines()[0])
-            kill_processes(self._procs)
-            self._drop_remote()
+            self._group.kill_all()
         raise self._failure
 
 

@@ -1,0 +1,175 @@
+"""The process group under every role (megarl/executors/group.py), alone, with tiny python workers
+in real processes: ready, request/reply, a death, a raise, a hang, orderly close, attach mode.
+
+Each worker beats every 0.2 s from a thread and answers ``("ping", n)`` with ``("pong", n, pid)``;
+``("die", pid)`` / ``("raise", pid)`` / ``("hang", pid)`` make the worker of that pid exit with code
+3, raise, or stop beating and answering (the others answer a pong).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import threading
+import time
+import traceback
+
+import pytest
+
+from megarl.executors.attach import AttachSpec, accept_ranks, connect
+from megarl.executors.base import ExecutorTimeout, ProcessDied
+from megarl.executors.group import ProcessGroup
+from megarl.utils.dist import free_tcp_port
+
+BEAT_S = 0.2
+START_S = 60.0  # a spawned interpreter importing this module (and pytest) on a loaded 2-core machine
+
+
+def _serve(conn, beat_s: float = BEAT_S) -> None:
+    lock, frozen = threading.Lock(), threading.Event()
+
+    def send(msg) -> None:
+        with lock:
+            conn.send(msg)
+
+    def beat() -> None:
+        while not frozen.wait(beat_s):
+            send(("beat",))
+
+    threading.Thread(target=beat, daemon=True).start()
+    send(("ready", {"pid": os.getpid()}))
+    while True:
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):
+            return
+        mine = len(msg) > 1 and msg[1] == os.getpid()
+        if msg[0] == "exit":
+            return
+        if msg[0] == "die" and mine:
+            os._exit(3)
+        if msg[0] == "raise" and mine:
+            try:
+                raise ValueError("planted failure")
+            except ValueError:
+                send(("error", traceback.format_exc()))
+                return
+        if msg[0] == "hang" and mine:
+            frozen.set()
+            time.sleep(3600)
+        send(("pong", msg[1], os.getpid()))
+
+
+def _worker(conn, log_path: str) -> None:
+    with open(log_path, "w") as f:
+        f.write(f"worker pid {os.getpid()} started\n")
+    _serve(conn)
+
+
+def _attached(port: int, key: bytes) -> None:
+    """A process started by someone else (here: plain multiprocessing, standing for srun)."""
+    import socket
+
+    conn = connect("127.0.0.1", port, key, timeout_s=START_S)
+    conn.send(("hello", {"rank": 0, "host": socket.gethostname(), "pid": os.getpid(), "job": ""}))
+    _serve(conn)
+
+
+def _ready(group: ProcessGroup) -> None:
+    def handle(m, msg):
+        if msg[0] == "ready":
+            m.info = msg[1]
+
+    group.wait(lambda: all(m.info for m in group.members), START_S, "the workers to start", handle,
+               check=lambda: group.raise_if_failed("the workers to start"),
+               on_timeout=lambda: group.ending(group.hung(group.members, "did not start", "the workers to start")))
+
+
+@pytest.fixture
+def group(tmp_path):
+    g = ProcessGroup("testrole", beats=("beat",))
+    for i in range(3):
+        g.spawn(i, _worker, (str(tmp_path / f"w{i}.log"),), name=f"megarl-test-{i}", log_path=tmp_path / f"w{i}.log")
+    _ready(g)
+    yield g
+    g.discard()
+
+
+def test_request_reaches_every_worker_and_close_is_orderly(group):
+    procs = [m.process for m in group.members]
+    replies = group.request(("ping", 7), 30, "pongs")
+    assert [(r[0], r[1], r[2]) for r in replies] == [("pong", 7, p.pid) for p in procs]
+    group.close(("exit",), timeout_s=30)
+    assert [p.exitcode for p in procs] == [0, 0, 0]  # exited when asked, none killed
+    assert group.members == []
+
+
+def test_a_worker_that_dies_is_named_and_every_other_is_killed(group):
+    victim = group.members[1]
+    procs = [m.process for m in group.members]
+    with pytest.raises(ProcessDied) as e:
+        group.request(("die", victim.process.pid), 30, "pongs after a death")
+    msg = str(e.value)
+    assert msg.startswith(f"testrole: testrole process 1 (pid {victim.process.pid}) exited with code 3 while "
+                          f"waiting for pongs after a death; every testrole process was killed")
+    assert f"worker pid {victim.process.pid} started" in msg  # its log's tail
+    assert e.value.component.startswith(f"testrole process 1 (pid {victim.process.pid} on ")
+    assert e.value.log_path == str(victim.log_path)
+    assert victim.process.exitcode == 3
+    assert [p.exitcode for p in procs if p is not victim.process] == [-signal.SIGKILL] * 2  # no orphans
+
+
+def test_a_worker_that_raises_is_named_with_its_traceback(group):
+    victim = group.members[2]
+    with pytest.raises(ProcessDied) as e:
+        group.request(("raise", victim.process.pid), 30, "pongs after a raise")
+    assert f"testrole process 2 (pid {victim.process.pid}) raised ValueError: planted failure" in str(e.value)
+    assert e.value.remote_error == "ValueError"
+    assert all(m.process.exitcode is not None for m in group.members)
+
+
+def test_a_worker_that_hangs_is_named_with_the_wait(group):
+    victim = group.members[0]
+    procs = [m.process for m in group.members]
+    t0 = time.monotonic()
+    with pytest.raises(ExecutorTimeout) as e:
+        # heartbeat timeout 10 beats (2 s): well above one beat, far below the 60 s wait
+        group.request(("hang", victim.process.pid), 60, "pongs after a hang", heartbeat_timeout_s=10 * BEAT_S)
+    assert time.monotonic() - t0 < 30  # the heartbeat detector caught it, not the 60 s timeout
+    msg = str(e.value)
+    assert msg.startswith(f"testrole: testrole process 0 (pid {victim.process.pid}) sent nothing for 2s (frozen) "
+                          f"while waiting for pongs after a hang")
+    assert e.value.component.startswith(f"testrole process 0 (pid {victim.process.pid} on ")
+    assert all(p.exitcode == -signal.SIGKILL for p in procs)  # the hung one too
+
+
+def test_a_wait_past_its_timeout_names_the_silent_worker(group):
+    victim = group.members[1]
+    with pytest.raises(ExecutorTimeout) as e:
+        group.request(("hang", victim.process.pid), 3, "pongs with no heartbeat check")
+    assert f"testrole process 1 (pid {victim.process.pid}) did not answer within 3s while waiting for pongs " \
+           f"with no heartbeat check" in str(e.value)
+    assert "testrole process 0" not in str(e.value).splitlines()[0]  # the ones that answered are not named
+
+
+def test_attach_mode_names_the_lost_connection():
+    port, key = free_tcp_port(), b"megarl-test-key"
+    launcher = mp.get_context("spawn").Process(target=_attached, args=(port, key), daemon=True)
+    launcher.start()
+    g = ProcessGroup("testrole", beats=("beat",))
+    try:
+        (conn, hello), = accept_ranks(AttachSpec(port, key), 1, START_S, role="testrole", unit="worker")
+        m = g.attach(0, conn, hello)
+        _ready(g)
+        assert m.remote and m.process.pid == launcher.pid
+        assert g.request(("ping", 1), 30, "a pong")[0][:2] == ("pong", 1)
+        os.kill(launcher.pid, signal.SIGKILL)
+        with pytest.raises(ProcessDied) as e:
+            g.request(("ping", 2), 30, "a pong from a killed worker")
+        assert (f"testrole process 0 (pid {launcher.pid} on {hello['host']}) lost its connection to the controller"
+                in str(e.value))
+    finally:
+        g.discard()
+        launcher.kill()
+        launcher.join(5)
