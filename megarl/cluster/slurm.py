@@ -33,6 +33,8 @@ import shlex
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from megarl.config.job import JOB_DEVICE_ENV, job_device, resolved_sync
+from megarl.config.loader import ConfigError
 from megarl.ddma.transport.choice import job_nccl_env
 
 PORT_FLOOR = 15000   # job ports live in [15000, 31000): below Linux's ephemeral range (32768+)
@@ -245,6 +247,7 @@ class RoleMap:
     generator_port: int = 0
     controller_cpus: int = 0     # --cpus-per-task of the controller (0 = unknown node CPUs)
     transport: str = ""          # the DDMA transport the placement picked ("" = leave sync.transport alone)
+    device: str = "cpu"          # where the executors' weights live: 'cpu' | 'cuda' (config/job.py job_device)
 
     @property
     def world_size(self) -> int:
@@ -261,6 +264,7 @@ class RoleMap:
                 "MEGARL_MASTER_ADDR": self.master_addr, "MEGARL_MASTER_PORT": str(self.master_port),
                 "MEGARL_CONTROLLER_ADDR": self.controller_addr, "MEGARL_CONTROLLER_PORT": str(self.controller_port),
                 "MEGARL_GENERATOR_PORT": str(self.generator_port), "MEGARL_TMPDIR": self.tmp_dir,
+                JOB_DEVICE_ENV: self.device,  # the controller's resolved job takes it (megarl/config/job.py)
                 **job_nccl_env(os.environ)}  # one NCCL setting on every node (megarl/ddma/transport/choice.py)
 
     @property
@@ -401,15 +405,16 @@ def build_role_map(env: SlurmEnv, cfg) -> RoleMap:
         raise AllocationError(problems)
 
     controller = g_nodes[0]
+    # The job's one device rule on the allocation's GPUs; the controller task takes the device from the job
+    # environment (JOB_DEVICE_ENV) and resolves the same transport (megarl/config/job.py).
+    device = job_device(cfg.cluster.device, t_gpus + g_gpus)
     transport = ""
-    if cfg.sync.method == "ddma":  # the pools are always other nodes (the controller resolves it the same way)
-        from megarl.ddma.transport.choice import choose_transport, transport_problem
-
-        device = "cpu" if cfg.cluster.device == "cpu" or not (t_gpus or g_gpus) else "cuda"
-        problem = transport_problem(cfg.sync.transport, device=device, same_host=False)
-        if problem:
-            raise AllocationError([problem + " (the trainer and generator pools are different nodes)"])
-        transport = choose_transport(cfg.sync.transport, device=device, same_host=False)
+    if cfg.sync.method == "ddma":  # the pools are always other nodes
+        try:
+            transport = resolved_sync(cfg, device=device, same_host=False).transport
+        except ConfigError as e:
+            raise AllocationError([p + " (the trainer and generator pools are different nodes)"
+                                   for p in e.problems]) from None
     ranks = []
     for r in range(n_train):  # megatron order, as TrainerExecutor's rank_coords
         local = r % per_node
@@ -426,6 +431,7 @@ def build_role_map(env: SlurmEnv, cfg) -> RoleMap:
                      "(slow); prefer a tp that divides the ranks per node")
     if not cpus_g or not cpus_t:
         notes.append("SLURM_JOB_CPUS_PER_NODE is unset: the srun lines ask for no --cpus-per-task")
+    notes += placement_lines(cfg, g_gpus, controller)
     master_port, ctrl_port, gen_port = job_ports(env.job_id, c.port_base)
     het = bool(env.het_groups)
     return RoleMap(env.job_id, env.restart_count,
@@ -434,7 +440,26 @@ def build_role_map(env: SlurmEnv, cfg) -> RoleMap:
                    Pool("generator", tuple(g_nodes), rpn, g_gpus, 1 if het else None, replica_cpus, g.tp),
                    tuple(ranks), n_train, env.addr(t_nodes[0]), master_port, controller, env.addr(controller),
                    ctrl_port, f"{env.tmp_root.rstrip('/')}/megarl-{env.job_id}.{env.restart_count}", tuple(notes),
-                   gen_port, ctrl_cpus, transport)
+                   gen_port, ctrl_cpus, transport, device)
+
+
+def placement_lines(cfg, gpus: int, node: str) -> list[str]:
+    """One line per role of the device plan (config/placement.py ``DevicePlan``: each field but ``note``),
+    as the controller's node ``node`` with ``gpus`` GPUs places it: a role is listed by being in the plan.
+    The trainer's ranks and the generator's replicas run in their pools above whatever the plan says."""
+    import dataclasses
+
+    from megarl.config.placement import DevicePlan, device_plan
+
+    roles = [f.name for f in dataclasses.fields(DevicePlan) if f.name != "note"]
+    try:
+        plan = device_plan(cfg, gpus)
+    except ValueError as e:
+        return [f"device plan roles {', '.join(roles)}: not placeable on {node} ({e})"]
+    ids = {role: getattr(plan, role) for role in roles}
+    return [f"device plan on {node}: " + "; ".join(
+        f"{role} {'GPU(s) ' + ','.join(map(str, d)) if d else 'no GPU here (its pool, or the CPU)'}"
+        for role, d in ids.items())]
 
 
 def pick_device(visible: str | None, local_rank: int, gpus_per_node: int, count: int = 1) -> str | None:
@@ -462,4 +487,4 @@ def format_srun(lines: Mapping[str, Sequence[str]]) -> str:
 
 
 __all__ = ["AllocationError", "SlurmEnv", "RankRole", "Pool", "RoleMap", "build_role_map", "compress_nodelist",
-           "format_srun", "job_ports", "parse_nodelist", "pick_device"]
+           "format_srun", "job_ports", "parse_nodelist", "pick_device", "placement_lines"]
