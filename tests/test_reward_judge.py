@@ -295,3 +295,12 @@ def test_the_dry_run_plans_the_judges_memory():
     lines, _ = dry_run_report(_cfg("reward.model="))
     assert not any("reward judge" in ln for ln in lines)
 
+
+
+def test_the_slurm_dry_run_lists_the_judge():
+    from megarl.cluster.slurm import placement_lines
+
+    (line,) = placement_lines(_cfg("cluster.launcher=slurm"), 4, "gpu-node-0")
+    # the trainer's ranks attach from their pool; on the controller's node the generator, then the judge
+    assert line == ("device plan on gpu-node-0: trainer no GPU here (its pool, or the CPU); generator GPU(s) 0; "
+                    "judge GPU(s) 1"), line
