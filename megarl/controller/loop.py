@@ -98,7 +98,7 @@ def train(cfg: MegaRLConfig, job: ResolvedJob, run: RunFolder, prompts: PromptSo
     further prompts), train, sync the weights; evaluate and checkpoint on schedule. A
     preemption abandons the generation wait, or lets a step past it finish, then checkpoints."""
     from megarl.batch import RolloutBatch
-    from megarl.trainer.checkpoint import should_save
+    from megarl.trainer.checkpoint_index import should_save
 
     steps, every = cfg.controller.steps, cfg.controller.eval_every
     weights.push(trainer.step_count)  # resume-safe start: the engines get the trainer's weights

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from megarl.config import ConfigError, to_dict
 from megarl.config.schema import MegaRLConfig
 from megarl.controller.state import RESUME_KEYS, resume_keys
 from megarl.controller.summary import StepTimings
+from megarl.utils.checkpoint_store import META, delete_all, step_folders, step_of
 
 log = logging.getLogger("megarl")
 
@@ -175,7 +177,7 @@ def claim_run_folder(cfg: MegaRLConfig) -> Path | None:
         return step_dir
     root = run_checkpoint_root(cfg)
     found = [name for name in RUN_FILES if (path / name).is_file() and (path / name).stat().st_size]
-    found += [str(p.relative_to(path) if p.is_relative_to(path) else p) for p in _step_folders(root)]
+    found += [str(p.relative_to(path) if p.is_relative_to(path) else p) for p in step_folders(root)]
     if not found:
         return None
     how = ("it has no complete checkpoint to resume from" if asked not in (None, "") else
@@ -186,41 +188,22 @@ def claim_run_folder(cfg: MegaRLConfig) -> Path | None:
             f"{how}: starting over there would mix two runs. Resume it (rerun without --fresh), start over in it "
             f"with --overwrite (logging.overwrite=true: deletes its metrics, samples and checkpoints), or give this "
             f"run another name= (e.g. name={cfg.name}-2)")
-    _delete_run(path, root)
-    log.warning("logging.overwrite: deleted the earlier run's files in %s (%s); starting over", path, ", ".join(found))
-    return None
-
-
-def _step_folders(root: Path) -> list[Path]:
-    from megarl.trainer.checkpoint_index import STEP_PREFIX
-
-    return sorted(p for p in root.glob(f"{STEP_PREFIX}*") if p.is_dir()) if root.is_dir() else []
-
-
-def _delete_run(path: Path, root: Path) -> None:
-    import shutil
-
-    from megarl.trainer.checkpoint_index import LATEST
-
     for name in (*RUN_FILES, *RUN_EXTRAS):
         target = path / name
         if target.is_dir():
             shutil.rmtree(target)
         elif target.exists():
             target.unlink()
-    if root.is_dir():
-        for p in _step_folders(root) + sorted(root.glob(".tmp_step_*")) + sorted(root.glob(".stage_step_*")):
-            shutil.rmtree(p, ignore_errors=True)
-        (root / LATEST).unlink(missing_ok=True)
+    delete_all(root)  # step folders, stray save folders, `latest` (megarl/utils/checkpoint_store.py)
+    log.warning("logging.overwrite: deleted the earlier run's files in %s (%s); starting over", path, ", ".join(found))
+    return None
 
 
 def _checkpoint_step(step_dir: Path) -> int:
-    from megarl.trainer.checkpoint_index import META
-
     try:
         return int(json.loads((step_dir / META).read_text())["step"])
     except (OSError, ValueError, KeyError):
-        return int(step_dir.name.rsplit("_", 1)[-1])
+        return step_of(step_dir.name) or 0
 
 
 def _refuse_other_run(cfg: MegaRLConfig, step_dir: Path, state_file: str, path: Path) -> None:

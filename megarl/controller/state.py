@@ -23,6 +23,8 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from megarl.utils.checkpoint_store import CheckpointError, checkpoint_root, resume_folder, stage_file
+
 if TYPE_CHECKING:
     from megarl.config.schema import MegaRLConfig
 
@@ -33,9 +35,7 @@ FILE = "controller_state.json"
 
 def run_checkpoint_root(cfg: MegaRLConfig) -> Path:
     """The job's checkpoint folder: trainer.checkpoint_dir, or <logging.out_dir>/<name>/checkpoints."""
-    from megarl.trainer.checkpoint import checkpoint_root
-
-    return checkpoint_root(cfg.trainer, Path(cfg.logging.out_dir) / cfg.name)
+    return checkpoint_root(cfg.trainer.checkpoint_dir, Path(cfg.logging.out_dir) / cfg.name)
 
 
 # The keys whose change makes a checkpoint another run's: the trainer refuses another architecture
@@ -52,8 +52,6 @@ def resume_keys(cfg: MegaRLConfig) -> dict[str, str]:
 def stage_controller_state(cfg: MegaRLConfig, *, policy_version: int, rollouts: dict) -> Path:
     """Stage the controller's state for the step-``policy_version`` checkpoint; call it right
     before ``trainer.save()``, which adopts it. Raises ``CheckpointNoSpace`` on a full disk."""
-    from megarl.trainer.checkpoint import stage_file
-
     text = json.dumps({"policy_version": policy_version, "data_seed": cfg.data.seed, "rollouts": rollouts,
                        "run": resume_keys(cfg)})  # a rerun refuses a checkpoint of another model or data
     return stage_file(run_checkpoint_root(cfg), policy_version, FILE, text)
@@ -66,12 +64,12 @@ def pin_resume(cfg: MegaRLConfig, run_dir: Path) -> Path | None:
     the controller's state (a damaged newer one: one WARNING naming the file, then the previous one).
     Raises ConfigError when nothing usable is there."""
     from megarl.config import ConfigError
-    from megarl.trainer.checkpoint import CheckpointError, resume_path
 
     if cfg.trainer.resume_from in (None, ""):
         return None
     try:
-        path = resume_path(cfg.trainer, run_dir, require=(FILE,), checksums=True)
+        path = resume_folder(cfg.trainer.resume_from, checkpoint_root(cfg.trainer.checkpoint_dir, run_dir),
+                             require=(FILE,), checksums=True)
     except CheckpointError as e:
         raise ConfigError([f"trainer.resume_from={cfg.trainer.resume_from!r}: {e}"]) from None
     if path is not None:

@@ -47,19 +47,22 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megarl.trainer.checkpoint_index import (FORMAT, LATEST, META, STEP_PREFIX, CheckpointError,  # noqa: F401
-                                             _manifest, _step_of, checkpoint_problem, checkpoint_root, file_crc32,
-                                             latest_checkpoint, list_checkpoints, newest_complete,
-                                             resolve_checkpoint, resume_path, should_save, step_dir_name)
+from megarl.trainer.checkpoint_index import checkpoint_root, resume_path, should_save  # noqa: F401
 from megarl.trainer.async_save import AsyncWriter
 from megarl.utils.faults import injected
-from megarl.trainer.checkpoint_files import (_fsync_dir, _fsync_tree, _no_space, _tree_bytes,  # noqa: F401
-                                             copy_hf_extra, known_shard_crcs, record_shard_crcs, write_text_atomic)
+from megarl.trainer.checkpoint_files import copy_hf_extra, known_shard_crcs, record_shard_crcs
+# The checkpoint folder's names, index, atomic writes, staging and pruning: the store (one owner).
+from megarl.utils.checkpoint_store import (FORMAT, LATEST, META, STAGE_PREFIX, STEP_PREFIX, TRASH_PREFIX,  # noqa: F401
+                                           CheckpointError, CheckpointNoSpace, checkpoint_problem, file_crc32,
+                                           latest_checkpoint, list_checkpoints, newest_complete, prune,
+                                           resolve_checkpoint, stage_dir, stage_file, step_dir_name, tmp_dir,
+                                           write_text_atomic)
+from megarl.utils.checkpoint_store import fsync_dir as _fsync_dir, fsync_tree as _fsync_tree  # noqa: F401
+from megarl.utils.checkpoint_store import manifest as _manifest, no_space as _no_space, tree_bytes as _tree_bytes
 from megarl.trainer.model import unwrap
 
 log = logging.getLogger(__name__)
 
-STAGE_PREFIX = ".stage_"  # files a save adopts into the step folder (the controller's state)
 _SPACE_MARGIN = 1.10  # a save needs this much more than the previous checkpoint's size (ratio)
 EXTRA_DIR = "hf_extra"  # the source HF folder's tokenizer files, in step folders and model checkpoints
 # The DistributedOptimizer's state in model space (a tensor per parameter, like a plain optimizer's):
@@ -71,16 +74,6 @@ EXTRA_DIR = "hf_extra"  # the source HF folder's tokenizer files, in step folder
 OPTIM_SHARDING = "fully_reshardable"
 _OLD_OPTIM_SHARDING = "dp_reshardable"
 _RESHARDABLE = ("fully_sharded_model_space", "fully_reshardable")
-
-
-class CheckpointNoSpace(CheckpointError):
-    """A save ran out of disk: ``path``, ``needed`` and ``free`` bytes; the previous checkpoint is intact."""
-
-    def __init__(self, path: Path, needed: int, free: int, step: int):
-        self.path, self.needed, self.free = Path(path), int(needed), int(free)
-        super().__init__(f"checkpoint: no space for step {step} at {path}: it needs about {needed} bytes "
-                         f"({needed / 2**20:.1f} MiB), {free} are free; the previous checkpoint is intact. "
-                         f"Free space there or set trainer.checkpoint_dir to a larger disk")
 
 
 @dataclasses.dataclass
@@ -242,27 +235,6 @@ def _barrier(what: str) -> None:
 
 # ----------------------------------------------------------------------------- save
 
-def stage_dir(checkpoint_dir: str | Path, step: int) -> Path:
-    """Where files for the step-``step`` checkpoint wait for the save that adopts them."""
-    return Path(checkpoint_dir) / f"{STAGE_PREFIX}{step_dir_name(step)}"
-
-
-def stage_file(checkpoint_dir: str | Path, step: int, name: str, text: str) -> Path:
-    """Write ``name`` for the step-``step`` checkpoint before the trainer saves it (the controller's
-    state): :func:`save_checkpoint` moves it into the step folder before writing the manifest, so
-    the checkpoint is complete with it or not at all. Raises :class:`CheckpointNoSpace` on a full disk."""
-    d = stage_dir(checkpoint_dir, step)
-    try:
-        d.mkdir(parents=True, exist_ok=True)
-        write_text_atomic(d / name, text)
-    except OSError as e:
-        if not _no_space(e):
-            raise
-        shutil.rmtree(d, ignore_errors=True)
-        raise CheckpointNoSpace(d, len(text.encode()), shutil.disk_usage(Path(checkpoint_dir)).free, step) from None
-    return d / name
-
-
 def _space_needed(root: Path, model: list, optimizer: Any) -> int:
     """Bytes a save will take: the newest checkpoint's size, or (first save) an estimate from the
     parameters (weights + fp32 Adam moments, times the model-parallel ranks), with a margin."""
@@ -295,36 +267,6 @@ def _agree(problem: Optional[str]) -> Optional[str]:
     return next((p for p in found if p is not None), None)
 
 
-def _prune(root: Path, saved: Path, keep_last: int, later_stages_since: Optional[float] = None) -> None:
-    """Keep the newest ``keep_last`` step folders up to ``saved``; folders after it were left by a
-    run that resumed from an earlier checkpoint (a timeline that was abandoned) and go too.
-
-    Staged controller states go too, except, for an asynchronous save (``later_stages_since``: the
-    wall time its snapshot was taken), a later step's staged after that time: the next save's,
-    staged while this one was written. An abandoned timeline's stages are older than the snapshot
-    (they precede the resume); the next save's is at least one training step newer, so a clock
-    skew between the controller's and this host below a step's time cannot confuse the two."""
-    mine = _step_of(saved.name)
-    steps = sorted((p for p in root.glob(f"{STEP_PREFIX}*") if p.is_dir() and _step_of(p.name) is not None),
-                   key=lambda p: _step_of(p.name))
-    for p in steps:
-        if _step_of(p.name) > mine:
-            log.info("checkpoint: removing %s (after the resumed step; not this run's)", p.name)
-            shutil.rmtree(p, ignore_errors=True)
-    older = [p for p in steps if _step_of(p.name) < mine]
-    for old in older[:max(len(older) - (keep_last - 1), 0)]:
-        shutil.rmtree(old, ignore_errors=True)
-    for d in root.glob(f"{STAGE_PREFIX}{STEP_PREFIX}*"):  # staged for a save that never happened
-        staged = _step_of(d.name[len(STAGE_PREFIX):])
-        try:
-            next_save = (later_stages_since is not None and staged is not None and staged > mine
-                         and d.stat().st_mtime >= later_stages_since)
-        except FileNotFoundError:
-            continue  # adopted or removed meanwhile
-        if not next_save:
-            shutil.rmtree(d, ignore_errors=True)
-
-
 def save_checkpoint(checkpoint_dir: str | Path, *, model: list, optimizer: Any = None,
                     scheduler: Any = None, progress: TrainProgress, keep_last: int = 2,
                     hf_config: Optional[dict] = None, hf_extra_from: str | Path | None = None,
@@ -352,12 +294,12 @@ def save_checkpoint(checkpoint_dir: str | Path, *, model: list, optimizer: Any =
     # This step's progress, taken now: the caller's object moves on while an async write is in flight
     # (the commit below runs steps later; with the live value it adopted a later step's staged state).
     step, consumed, extra = progress.step, progress.consumed_samples, dict(progress.extra)
-    snapshot_at = time.time()  # a stage newer than this is the next save's (_prune)
+    snapshot_at = time.time()  # a stage newer than this is the next save's (prune)
     if writer is not None:
         writer.wait(f"saving step {step}")  # one write in flight: the previous one commits first
     root = Path(checkpoint_dir)
     name = step_dir_name(step)
-    final, tmp = root / name, root / f".tmp_{name}"
+    final, tmp = root / name, tmp_dir(root, step)
     rank = dist.get_rank()
     t0 = time.monotonic()
     need, free, problem = 0, 0, None
@@ -451,13 +393,13 @@ def save_checkpoint(checkpoint_dir: str | Path, *, model: list, optimizer: Any =
             _before_commit(tmp)
         if rank == 0:
             if final.exists():  # re-saving a step: replace it
-                trash = root / f".trash_{name}"
+                trash = root / f"{TRASH_PREFIX}{name}"
                 os.replace(final, trash)
                 shutil.rmtree(trash)
             os.replace(tmp, final)
             _fsync_dir(root)
             write_text_atomic(root / LATEST, name)  # last: `latest` only ever names a complete one
-            _prune(root, final, keep_last, later_stages_since=snapshot_at if writer is not None else None)
+            prune(root, final, keep_last, later_stages_since=snapshot_at if writer is not None else None)
             log.info("checkpoint: saved step %d to %s in %.1fs (%.1f MiB)", step, final,
                      time.monotonic() - t0, _tree_bytes(final) / 2**20)
         _barrier("checkpoint committed")

@@ -1,57 +1,18 @@
-"""The checkpoint's file mechanics: fsync, atomic text writes, full-disk detection, the source HF
-folder's extra files, and the CRCs an asynchronous writer records for its own shard files (so the
-commit, which runs on the trainer's step, does not read the shards again)."""
+"""The trainer checkpoint's own files: the source HF folder's extra files, and the CRCs an asynchronous
+writer records for its own shard files (so the commit, which runs on the trainer's step, does not read
+the shards again). fsync, atomic writes and full-disk detection: megarl/utils/checkpoint_store.py."""
 
 from __future__ import annotations
 
-import errno
 import json
-import os
 import shutil
 from pathlib import Path
-from typing import Optional
 
-from megarl.trainer.checkpoint_index import file_crc32
+from megarl.utils.checkpoint_store import file_crc32, write_text_atomic
 
 _HF_EXTRA_SUFFIXES = (".json", ".txt", ".model", ".jinja", ".tiktoken")
 _NOT_EXTRA = {"config.json", "model.safetensors.index.json"}
 SHARD_CRC_PREFIX = ".shard_crc_rank_"  # <step tmp>/.shard_crc_rank_<rank>.json: {relpath: [size, crc32]}
-
-
-def _fsync_tree(root: Path) -> None:
-    for dirpath, _, filenames in os.walk(root):
-        for name in filenames:
-            with open(os.path.join(dirpath, name), "rb") as f:
-                os.fsync(f.fileno())
-        _fsync_dir(Path(dirpath))
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _tree_bytes(root: Path) -> int:
-    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
-
-
-def _no_space(e: Optional[BaseException], _depth: int = 0) -> bool:
-    """A full disk (ENOSPC, EDQUOT), also when megatron / torch DCP wrap it: their writer reports a
-    worker's OSError as text inside a CheckpointException (its ``failures``, rank -> exception)."""
-    if e is None or _depth > 8:
-        return False
-    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
-        return True
-    if any(os.strerror(code) in str(e) for code in (errno.ENOSPC, errno.EDQUOT)):
-        return True
-    failures = getattr(e, "failures", None)
-    if isinstance(failures, dict) and any(_no_space(f, _depth + 1) for f in failures.values()
-                                          if isinstance(f, BaseException)):
-        return True
-    return _no_space(e.__cause__ or e.__context__, _depth + 1)
 
 
 def copy_hf_extra(src_dir: str | Path, dst_dir: str | Path) -> list[str]:
@@ -67,16 +28,6 @@ def copy_hf_extra(src_dir: str | Path, dst_dir: str | Path) -> list[str]:
     return names
 
 
-def write_text_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
-
-
 def record_shard_crcs(tmp: Path, rank: int) -> Path:
     """In the writer, after its shards are on disk: (size, crc32) of this rank's shard files
     (megatron names them ``dist/__<rank>_<n>.distcp``), written atomically beside them."""
@@ -90,7 +41,7 @@ def record_shard_crcs(tmp: Path, rank: int) -> Path:
 def known_shard_crcs(tmp: Path) -> dict[str, tuple[int, int]]:
     """At the commit: every rank's recorded (size, crc32) by relative path; the record files are
     removed (they are not part of the checkpoint). A file whose size changed since is not trusted
-    by :func:`megarl.trainer.checkpoint_index._manifest`, which reads it again."""
+    by :func:`megarl.utils.checkpoint_store.manifest`, which reads it again."""
     known: dict[str, tuple[int, int]] = {}
     for f in sorted(tmp.glob(f"{SHARD_CRC_PREFIX}*.json")):
         known.update({k: (int(v[0]), int(v[1])) for k, v in json.loads(f.read_text()).items()})

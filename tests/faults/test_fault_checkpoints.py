@@ -197,7 +197,7 @@ def test_pin_resume_gives_every_process_the_same_verified_folder(saved, tmp_path
 
 
 def test_a_save_prunes_an_abandoned_timeline_and_keeps_the_newest(tmp_path):
-    from megarl.trainer.checkpoint import _prune
+    from megarl.utils.checkpoint_store import prune as _prune
 
     root = tmp_path
     for s in (1, 2, 3, 5, 6):
