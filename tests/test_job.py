@@ -78,3 +78,18 @@ def test_the_launcher_lists_every_role_of_the_device_plan(monkeypatch):
     (line,) = placement_lines(None, 4, "n3")
     assert line == ("device plan on n3: trainer no GPU here (its pool, or the CPU); generator GPU(s) 0; "
                     "critic GPU(s) 1,2")
+
+
+def test_validation_does_not_guess_the_device_the_job_decides(monkeypatch, tiny_llama_dir):
+    """cluster.device=auto on a node that looks like a GPU node, sync.transport=gloo, an allocation without
+    GPUs: validation no longer refuses gloo by its own guess (CUDA), the job's rule picks the CPU and gloo
+    fits; an explicit cluster.device=cuda is still refused before anything starts."""
+    from megarl.config import ConfigError
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    over = [f"model.path={tiny_llama_dir}", "cluster.launcher=slurm", "cluster.ranks_per_node=1", "sync.transport=gloo"]
+    cfg = load_config(TINY, over + ["cluster.device=auto"])
+    env = SlurmEnv.from_env({"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n[1-2]", "SLURM_NNODES": "2"})
+    assert build_role_map(env, cfg).transport == "gloo"
+    with pytest.raises(ConfigError, match="sync.transport=gloo moves host memory"):
+        load_config(TINY, over + ["cluster.device=cuda"])

@@ -80,8 +80,10 @@ def check(cfg: MegaRLConfig, *, dry_run: bool = False, scan_data: bool = True) -
         problems.append(f"reward.overlong_buffer={cfg.reward.overlong_buffer}: the overlong ramp shapes single-turn "
                         f"replies only, and reward.env={cfg.reward.env!r} scores whole multi-turn rollouts (it would "
                         f"be ignored); set reward.overlong_buffer=0, or bound a rollout with generator.max_turns")
-    problems += cfg.sync.problems(trainer_ranks=t.tp * t.pp * t.dp, on_cuda=cuda_expected(cfg.cluster.device),
-                                  same_host=cfg.cluster.launcher == "local")
+    # the transport is checked here against an explicit cluster.device only; with 'auto' the resolved job
+    # checks it on the job's GPUs (config/job.py job_device, one rule for launcher and controller)
+    problems += cfg.sync.problems(trainer_ranks=t.tp * t.pp * t.dp, same_host=cfg.cluster.launcher == "local",
+                                  on_cuda=None if cfg.cluster.device == "auto" else cfg.cluster.device == "cuda")
     for key, value in (("controller.steps", cfg.controller.steps),
                        ("controller.prompts_per_step", cfg.controller.prompts_per_step),
                        ("reward.workers", cfg.reward.workers)):

@@ -86,7 +86,8 @@ class SyncConfig:
         "start (steps, >= 1). Default 1."))
 
     def problems(self, trainer_ranks: int, on_cuda: bool | None = None, same_host: bool = True) -> list[str]:
-        """Range checks, and (with ``on_cuda`` known) whether ``transport`` fits where the bytes live."""
+        """Range checks, and (with ``on_cuda`` known: an explicit cluster.device) whether ``transport`` fits
+        where the bytes live; with cluster.device=auto the resolved job checks it (megarl/config/job.py)."""
         out = []
         if self.native == "required" and not native_extension_present():
             out.append("sync.native=required: the C++ extension megarl._C is not built; build it with `pip install "
