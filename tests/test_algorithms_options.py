@@ -203,7 +203,7 @@ def test_group_size_and_expand_to_tokens():
 def test_unknown_names_list_known_ones_and_guess():
     with pytest.raises(ValueError, match=r"unknown loss 'apio'; known: a3po, aipo, .*Did you mean 'aipo'"):
         get_loss("apio")
-    with pytest.raises(ValueError, match=r"known: dr_grpo, grpo, rloo\. Did you mean 'rloo'"):
+    with pytest.raises(ValueError, match=r"known: dr_grpo, gae, grpo, rloo, vtrace\. Did you mean 'rloo'"):
         get_advantage("rlo")
     with pytest.raises(ValueError, match="does not take rho; its knobs are: eps_low, eps_high, dual_clip_c"):
         run("ppo", logp(0.5), logp(0.5), [1.0], rho=2.0)

@@ -15,6 +15,7 @@ import torch
 
 from megarl.algorithms.config import AlgorithmConfig
 from megarl.algorithms.registry import get_advantage, register_advantage
+from megarl.algorithms.value_targets import INPUTS as _CRITIC_INPUTS  # registers gae and vtrace
 
 Tensor = torch.Tensor
 
@@ -82,7 +83,8 @@ def advantage_knobs(name: str) -> Tuple[str, ...]:
     """Names of the estimator-specific keyword parameters (besides the grouping) of ``name``."""
     params = list(inspect.signature(get_advantage(name)).parameters.values())[1:]
     return tuple(p.name for p in params
-                 if p.kind is inspect.Parameter.KEYWORD_ONLY and p.name not in ("group_ids", "group_size"))
+                 if p.kind is inspect.Parameter.KEYWORD_ONLY
+                 and p.name not in ("group_ids", "group_size") + _CRITIC_INPUTS)
 
 
 def advantage_params(cfg: AlgorithmConfig) -> Dict[str, Any]:
@@ -93,9 +95,10 @@ def advantage_params(cfg: AlgorithmConfig) -> Dict[str, Any]:
 
 def compute_advantages(name: str, rewards: Tensor, *, group_ids: Optional[Tensor] = None,
                        group_size: Optional[int] = None, **params: Any) -> Tensor:
-    """Advantages ``[n]`` of the estimator ``name`` for sequence rewards ``[n]``."""
+    """Advantages ``[n]`` of the estimator ``name`` for sequence rewards ``[n]`` (``[n, seq]`` per token
+    for the critic's estimators gae/vtrace, which also take ``values``, ``mask`` and ``log_rhos``)."""
     fn = get_advantage(name)
-    unknown = sorted(set(params) - set(advantage_knobs(name)))
+    unknown = sorted(set(params) - set(advantage_knobs(name)) - set(_CRITIC_INPUTS))
     if unknown:
         raise ValueError(f"advantage estimator {name!r} does not take {', '.join(unknown)}; its knobs are: "
                          f"{', '.join(advantage_knobs(name)) or '(none)'}")

@@ -20,7 +20,8 @@ TIS_MODES = ("none", "token", "sequence")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 
 LOSS_NAMES = ("aipo", "ppo", "grpo", "decoupled_ppo", "a3po", "vaco", "sao")
-ADVANTAGE_NAMES = ("grpo", "dr_grpo", "rloo")
+ADVANTAGE_NAMES = ("grpo", "dr_grpo", "rloo", "gae", "vtrace")
+CRITIC_ADVANTAGES = ("gae", "vtrace")  # estimators that need a critic (a value model, megarl/critic/)
 
 
 @dataclasses.dataclass
@@ -60,9 +61,21 @@ class AlgorithmConfig:
     aggregation: str = knob("token-mean", help="how per-token losses reduce to a scalar: token-mean, "
                             "seq-mean-token-sum (Dr.GRPO-style) or seq-mean-token-mean; default token-mean",
                             choices=AGGREGATIONS)
-    advantage: str = knob("grpo", help="advantage estimator over the samples of one prompt: grpo (mean/std), "
-                          "dr_grpo (mean only) or rloo (leave-one-out mean); default grpo",
-                          choices=ADVANTAGE_NAMES)
+    advantage: str = knob("grpo", help="advantage estimator: over the samples of one prompt grpo (mean/std), "
+                          "dr_grpo (mean only) or rloo (leave-one-out mean); per token from a critic (a value "
+                          "model, the critic: section) gae (GAE) or vtrace (V-trace for stale samples); "
+                          "default grpo", choices=ADVANTAGE_NAMES)
+    gae_gamma: float = knob(1.0, help="gae/vtrace: discount per reply token (dimensionless, in [0, 1]; observation "
+                            "tokens of a multi-turn rollout are bridged, not discounted); default 1")
+    gae_lambda: float = knob(1.0, help="gae/vtrace: GAE's lambda, the bias/variance trade of the multi-step "
+                             "estimate (dimensionless, in [0, 1]; V-trace's c_i = lambda min(c_bar, pi/mu)); "
+                             "default 1")
+    vtrace_rho_bar: float = knob(1.0, help="vtrace: truncation of the importance weight pi/mu in each TD term "
+                                 "(dimensionless, > 0; sets the value V-trace converges to, IMPALA uses 1); "
+                                 "default 1")
+    vtrace_c_bar: float = knob(1.0, help="vtrace: truncation of the trace weights c_i = lambda min(c_bar, pi/mu) "
+                               "(dimensionless, > 0, at most vtrace_rho_bar in IMPALA; the variance of the "
+                               "correction); default 1")
     normalize_std: bool = knob(True, help="grpo: divide the group-centered reward by the group std; "
                                "default True (False gives Dr.GRPO)")
     adv_eps: float = knob(1e-6, help="grpo: added to the group std before dividing (reward units); default 1e-6")
@@ -97,7 +110,9 @@ class AlgorithmConfig:
                   ("behav_weight_cap", self.behav_weight_cap is None or self.behav_weight_cap > 0),
                   ("tv_delta", self.tv_delta > 0), ("tis_cap", self.tis_cap > 0), ("kl_coef", self.kl_coef >= 0),
                   ("entropy_coef", self.entropy_coef >= 0), ("adv_eps", self.adv_eps >= 0),
-                  ("max_refill_rounds", self.max_refill_rounds >= 0)]
+                  ("max_refill_rounds", self.max_refill_rounds >= 0), ("gae_gamma", 0 <= self.gae_gamma <= 1),
+                  ("gae_lambda", 0 <= self.gae_lambda <= 1), ("vtrace_rho_bar", self.vtrace_rho_bar > 0),
+                  ("vtrace_c_bar", self.vtrace_c_bar > 0)]
         if self.prox_check and self.loss != "a3po":
             found.append(f"algorithm.prox_check=true compares a3po's approximated proximal logprobs with recomputed "
                          f"ones; loss {self.loss!r} has no approximation (set algorithm.loss=a3po or prox_check=false)")
@@ -125,3 +140,8 @@ def needs_ref(cfg: AlgorithmConfig) -> bool:
     """Whether the step needs reference-policy logprobs (a frozen copy of the initial model and a
     no-grad forward pass of it): the KL(pi || ref) penalty is on."""
     return cfg.kl_coef > 0
+
+
+def needs_critic(cfg: AlgorithmConfig) -> bool:
+    """Whether the job runs a critic (a value model executor): the advantage is gae or vtrace."""
+    return cfg.advantage in CRITIC_ADVANTAGES
