@@ -151,3 +151,15 @@ def test_explained_variance_hand_value():
     values = targets - torch.tensor([[0.5, -0.5, 0.5, -0.5, 50.0]])
     assert explained_variance(values, targets, mask) == pytest.approx(0.8, abs=1e-12)
     assert math.isnan(explained_variance(values, torch.ones(1, 5), mask))
+
+
+@pytest.mark.parametrize("name", ["gae", "vtrace"])
+def test_config_refuses_a_critic_estimator_until_a_critic_runs(name):
+    """Validation names the missing critic and the estimators that work, before anything starts."""
+    from megarl.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError) as info:
+        load_config("configs/tiny_test.yaml", [f"algorithm.advantage={name}"])
+    assert info.value.problems == [
+        f"algorithm.advantage={name}: GAE/V-trace take a critic's per-token values and the controller does not "
+        f"start a critic executor yet (issue 43); use algorithm.advantage=grpo, dr_grpo or rloo"]

@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from megarl.algorithms.config import OWN_BEHAVIOUR_CORRECTION
+from megarl.algorithms.config import CRITIC_ADVANTAGES, OWN_BEHAVIOUR_CORRECTION
 from megarl.config.data_choice import eval_set_problems, eval_sets
 from megarl.config.model_source import REPO_ROOT, hub_cache, is_hub_id, local_model_dir, shipped_config
 from megarl.config.placement import device_plan
@@ -72,6 +72,10 @@ def check(cfg: MegaRLConfig, *, dry_run: bool = False, scan_data: bool = True) -
         problems.append(f"generator.max_turns={g.max_turns}: reward.env={cfg.reward.env!r} answers a reply with an "
                         f"observation, so every rollout would end truncated after its first reply; set "
                         f"generator.max_turns >= 2 (replies per rollout; the calculator recipe uses 5)")
+    if cfg.algorithm.advantage in CRITIC_ADVANTAGES:  # megarl/algorithms/value_targets.py: needs a critic's values
+        problems.append(f"algorithm.advantage={cfg.algorithm.advantage}: GAE/V-trace take a critic's per-token values "
+                        f"and the controller does not start a critic executor yet (issue 43); use "
+                        f"algorithm.advantage=grpo, dr_grpo or rloo")
     if cfg.algorithm.dynamic_sampling and g.n_samples < 2:  # a group of one sample always has equal rewards
         problems.append(f"algorithm.dynamic_sampling=true: with generator.n_samples={g.n_samples} every group's rewards "
                         f"are all equal, so every group would be dropped; set generator.n_samples >= 2 (e.g. 4) or "
