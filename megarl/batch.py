@@ -33,6 +33,7 @@ class RolloutBatch:
     ref_logprobs:   optional [B, S] float, reference-policy logprobs (the KL penalty).
     group_ids:      optional [B] long, the prompt group of each row (its samples share an advantage
                     baseline); None = every row its own group. :meth:`minibatches` never splits a group.
+    teacher_logprobs: optional [B, S] float, the distillation teacher's logprobs (algorithm.teacher).
     """
 
     input_ids: torch.Tensor
@@ -44,6 +45,7 @@ class RolloutBatch:
     prox_logprobs: torch.Tensor | None = None
     ref_logprobs: torch.Tensor | None = None
     group_ids: torch.Tensor | None = None
+    teacher_logprobs: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         b, s = self.input_ids.shape

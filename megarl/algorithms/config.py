@@ -80,6 +80,15 @@ class AlgorithmConfig:
                                "default True (False gives Dr.GRPO)")
     adv_eps: float = knob(1e-6, help="grpo: added to the group std before dividing (reward units); default 1e-6")
 
+    teacher: Optional[str] = knob(None, help="on-policy distillation: the teacher's HF folder (config.json, weights, "
+                                  "a tokenizer identical to the policy's); a forward-only Megatron executor gives "
+                                  "its logprobs of the sampled tokens, and distill_coef * (log pi - log teacher) "
+                                  "is subtracted from each token's advantage (metric distill/reverse_kl; "
+                                  "megarl/algorithms/distill.py). default None = off")
+    distill_coef: float = knob(0.0, help="on-policy distillation: weight of the per-token reverse KL "
+                               "log pi - log teacher in the advantage (dimensionless, >= 0; > 0 needs "
+                               "algorithm.teacher); default 0 = off")
+
     dynamic_sampling: bool = knob(False, help="DAPO's dynamic sampling: a prompt group whose rewards are all equal "
                                   "(advantage 0 for every sample: pure cost) is dropped from the step's batch and the "
                                   "batch is refilled from further prompts until controller.prompts_per_step groups "
@@ -112,10 +121,16 @@ class AlgorithmConfig:
                   ("entropy_coef", self.entropy_coef >= 0), ("adv_eps", self.adv_eps >= 0),
                   ("max_refill_rounds", self.max_refill_rounds >= 0), ("gae_gamma", 0 <= self.gae_gamma <= 1),
                   ("gae_lambda", 0 <= self.gae_lambda <= 1), ("vtrace_rho_bar", self.vtrace_rho_bar > 0),
-                  ("vtrace_c_bar", self.vtrace_c_bar > 0)]
+                  ("vtrace_c_bar", self.vtrace_c_bar > 0), ("distill_coef", self.distill_coef >= 0)]
         if self.prox_check and self.loss != "a3po":
             found.append(f"algorithm.prox_check=true compares a3po's approximated proximal logprobs with recomputed "
                          f"ones; loss {self.loss!r} has no approximation (set algorithm.loss=a3po or prox_check=false)")
+        if self.distill_coef > 0 and not self.teacher:
+            found.append(f"algorithm.distill_coef={self.distill_coef} needs algorithm.teacher (the teacher's HF "
+                         f"folder); set it or set distill_coef=0")
+        if self.teacher and not self.distill_coef > 0:
+            found.append(f"algorithm.teacher={self.teacher!r} is used only with algorithm.distill_coef > 0 "
+                         f"(e.g. 1.0); set it or drop algorithm.teacher")
         found += [f"algorithm.{name}={getattr(self, name)!r} is out of range: {helps[name]}"
                   for name, ok in checks if not ok]
         return found
@@ -145,3 +160,9 @@ def needs_ref(cfg: AlgorithmConfig) -> bool:
 def needs_critic(cfg: AlgorithmConfig) -> bool:
     """Whether the job runs a critic (a value model executor): the advantage is gae or vtrace."""
     return cfg.advantage in CRITIC_ADVANTAGES
+
+
+def needs_teacher(cfg: AlgorithmConfig) -> bool:
+    """Whether the step needs the teacher's logprobs of the sampled tokens (a teacher executor's
+    no-grad forward pass): on-policy distillation is on (algorithm.teacher, distill_coef > 0)."""
+    return bool(cfg.teacher) and cfg.distill_coef > 0

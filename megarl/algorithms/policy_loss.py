@@ -24,7 +24,7 @@ Tensor = torch.Tensor
 
 # Options of policy_loss that apply to every loss (the rest of loss_params is per loss).
 _COMMON_LOSS_OPTIONS = ("aggregation", "tis", "tis_cap", "score_centering", "kl_coef", "kl_estimator",
-                        "entropy_coef")
+                        "entropy_coef", "distill_coef")
 
 
 def loss_knobs(name: str) -> Tuple[str, ...]:
@@ -155,7 +155,8 @@ def policy_loss(name: str, *, logprobs: Tensor, behav_logprobs: Tensor, advantag
                 agg_denominator: Optional[Union[float, Tensor]] = None, tis: str = "none", tis_cap: float = 2.0,
                 score_centering: bool = False, kl_coef: float = 0.0, kl_estimator: str = "k3",
                 entropy_coef: float = 0.0, batch_stats: Optional[Dict[str, float]] = None,
-                prox_reference: Optional[Tensor] = None, **params: Any) -> Tuple[Tensor, Dict[str, float]]:
+                prox_reference: Optional[Tensor] = None, teacher_logprobs: Optional[Tensor] = None,
+                distill_coef: float = 0.0, **params: Any) -> Tuple[Tensor, Dict[str, float]]:
     """Policy loss ``name`` over per-token ``[batch, seq]`` tensors; returns ``(loss, metrics)``.
 
     Args:
@@ -181,6 +182,8 @@ def policy_loss(name: str, *, logprobs: Tensor, behav_logprobs: Tensor, advantag
             for a loss that decides on a batch statistic (vaco's TV); None: over these tokens.
         prox_reference: recomputed proximal logprobs to compare with the proximal anchor the loss
             used (a3po's approximation): ``prox_error`` = mean |anchor - reference| over loss tokens.
+        teacher_logprobs, distill_coef: the teacher's logprobs of the sampled tokens and the weight of
+            its per-token reverse KL, subtracted from the advantage (megarl/algorithms/distill.py).
         **params: the loss's own knobs (rho, eps_low, eps_high, dual_clip_c, ...).
 
     Returns:
@@ -213,6 +216,14 @@ def policy_loss(name: str, *, logprobs: Tensor, behav_logprobs: Tensor, advantag
     mu = _as_tokens("behav_logprobs", behav_logprobs, shape, m, dtype=compute_dtype)
     adv = _as_tokens("advantages", advantages, shape, m, dtype=compute_dtype)
     prox = _as_tokens("prox_logprobs", prox_logprobs, shape, m, dtype=compute_dtype)
+    distill_metrics: Dict[str, Tensor] = {}
+    if distill_coef:  # on-policy distillation: A_t - coef * sg(log pi - log q), per token
+        if teacher_logprobs is None:
+            raise ValueError("distill_coef != 0 needs teacher_logprobs (the teacher's logprobs of the sampled tokens)")
+        from megarl.algorithms.distill import distill_advantages
+
+        teacher = _as_tokens("teacher_logprobs", teacher_logprobs, shape, m, dtype=compute_dtype)
+        adv, distill_metrics["distill/reverse_kl"] = distill_advantages(adv, lp, teacher, m, distill_coef)
 
     staleness = None
     if versions is not None:
@@ -275,6 +286,7 @@ def policy_loss(name: str, *, logprobs: Tensor, behav_logprobs: Tensor, advantag
     if staleness is not None:
         out.update(staleness_metrics(staleness, m))
     out.update(metrics)
+    out.update(distill_metrics)
     out.update(terms.metrics)
     return loss, to_floats(out)
 

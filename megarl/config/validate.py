@@ -15,6 +15,7 @@ from typing import Any
 from megarl.algorithms.config import CRITIC_ADVANTAGES, OWN_BEHAVIOUR_CORRECTION
 from megarl.config.data_choice import eval_set_problems, eval_sets
 from megarl.config.model_source import REPO_ROOT, hub_cache, is_hub_id, local_model_dir, shipped_config
+from megarl.config.teacher import teacher_problems
 from megarl.config.placement import device_plan
 from megarl.data.tasks import data_problems
 from megarl.models.dims import ModelDims, divisors, expert_parallel_problems, parallel_problems, vllm_tp_problems
@@ -169,6 +170,8 @@ def check(cfg: MegaRLConfig, *, dry_run: bool = False, scan_data: bool = True) -
                                 f"folder, an HF id downloaded to the cache, or use '{BUILTIN_SMOLLM2}'")
         elif not (mp / "config.json").is_file():
             problems.append(f"model.path={cfg.model.path!r}: has no config.json; is it an HF model folder?")
+    problems += teacher_problems(cfg.algorithm, None if cfg.model.path == BUILTIN_SMOLLM2 else
+                                 local_model_dir(cfg.model.path), dry_run=dry_run)  # algorithm.teacher's tokenizer
     # Data: every file named is read through (a stream) so a bad row stops the job here, naming file:line.
     problems += eval_set_problems(cfg.data)
     sets = {f"data.eval_paths {name}": path for name, path in eval_sets(cfg.data)}

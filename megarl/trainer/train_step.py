@@ -159,6 +159,9 @@ def train_update(objs, batch: RolloutBatch, *, loss_name: str, loss_params: dict
     if params.get("kl_coef", 0.0) and batch.ref_logprobs is None:
         raise ValueError("kl_coef != 0 needs batch.ref_logprobs (reference-policy logprobs): fill them with "
                          "prepare_batch(...) and a reference model before train_step")
+    if params.get("distill_coef", 0.0) and batch.teacher_logprobs is None:
+        raise ValueError("distill_coef != 0 needs batch.teacher_logprobs (the teacher's logprobs of the sampled "
+                         "tokens): fill them with the teacher executor (megarl/teacher) before train_step")
     params.pop("agg_denominator", None)
     aggregation = params.get("aggregation", "token-mean")
     denominator = _global_denominator(batch, aggregation)
@@ -182,6 +185,7 @@ def train_update(objs, batch: RolloutBatch, *, loss_name: str, loss_params: dict
             loss_name, logprobs=logprobs, behav_logprobs=mb.behav_logprobs, advantages=mb.advantages,
             mask=mb.loss_mask, prox_logprobs=None if compare_prox else mb.prox_logprobs, versions=mb.versions,
             current_version=current_version, ref_logprobs=mb.ref_logprobs, entropy=entropy,
+            teacher_logprobs=mb.teacher_logprobs,
             agg_denominator=denominator, batch_stats=stats,
             prox_reference=mb.prox_logprobs if compare_prox else None, **params)
         w = float(mb.loss_mask.sum())

@@ -1,0 +1,104 @@
+"""On-policy distillation (issue 43 step 4): algorithm.teacher / algorithm.distill_coef.
+
+The teacher's per-token reverse KL log pi - log q enters the advantage (megarl/algorithms/distill.py);
+distill/reverse_kl is its mean over reply tokens; a teacher identical to the student gives 0 at fp32;
+a teacher with another tokenizer is refused in one line.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+
+import pytest
+import torch
+
+from megarl.algorithms.config import AlgorithmConfig, needs_teacher
+from megarl.algorithms.policy_loss import policy_loss
+from megarl.config.teacher import teacher_problems, tokenizer_mismatch
+
+LN = math.log
+
+
+def _inputs(teacher):
+    # one sequence, position 0 the prompt (masked), two reply tokens with pi = mu = (0.5, 0.25)
+    lp = torch.tensor([[0.0, LN(0.5), LN(0.25)]], dtype=torch.float32, requires_grad=True)
+    mu = torch.tensor([[0.0, LN(0.5), LN(0.25)]])
+    mask = torch.tensor([[0.0, 1.0, 1.0]])
+    return dict(logprobs=lp, behav_logprobs=mu, advantages=torch.tensor([1.0]), mask=mask,
+                teacher_logprobs=torch.tensor([[0.0] + teacher]))
+
+
+def test_hand_computed_loss_with_teacher_term():
+    # teacher q = (0.25, 0.25): k = (ln 2, 0); coef 0.5 -> A' = (1 - 0.5 ln 2, 1)
+    inp = _inputs([LN(0.25), LN(0.25)])
+    loss, m = policy_loss("aipo", distill_coef=0.5, **inp)
+    # aipo with pi = mu: weight 1, per token -A' log pi; token-mean over 2 tokens
+    a1, a2 = 1 - 0.5 * LN(2), 1.0
+    want = (-a1 * LN(0.5) - a2 * LN(0.25)) / 2
+    # float32 arithmetic on values of order 1: a few ulps (2**-23 ~ 1.2e-7) of relative error
+    assert loss.item() == pytest.approx(want, rel=1e-6)
+    assert m["distill/reverse_kl"] == pytest.approx(LN(2) / 2, rel=1e-6)
+    loss.backward()
+    # d/d log pi of -sg(w) A' log pi / 2, the teacher term detached (REINFORCE, not a pathwise KL grad)
+    assert inp["logprobs"].grad.tolist()[0] == pytest.approx([0.0, -a1 / 2, -a2 / 2], rel=1e-6)
+    # planted break check: without the term the loss differs (the reference is not the plain loss)
+    plain, _ = policy_loss("aipo", **{k: v for k, v in inp.items() if k != "teacher_logprobs"})
+    assert plain.item() != pytest.approx(want, rel=1e-6)
+
+
+@pytest.mark.parametrize("loss", ["aipo", "ppo", "grpo", "vaco", "sao"])
+def test_teacher_equal_to_student_gives_zero_kl_and_the_plain_loss(loss):
+    torch.manual_seed(0)
+    lp = torch.randn(3, 6).clamp(max=-0.1)
+    mask = torch.ones(3, 6)
+    mask[:, 0] = 0
+    common = dict(logprobs=lp.clone().requires_grad_(), behav_logprobs=lp + 0.05 * torch.randn(3, 6),
+                  advantages=torch.tensor([1.0, -0.5, 2.0]), mask=mask)
+    with_teacher, m = policy_loss(loss, distill_coef=1.0, teacher_logprobs=lp.clone(), **common)
+    plain, _ = policy_loss(loss, **common)
+    assert m["distill/reverse_kl"] == 0.0  # bit-identical logprobs: exactly 0 at fp32
+    assert with_teacher.item() == plain.item()
+
+
+def test_distill_coef_needs_teacher_logprobs():
+    inp = _inputs([LN(0.25), LN(0.25)])
+    del inp["teacher_logprobs"]
+    with pytest.raises(ValueError, match="teacher_logprobs"):
+        policy_loss("aipo", distill_coef=1.0, **inp)
+
+
+def test_config_knobs():
+    assert not needs_teacher(AlgorithmConfig())
+    assert needs_teacher(AlgorithmConfig(teacher="/t", distill_coef=1.0))
+    with pytest.raises(ValueError, match="distill_coef=1.0 needs algorithm.teacher"):
+        AlgorithmConfig(distill_coef=1.0)
+    with pytest.raises(ValueError, match="algorithm.distill_coef=-1.0 is out of range"):
+        AlgorithmConfig(teacher="/t", distill_coef=-1.0)
+    with pytest.raises(ValueError, match="algorithm.teacher='/t' is used only with algorithm.distill_coef > 0"):
+        AlgorithmConfig(teacher="/t")
+
+
+def test_mismatched_tokenizer_refused_in_one_line(tiny_llama_dir, tmp_path):
+    same = tmp_path / "same"
+    shutil.copytree(tiny_llama_dir, same)
+    assert tokenizer_mismatch(tiny_llama_dir, same) is None
+    algo = AlgorithmConfig(teacher=str(same), distill_coef=1.0)
+    assert teacher_problems(algo, tiny_llama_dir) == []
+
+    other = tmp_path / "other"
+    shutil.copytree(tiny_llama_dir, other)
+    tok = json.loads((other / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    a, b = sorted(vocab, key=vocab.get)[100:102]
+    vocab[a], vocab[b] = vocab[b], vocab[a]  # two ids swapped: same size, different ids
+    (other / "tokenizer.json").write_text(json.dumps(tok))
+    cfg = json.loads((other / "tokenizer_config.json").read_text())
+    cfg["eos_token"] = "<|im_start|>"
+    (other / "tokenizer_config.json").write_text(json.dumps(cfg))
+    problems = teacher_problems(AlgorithmConfig(teacher=str(other), distill_coef=1.0), tiny_llama_dir)
+    assert len(problems) == 1 and "\n" not in problems[0]
+    assert "vocab: 49152 vs 49152 tokens, 2 differ" in problems[0]
+    assert "eos_token '<|im_end|>' vs '<|im_start|>'" in problems[0]
+    assert problems[0].startswith(f"algorithm.teacher={str(other)!r}: its tokenizer is not model.path's")
