@@ -1,5 +1,10 @@
 """The critic: a value model trained on each step's rollouts (issue 43; algorithm.advantage gae|vtrace).
 
-Built so far: the value loss (:mod:`megarl.critic.value_loss`). The value model executor and its
-wiring into the controller are not built yet (config validation refuses gae/vtrace until then).
+- :mod:`megarl.critic.value_loss`: the clipped value loss and its metrics (critic/value_loss, critic/explained_var);
+- :mod:`megarl.critic.model`: the policy's Megatron GPTModel with a scalar head, its forward and update;
+- :mod:`megarl.critic.learner`: one critic rank's learner (model, optimizer, checkpoint/resume/reshard);
+- :mod:`megarl.critic.config`: the ``critic:`` knobs (torch-free).
+
+Not built yet: the critic executor (its ranks as their own process group, started by the controller)
+and its wiring into the loop; config validation refuses gae/vtrace until then.
 """
