@@ -102,3 +102,96 @@ def test_mismatched_tokenizer_refused_in_one_line(tiny_llama_dir, tmp_path):
     assert "vocab: 49152 vs 49152 tokens, 2 differ" in problems[0]
     assert "eos_token '<|im_end|>' vs '<|im_start|>'" in problems[0]
     assert problems[0].startswith(f"algorithm.teacher={str(other)!r}: its tokenizer is not model.path's")
+
+
+# ---------------------------------------------------------------- the teacher executor (real Megatron ranks)
+
+def _batch():
+    from megarl.batch import RolloutBatch
+
+    tokens = [[1, 5, 9, 13, 17, 21], [1, 7, 11, 15]]
+    masks = [[0, 0, 1, 1, 1, 1], [0, 0, 1, 1]]
+    return RolloutBatch.from_sequences(tokens, masks, advantages=[0.0, 0.0])
+
+
+def test_teacher_executor_logprobs_and_its_death_names_it(tiny_llama_dir, tmp_path):
+    import os
+    import signal
+
+    from megarl.teacher.executor import TeacherExecutor, TeacherFailed
+    from megarl.trainer.config import TrainerConfig
+    from megarl.trainer.local import LocalTrainer
+
+    algo = AlgorithmConfig(teacher=str(tiny_llama_dir), distill_coef=1.0)
+    cfg = TrainerConfig(micro_batch_size=4, params_dtype="float32", checkpoint_interval=0)
+    batch = _batch()
+    with TeacherExecutor(cfg, algo, tiny_llama_dir, run_dir=tmp_path) as teacher:
+        filled = teacher.fill(batch)
+        # the reference: the policy's own logprob code on the same weights, in this process
+        local = LocalTrainer(cfg, AlgorithmConfig(), tiny_llama_dir, total_steps=1, run_dir=tmp_path / "policy")
+        try:
+            want = local.logprobs(batch)
+        finally:
+            local.close()
+        m = batch.loss_mask.bool()
+        assert bool((want[m] != 0).all())  # the reference is not 0
+        assert torch.equal(filled.teacher_logprobs[m], want[m])  # the same code and weights: bit-identical at fp32
+        assert (tmp_path / "teacher" / "logs" / "trainer_rank0.log").is_file()
+        os.kill(teacher.pids[0], signal.SIGKILL)
+        with pytest.raises(TeacherFailed) as err:
+            teacher.fill(batch)
+    text = str(err.value)
+    assert text.startswith("teacher: teacher rank 0 (tp 0, pp 0, dp 0; pid"), text[:200]
+    assert "was killed by signal SIGKILL" in text and "teacher rank" in err.value.component
+
+
+# ---------------------------------------------------------------- placement, memory plan, recipe (pure)
+
+RECIPE = "configs/recipes/distill_qwen25_05b_from_15b_gsm8k.yaml"
+
+
+def _layout_cfg(**over):
+    from megarl.config.schema import MegaRLConfig
+
+    cfg = MegaRLConfig()
+    values = {"trainer.tp": 2, "trainer.dp": 1, "generator.tp": 1, "generator.replicas": 2,
+              "algorithm.teacher": "/t", "algorithm.distill_coef": 1.0, **over}
+    for key, value in values.items():
+        section, name = key.split(".")
+        setattr(getattr(cfg, section), name, value)
+    return cfg
+
+
+def test_placement_gives_the_teacher_its_own_gpus():
+    from megarl.config.placement import device_plan
+
+    plan = device_plan(_layout_cfg(), visible=8)
+    assert plan.trainer == [0, 1] and plan.generator == [2, 3] and plan.teacher == [4, 5]
+    assert plan.note.endswith("teacher ranks on GPU(s) 4,5")
+    shared = device_plan(_layout_cfg(**{"cluster.share_devices": True}), visible=2)
+    assert shared.teacher == shared.trainer == [0, 1]
+    with pytest.raises(ValueError, match=r"the distillation teacher \(algorithm.teacher\) needs 2 GPU\(s\)"):
+        device_plan(_layout_cfg(), visible=5)
+    assert device_plan(_layout_cfg(**{"algorithm.teacher": None, "algorithm.distill_coef": 0.0}), 8).teacher is None
+
+
+def test_memory_plan_has_a_teacher_line_against_hand_figures():
+    from megarl.config import load_config
+    from megarl.config.memory import dry_run_report
+
+    cfg = load_config(RECIPE, [], dry_run=True)
+    lines, problems = dry_run_report(cfg)
+    text = "\n".join(lines)
+    assert problems == [] and "teacher, per GPU:" in text, text
+    # Qwen2.5-1.5B (configs/models/qwen2.5-1.5b-instruct.json): 1,543,714,304 parameters (tied embeddings;
+    # vocab 151936 is a multiple of 128: no padding), bf16 2 B each = 3.087 GB
+    assert "weights              3.09 GB" in text.split("teacher, per GPU:")[1]
+    # logits: one micro-batch of 8 x (512 + 512) tokens x 151936 vocab x (2 B bf16 + 4 B fp32 copy) = 7.468 GB
+    assert "logits               7.47 GB" in text.split("teacher, per GPU:")[1]
+
+
+def test_recipe_validates_with_the_teacher():
+    from megarl.config import load_config
+
+    cfg = load_config(RECIPE, [], dry_run=True)
+    assert cfg.algorithm.teacher == "Qwen/Qwen2.5-1.5B-Instruct" and cfg.algorithm.distill_coef == 1.0

@@ -470,7 +470,11 @@ def dry_run_report(cfg) -> tuple[list[str], list[str]]:
     lines.append(f"memory plan against {plan.gpu_bytes / GB:g} GB per GPU ({plan.gpu_source}); estimates, "
                  f"megarl/config/memory.py says how each is counted:")
     judge_lines, judge_problems = judge_memory(cfg, plan.gpu_bytes)  # reward.model: the judge's engines
-    return lines + [f"  {ln}" for ln in plan.lines() + judge_lines], plan.problems + judge_problems
+    from megarl.config.teacher import teacher_memory
+
+    teacher_lines, teacher_problems = teacher_memory(cfg, plan.gpu_bytes)  # algorithm.teacher: forward-only ranks
+    return (lines + [f"  {ln}" for ln in plan.lines() + judge_lines + teacher_lines],
+            plan.problems + judge_problems + teacher_problems)
 
 
 def judge_memory(cfg, gpu_bytes: float) -> tuple[list[str], list[str]]:

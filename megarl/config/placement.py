@@ -23,6 +23,7 @@ class DevicePlan:
     generator: list[int] | None  # generator.tp devices per replica, replica-major
     note: str                    # one line for the log: what went where and why
     judge: list[int] | None = None  # reward.judge_tp devices per judge replica (reward.model), replica-major
+    teacher: list[int] | None = None  # one device per teacher rank (algorithm.teacher), in global rank order
 
 
 def needed(cfg) -> tuple[int, int]:
@@ -82,7 +83,7 @@ def device_plan(cfg, visible: int) -> DevicePlan:
     shared = sorted(set(train) & set(gen))
     note = (f"trainer ranks on GPU(s) {_fmt(train)}, generator workers on GPU(s) {_fmt(gen)}"
             + (f" (sharing {_fmt(shared)}: cluster.share_devices)" if shared else " (disjoint)"))
-    return _with_judge(cfg, visible, DevicePlan(train, gen, note))
+    return _with_teacher(cfg, visible, _with_judge(cfg, visible, DevicePlan(train, gen, note)))
 
 
 def judge_needed(cfg) -> int:
@@ -116,6 +117,32 @@ def _with_judge(cfg, visible: int, plan: DevicePlan) -> DevicePlan:
     return dataclasses.replace(plan, judge=judge, note=f"{plan.note}; reward judge workers on GPU(s) {_fmt(judge)}")
 
 
+def teacher_needed(cfg) -> int:
+    """GPUs the distillation teacher needs: one per rank of its forward-only Megatron executor, which runs
+    at the trainer's tp x pp x dp (megarl/teacher/executor.py); 0 without algorithm.teacher."""
+    a, t = cfg.algorithm, cfg.trainer
+    return t.tp * t.pp * t.dp if a.teacher and a.distill_coef > 0 else 0
+
+
+def _with_teacher(cfg, visible: int, plan: DevicePlan) -> DevicePlan:
+    """``plan`` with the teacher's devices: those no other role has (with cluster.share_devices: the
+    trainer's, rank for rank). Its ranks start from the controller (cluster.launcher=local)."""
+    n = teacher_needed(cfg)
+    if not n:
+        return plan
+    if cfg.cluster.share_devices:
+        teacher = list(plan.trainer or range(min(n, visible)))
+    else:
+        taken = set(plan.trainer or []) | set(plan.generator or []) | set(plan.judge or [])
+        teacher = [d for d in range(visible) if d not in taken][:n]
+        if len(teacher) < n:
+            raise ValueError(f"the distillation teacher (algorithm.teacher) needs {n} GPU(s) (the trainer's tp*pp*dp) "
+                             f"and got {len(teacher)} of {visible} visible after the other roles'; free devices or set "
+                             f"cluster.share_devices=true")
+    teacher = [teacher[r % len(teacher)] for r in range(n)]
+    return dataclasses.replace(plan, teacher=teacher, note=f"{plan.note}; teacher ranks on GPU(s) {_fmt(teacher)}")
+
+
 def _parse(key: str, text: str, visible: int) -> list[int]:
     try:
         ids = parse_cpu_list(text)
@@ -131,4 +158,4 @@ def _fmt(ids: list[int]) -> str:
     return ",".join(str(d) for d in ids)
 
 
-__all__ = ["DevicePlan", "device_plan", "judge_needed", "needed"]
+__all__ = ["DevicePlan", "device_plan", "judge_needed", "needed", "teacher_needed"]

@@ -241,7 +241,10 @@ def _serve(chan: _Channel, rank: int, world: int, master_port: int, cfg: Trainer
             os._exit(3)
         raise
     init_model_parallel(cfg.tp, cfg.pp, seed=cfg.seed, ep=cfg.ep)
-    trainer = RankTrainer(cfg, algo, model_dir, total_steps=total_steps, run_dir=run_dir)
+    from megarl.trainer.forward_only import ForwardOnlyConfig, ForwardOnlyRank
+
+    learner = ForwardOnlyRank if isinstance(cfg, ForwardOnlyConfig) else RankTrainer  # a forward-only role
+    trainer = learner(cfg, algo, model_dir, total_steps=total_steps, run_dir=run_dir)
     from megatron.core import parallel_state as ps
 
     coords = _coords()
