@@ -12,7 +12,7 @@ def step_metrics(train: dict[str, float], times: dict[str, float], busy: dict[st
     """One step's row of metrics.jsonl: the trainer's (``train/*``), phase times, busy/idle, sync,
     lag, what the samples look like, and the data stream's CRC (a resumed run continues it)."""
     gen_seconds = busy["exec/generator_busy_s"] or lag["gen/batch_latency_s"]
-    return {**{f"train/{k}": v for k, v in train.items()}, **times, **busy, **sync, **lag,
+    return {**{(k if k.startswith("model/") else f"train/{k}"): v for k, v in train.items()}, **times, **busy, **sync, **lag,
             **rollout_metrics(samples, gen_seconds), "data/prompts_crc32": prompts_crc32(prompt_ids)}
 
 

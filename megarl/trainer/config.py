@@ -15,6 +15,7 @@ from megarl.utils.knobs import knob
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
 PARAMS_DTYPES = ("float32", "bfloat16")
 RECOMPUTE_MODES = ("none", "selective", "full")
+LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")  # megarl/trainer/lora.py
 
 
 @dataclasses.dataclass
@@ -96,6 +97,17 @@ class TrainerConfig:
     seed: int = knob(1234, help="Trainer seed: weight init where random, dropout RNG trackers. "
                      "Default 1234.")
 
+    # --- LoRA (megarl/trainer/lora.py) ---
+    lora_rank: int = knob(0, help="LoRA rank r (count, >= 0): adapters A [r, in], B [out, r] on the lora_targets "
+                          "linears, every base weight frozen and the optimizer holding the adapters only; the "
+                          "generator gets W + lora_alpha/r * B A at each sync. 0 = off (full fine-tuning). Default 0.")
+    lora_alpha: float = knob(16.0, help="LoRA scale numerator: the update is lora_alpha / lora_rank * B A "
+                             "(dimensionless, > 0; peft's lora_alpha). Used only when lora_rank > 0. Default 16.")
+    lora_targets: list[str] = knob(default_factory=lambda: ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"],
+                                   help="Megatron linears that get adapters (names): linear_qkv (q/k/v), linear_proj "
+                                   "(attention output), linear_fc1 (MLP gate+up), linear_fc2 (MLP down). Default all "
+                                   "four: the attention and MLP projections.")
+
     max_skipped_steps: int = knob(3, help="An optimizer update whose loss or gradient is NaN/inf is skipped (no "
                                   "update, no LR-schedule step; a WARNING in the rank log, train/skipped = the "
                                   "step's skipped updates, train/skipped_steps the run's total); this many "
@@ -176,6 +188,13 @@ class TrainerConfig:
                 out.append(f"trainer.{key}={getattr(self, key)}: must be > 0 (seconds)")
         if self.recompute not in RECOMPUTE_MODES:
             out.append(f"trainer.recompute={self.recompute!r}: must be one of {', '.join(RECOMPUTE_MODES)}")
+        if self.lora_rank < 0 or (self.lora_rank > 0 and self.lora_alpha <= 0):
+            out.append(f"trainer.lora_rank={self.lora_rank}, trainer.lora_alpha={self.lora_alpha}: need lora_rank >= 0 "
+                       f"(0 = off) and lora_alpha > 0")
+        bad = [t for t in self.lora_targets if t not in LORA_TARGETS]
+        if bad or (self.lora_rank > 0 and not self.lora_targets):
+            out.append(f"trainer.lora_targets={list(self.lora_targets)}: use a non-empty list of "
+                       f"{', '.join(LORA_TARGETS)}")
         if self.logprob_temperature <= 0:
             out.append(f"trainer.logprob_temperature={self.logprob_temperature}: must be > 0")
         return out

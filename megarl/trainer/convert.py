@@ -72,8 +72,8 @@ def model_local_params(model) -> dict[str, torch.Tensor]:
 
     m = unwrap(model)
     layouts = model_layouts(m)
-    params = {k: v for k, v in m.state_dict(keep_vars=True).items()
-              if not k.endswith("_extra_state") and isinstance(v, torch.Tensor)}
+    params = {k: v for k, v in m.state_dict(keep_vars=True).items()  # LoRA adapters: megarl.trainer.lora
+              if not k.endswith("_extra_state") and isinstance(v, torch.Tensor) and not k.endswith((".lora_A", ".lora_B"))}
     # PP=1 tied: output_layer.weight is absent or the embedding itself
     if "output_layer.weight" in params and "output_layer.weight" not in layouts:
         params.pop("output_layer.weight")

@@ -41,7 +41,32 @@ def make_sender(model, spec: SyncSpec) -> DdmaSender:
     topo = trainer_topology(model)
     if dataclasses.astuple(topo) != dataclasses.astuple(spec.src):
         raise ValueError(f"ddma: the sync spec's trainer topology {spec.src} does not describe this model ({topo})")
-    return DdmaSender(spec, this_rank(), {n: p.data for n, p in model_local_params(model).items()})
+    params = {n: p.data for n, p in model_local_params(model).items()}
+    from megarl.trainer.lora import lora_modules
+
+    if not lora_modules(model):
+        return DdmaSender(spec, this_rank(), params)
+    return LoraMergedSender(model, spec, params)
+
+
+class LoraMergedSender(DdmaSender):
+    """The sender of a LoRA model (trainer.lora_rank > 0): each adapted linear's tensor sent is a buffer of
+    this rank's shard of ``W + lora_alpha/r * B A``, merged again before every sync (no gather: a shard's
+    merge needs only its own W, A and B shards, megarl/trainer/lora.py); the other tensors are the
+    frozen parameters' live storage. Memory: one copy of the adapted weights' shards."""
+
+    def __init__(self, model, spec: SyncSpec, params: dict):
+        from megarl.trainer.lora import lora_modules
+
+        self._model = model
+        self._merged = {f"{n}.weight": params[f"{n}.weight"].clone() for n in lora_modules(model)}
+        super().__init__(spec, this_rank(), {**params, **self._merged})
+
+    def sync(self, version: int) -> dict:
+        from megarl.trainer.lora import merge_into
+
+        merge_into(self._model, self._merged)
+        return super().sync(version)
 
 
 __all__ = ["trainer_topology", "this_rank", "make_sender"]

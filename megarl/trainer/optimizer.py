@@ -125,16 +125,27 @@ class TrainingObjects:
     max_skipped_steps: int = 3
     skipped_in_a_row: int = 0
     skipped_total: int = 0
+    param_counts: dict = None  # {"model/params", "trainable_params"}: megarl.trainer.lora.param_counts
 
 
 def build_training(cfg: TrainerConfig, model: torch.nn.Module | list,
                    total_steps: int) -> TrainingObjects:
     """DDP wrap + optimizer + scheduler for one GPTModel chunk (or a list of chunks)."""
     chunks = model if isinstance(model, list) else [model]
+    if cfg.lora_rank > 0:  # adapters on, base frozen before DDP: only the adapters get grads and optimizer state
+        from megarl.trainer.lora import apply_lora
+
+        for c in chunks:
+            apply_lora(c, cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets, seed=cfg.seed)
+    from megarl.trainer.lora import param_counts
+
+    counts = param_counts(chunks[0]) if len(chunks) == 1 else None
     ddp = [wrap_ddp(cfg, c) for c in chunks]
     opt = build_optimizer(cfg, ddp)
     return TrainingObjects(model=ddp, optimizer=opt, scheduler=build_scheduler(cfg, opt, total_steps),
-                           max_skipped_steps=cfg.max_skipped_steps)
+                           max_skipped_steps=cfg.max_skipped_steps,
+                           param_counts=counts and {"model/params": float(counts["model/params"]),
+                                                    "trainable_params": float(counts["train/trainable_params"])})
 
 
 def all_finite(objs: TrainingObjects, loss: float) -> bool:
@@ -207,4 +218,5 @@ def optimizer_step(objs: TrainingObjects, loss: float = 0.0) -> dict:
                         "trainer.max_skipped_steps=%d)", why, objs.skipped_in_a_row, objs.skipped_total,
                         objs.max_skipped_steps)
     return {"update_successful": bool(ok), "grad_norm": float(grad_norm or 0.0) if finite else float("nan"),
-            "lr": float(lr), "skipped": 0.0 if finite else 1.0, "skipped_steps": float(objs.skipped_total)}
+            "lr": float(lr), "skipped": 0.0 if finite else 1.0, "skipped_steps": float(objs.skipped_total),
+            **(objs.param_counts or {})}

@@ -35,7 +35,7 @@ from megarl.trainer.logprobs import aligned_logprobs, dp_rows, dp_share, micro_b
 # How a step's updates reduce to the step's metrics: every loss metric is the mean over the step's
 # updates weighted by each update's loss tokens; "tokens" counts one pass over the batch; the
 # optimizer's figures as below (grad_norm: the mean, with grad_norm_max beside it).
-_STEP_REDUCE = {"lr": "last", "skipped_steps": "last", "skipped": "sum", "update_successful": "all",
+_STEP_REDUCE = {"lr": "last", "trainable_params": "last", "model/params": "last", "skipped_steps": "last", "skipped": "sum", "update_successful": "all",
                 "micro_batches": "sum", "grad_norm": "mean"}
 
 

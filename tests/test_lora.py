@@ -1,0 +1,245 @@
+"""LoRA on the Megatron trainer (megarl/trainer/lora.py): B=0 is the base model bit for bit, TP=2 equals
+TP=1, the merged shard weights equal the adapter forward, a step moves only the adapters, the counts are
+the hand counts, the generator after a DDMA sync gives the trainer's logprobs, and checkpoints keep the
+adapters."""
+
+from __future__ import annotations
+
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+
+from megarl.batch import RolloutBatch
+from megarl.utils.dist import run_multiprocess
+
+REPO = Path(__file__).resolve().parents[1]
+RANK, ALPHA = 4, 8.0
+# fp32 logprobs of the same math in another summation order (TP shards, merged vs factored): a 128-term
+# logit dot with sum|terms| ~10 rounds by <= 128 * 2^-24 * 10 ~ 8e-5 (tests/test_trainer_model.py's bound)
+FP32_BOUND = 1e-4
+
+
+def _batch(vocab: int, advantages=(1.0, -1.0, 1.0, -1.0)) -> RolloutBatch:
+    g = torch.Generator().manual_seed(0)
+    lengths = [10, 7, 12, 9]
+    tokens = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
+    masks = [[0.0] * 4 + [1.0] * (n - 4) for n in lengths]
+    # AIPO with behaviour logprobs far below pi: loss -rho * A * log pi, varying advantages: a nonzero gradient
+    behav = [[-50.0] * n for n in lengths]
+    return RolloutBatch.from_sequences(tokens, masks, behav_logprobs=behav, advantages=list(advantages),
+                                       versions=[[0] * n for n in lengths])
+
+
+def _full_b(name: str, mod, tp: int) -> torch.Tensor:
+    """A nonzero full (TP=1) B for linear ``name``, the same at every TP size."""
+    out_full = mod.weight.shape[0] * (tp if mod.megarl_lora_column else 1)
+    g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+    return torch.randn(out_full, RANK, generator=g) * 0.5
+
+
+def _set_nonzero_b(model, tp: int) -> None:
+    from megarl.trainer.lora import lora_modules, set_full_adapter
+
+    for name, mod in lora_modules(model).items():
+        set_full_adapter(mod, "lora_B", _full_b(name, mod, tp))
+
+
+def _forward_worker(rank, world, hf_dir, batch, tps):
+    from megarl.models.layouts import ModelDims
+    from megarl.trainer.config import LORA_TARGETS
+    from megarl.trainer.convert import load_hf_into_model
+    from megarl.trainer.logprobs import compute_logprobs
+    from megarl.trainer.lora import apply_lora, lora_modules, merged_delta, param_counts
+    from megarl.trainer.model import build_gpt_model, read_hf_config
+    from megarl.utils.dist import init_model_parallel
+
+    out = {}
+    for tp in tps:
+        init_model_parallel(tp, 1, seed=1)
+        model = build_gpt_model(ModelDims.from_hf_config(read_hf_config(hf_dir)))
+        load_hf_into_model(model, hf_dir)
+        lp = lambda: compute_logprobs(model, batch, micro_batch_size=2, temperature=1.0).logprobs  # noqa: E731
+        r = {"base": lp(), "base_counts": param_counts(model)}
+        r["adapted"] = apply_lora(model, RANK, ALPHA, LORA_TARGETS, seed=7)
+        r["b0"] = lp()
+        _set_nonzero_b(model, tp)
+        r["lora"], r["counts"] = lp(), param_counts(model)
+        with torch.no_grad():  # each rank merges its own shards (what the DDMA sender sends), B back to 0
+            for mod in lora_modules(model).values():
+                mod.weight.add_(merged_delta(mod))
+                mod.lora_B.zero_()
+        r["merged"] = lp()
+        out[tp] = r
+    return out
+
+
+def _hand_counts(hf_dir) -> tuple[int, int]:
+    """(HF model's parameter count, LoRA adapter count) from config.json by hand."""
+    import json
+
+    c = json.loads((Path(hf_dir) / "config.json").read_text())
+    h, f, layers = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"]
+    hd = c.get("head_dim") or h // c["num_attention_heads"]
+    q, kv = c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd
+    # A [r, in] + B [out, r] per linear: qkv (h -> q+2kv), proj (q -> h), fc1 (h -> 2f), fc2 (f -> h)
+    adapters = layers * RANK * ((h + q + 2 * kv) + (q + h) + (h + 2 * f) + (f + h))
+    per_layer = h * (q + 2 * kv) + q * h + h * 2 * f + f * h + 2 * h  # + the two norms
+    embed = c["vocab_size"] * h * (1 if c.get("tie_word_embeddings") else 2)
+    return layers * per_layer + embed + h, adapters  # + the final norm
+
+
+def test_lora_forward_b0_exact_tp2_equals_tp1_merge_matches(tiny_llama_tied_dir):
+    batch = _batch(49152)
+    res = run_multiprocess(_forward_worker, 2, str(tiny_llama_tied_dir), batch, [2, 1], timeout_s=600)
+    tp2, tp1 = res[0][2], res[0][1]  # TP=1 on 2 ranks: DP=2 (each holds the whole model)
+    for r in (tp1, tp2):
+        assert r["adapted"] == 2 * 4  # 2 layers x (qkv, proj, fc1, fc2)
+        assert torch.equal(r["b0"], r["base"])  # B = 0: the base model bit for bit
+        assert (r["lora"] - r["base"]).abs().max() > 0.05  # B != 0 moves the logprobs (break: B ignored)
+        # the merged shards (W + scale B A per rank, no gather) give the adapter forward's logprobs
+        assert (r["merged"] - r["lora"]).abs().max() < FP32_BOUND
+    assert (tp2["lora"] - tp1["lora"]).abs().max() < FP32_BOUND
+    assert (tp2["base"] - tp1["base"]).abs().max() < FP32_BOUND
+    hf_params, adapters = _hand_counts(tiny_llama_tied_dir)
+    for r in (tp1, tp2):
+        assert r["base_counts"] == {"model/params": hf_params, "train/trainable_params": hf_params}
+        assert r["counts"] == {"model/params": hf_params + adapters, "train/trainable_params": adapters}
+
+
+def _train_worker(rank, world, hf_dir, batch, tp, steps):
+    from megarl.models.layouts import ModelDims
+    from megarl.trainer.config import TrainerConfig
+    from megarl.trainer.convert import load_hf_into_model
+    from megarl.trainer.lora import lora_modules
+    from megarl.trainer.model import build_gpt_model, read_hf_config, unwrap
+    from megarl.trainer.optimizer import build_training
+    from megarl.trainer.train_step import train_step
+    from megarl.utils.dist import init_model_parallel
+
+    cfg = TrainerConfig(tp=tp, dp=world // tp, lr=1e-3, grad_clip=1.0, use_distributed_optimizer=True,
+                        lora_rank=RANK, lora_alpha=ALPHA)
+    init_model_parallel(tp, 1, seed=1)
+    model = build_gpt_model(ModelDims.from_hf_config(read_hf_config(hf_dir)))
+    load_hf_into_model(model, hf_dir)
+    objs = build_training(cfg, model, total_steps=steps)
+    m = unwrap(objs.model[0])
+    before = {n: p.detach().clone() for n, p in m.named_parameters()}
+    trainable = sorted(n for n, p in m.named_parameters() if p.requires_grad)
+    in_optimizer = sum(p.numel() for g in objs.optimizer.param_groups for p in g["params"])
+    metrics = [train_step(objs, batch, loss_name="aipo", loss_params={"rho": 4.0}, micro_batch_size=1,
+                          current_version=0) for _ in range(steps)]
+    after = dict(m.named_parameters())
+    changed = sorted(n for n in before if not torch.equal(before[n], after[n]))
+    return {"trainable": trainable, "changed": changed, "metrics": metrics, "in_optimizer": in_optimizer,
+            "adapters": sorted(f"{n}.{k}" for n in lora_modules(m) for k in ("lora_A", "lora_B")),
+            "names": sorted(before)}
+
+
+def test_a_step_trains_only_the_adapters(tiny_llama_tied_dir):
+    batch = _batch(49152)
+    (r0, r1) = run_multiprocess(_train_worker, 2, str(tiny_llama_tied_dir), batch, 2, 2, timeout_s=600)
+    hf_params, adapters = _hand_counts(tiny_llama_tied_dir)
+    for r in (r0, r1):
+        assert r["trainable"] == r["adapters"] and len(r["adapters"]) == 16
+        # step 1 moves B (dA = B^T ... = 0 at B = 0), step 2 both; the base weights bit for bit unchanged
+        assert r["changed"] == r["adapters"], sorted(set(r["names"]) - set(r["changed"]))[:5]
+        assert r["metrics"][0]["grad_norm"] > 0  # the reference is not 0: a training effect to see
+        assert r["metrics"][-1]["trainable_params"] == adapters
+        assert r["metrics"][-1]["model/params"] == hf_params + adapters
+    # the DistributedOptimizer holds adapter elements only: its dp shard of this TP rank's adapter elements
+    assert r0["in_optimizer"] < adapters
+
+
+# ---------------------------------------------------------------- in-process trainer: sync, checkpoint
+
+@pytest.fixture(scope="module")
+def lora_trainer(tiny_llama_tied_dir, tmp_path_factory):
+    from megarl.config import load_config
+    from megarl.trainer.local import LocalTrainer
+
+    cfg = load_config(REPO / "configs" / "tiny_test.yaml", [
+        f"model.path={tiny_llama_tied_dir}", "generator.dtype=float32", "generator.max_new_tokens=12",
+        "sync.probe_every=1", "cluster.device=cpu", f"trainer.lora_rank={RANK}", f"trainer.lora_alpha={ALPHA}",
+        "trainer.resume_from=null"])
+    run = tmp_path_factory.mktemp("lora_run")
+    trainer = LocalTrainer(cfg.trainer, cfg.algorithm, tiny_llama_tied_dir, total_steps=1, run_dir=run)
+    yield cfg, trainer
+    trainer.close()  # torch.distributed must not leak into the next test module
+
+
+def test_generator_after_ddma_sync_gives_the_merged_model_logprobs(lora_trainer, tiny_llama_tied_dir):
+    from megarl.controller.loop import model_dims, resolved_sync
+    from megarl.controller.weight_sync import WeightSync
+    from megarl.generator.executor import GeneratorExecutor
+    from megarl.trainer.logprobs import compute_logprobs
+
+    cfg, trainer = lora_trainer
+    _set_nonzero_b(trainer.model, 1)
+    with GeneratorExecutor(cfg.generator, tiny_llama_tied_dir) as gen:
+        sync = WeightSync(resolved_sync(cfg), trainer, gen, dims=model_dims(tiny_llama_tied_dir),
+                          generator_cfg=cfg.generator, probe_prompt=[1, 504, 3180, 314])
+        m = sync.push(1)
+        assert m["sync/probe_gap"] < 1e-3  # the fp32 probe bound (controller/weight_sync.py docstring)
+        samples = gen.generate([[1, 504, 3180, 314], [1, 2683, 314, 253, 1345]], n_samples=2)
+    batch = RolloutBatch.from_samples(samples)
+    lp = compute_logprobs(trainer.model, batch, temperature=1.0).logprobs
+    assert float(((lp - batch.behav_logprobs).abs() * batch.loss_mask).max()) < 1e-3
+    # the base alone (what a sync without the merge sends) is far from the adapted policy
+    from megarl.trainer.lora import lora_modules
+
+    saved = {n: mod.lora_B.detach().clone() for n, mod in lora_modules(trainer.model).items()}
+    with torch.no_grad():
+        for mod in lora_modules(trainer.model).values():
+            mod.lora_B.zero_()
+    base = compute_logprobs(trainer.model, batch, temperature=1.0).logprobs
+    with torch.no_grad():
+        for n, mod in lora_modules(trainer.model).items():
+            mod.lora_B.copy_(saved[n])
+    assert float(((base - batch.behav_logprobs).abs() * batch.loss_mask).max()) > 0.05
+
+
+def _reshard_worker(rank, world, hf_dir, step_dir, batch):
+    from megarl.models.layouts import ModelDims
+    from megarl.trainer.checkpoint import load_checkpoint
+    from megarl.trainer.config import TrainerConfig
+    from megarl.trainer.convert import load_hf_into_model
+    from megarl.trainer.logprobs import compute_logprobs
+    from megarl.trainer.model import build_gpt_model, read_hf_config
+    from megarl.trainer.optimizer import build_training
+    from megarl.utils.dist import init_model_parallel
+
+    init_model_parallel(2, 1, seed=1)
+    model = build_gpt_model(ModelDims.from_hf_config(read_hf_config(hf_dir)))
+    load_hf_into_model(model, hf_dir)
+    objs = build_training(TrainerConfig(tp=2, lora_rank=RANK, lora_alpha=ALPHA), model, total_steps=2)
+    load_checkpoint(step_dir, model=objs.model, optimizer=objs.optimizer, scheduler=objs.scheduler)
+    return compute_logprobs(model, batch, micro_batch_size=2, temperature=1.0).logprobs
+
+
+def test_checkpoint_keeps_the_adapters_resume_and_reshard(lora_trainer, tiny_llama_tied_dir):
+    from megarl.trainer.checkpoint import load_checkpoint
+    from megarl.trainer.logprobs import compute_logprobs
+    from megarl.trainer.lora import lora_modules
+    from megarl.trainer.train_step import train_step
+
+    cfg, trainer = lora_trainer
+    batch = _batch(49152)
+    train_step(trainer.objs, batch, loss_name="aipo", loss_params={"rho": 4.0}, micro_batch_size=1,
+               current_version=0)  # the optimizer holds state (megatron saves none before a step)
+    want = {n: (m.lora_A.detach().clone(), m.lora_B.detach().clone()) for n, m in lora_modules(trainer.model).items()}
+    assert any(bool(b.abs().sum() > 0) for _, b in want.values())
+    lp = compute_logprobs(trainer.model, batch, micro_batch_size=2, temperature=1.0).logprobs
+    path = trainer.save()
+    with torch.no_grad():
+        for m in lora_modules(trainer.model).values():
+            m.lora_A.zero_()
+            m.lora_B.zero_()
+    load_checkpoint(path, model=trainer.objs.model, optimizer=trainer.objs.optimizer,
+                    scheduler=trainer.objs.scheduler)
+    for n, m in lora_modules(trainer.model).items():
+        assert torch.equal(m.lora_A, want[n][0]) and torch.equal(m.lora_B, want[n][1]), n
+    # reshard: the TP=1 checkpoint loaded at TP=2 (A of row-parallel and B of column-parallel layers split)
+    tp2 = run_multiprocess(_reshard_worker, 2, str(tiny_llama_tied_dir), str(path), batch, timeout_s=600)
+    assert (tp2[0] - lp).abs().max() < FP32_BOUND
