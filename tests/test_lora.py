@@ -243,3 +243,24 @@ def test_checkpoint_keeps_the_adapters_resume_and_reshard(lora_trainer, tiny_lla
     # reshard: the TP=1 checkpoint loaded at TP=2 (A of row-parallel and B of column-parallel layers split)
     tp2 = run_multiprocess(_reshard_worker, 2, str(tiny_llama_tied_dir), str(path), batch, timeout_s=600)
     assert (tp2[0] - lp).abs().max() < FP32_BOUND
+
+
+def test_memory_plan_counts_lora(tiny_llama_tied_dir):
+    """Frozen base: gradients and optimizer state for the adapters only (hand counts above)."""
+    import json
+
+    from megarl.config.memory import trainer_plan
+    from megarl.models.layouts import ModelDims
+
+    dims = ModelDims.from_hf_config(json.loads((Path(tiny_llama_tied_dir) / "config.json").read_text()))
+    hf_params, adapters = _hand_counts(tiny_llama_tied_dir)
+    kw = dict(tp=1, pp=1, dp=1, params_dtype="bfloat16", distributed_optimizer=True, seq=64, micro_batch=1)
+    full, lora = trainer_plan(dims, **kw), trainer_plan(dims, **kw, lora_rank=RANK)
+    assert full["gradients"] == hf_params * 4 and full["optimizer"] == hf_params * 12  # fp32 grads; m, v, master
+    assert lora["gradients"] == adapters * 4 and lora["optimizer"] == adapters * 12
+    assert lora["weights"] == (hf_params + adapters) * 2
+    c = json.loads((Path(tiny_llama_tied_dir) / "config.json").read_text())
+    h, f, hd = c["hidden_size"], c["intermediate_size"], c["hidden_size"] // c["num_attention_heads"]
+    q, kv = c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd
+    assert lora["lora_merged"] == c["num_hidden_layers"] * (h * (q + 2 * kv) + q * h + 3 * h * f) * 2
+    assert sum(lora.values()) < sum(full.values())

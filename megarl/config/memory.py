@@ -17,6 +17,9 @@ per line of the printout (docs/memory.md walks through them):
   2020, "ZeRO", Figure 1: 2+2+12/64 bytes x 7.5e9 = 31.4 GB; we get 31.4).
 - reference: the frozen KL reference model (``algorithm.kl_coef > 0``; megarl/trainer/train_step.py
   build_reference_model): a second copy of the weights, same dtype and layout, no grads or optimizer.
+- LoRA (``trainer.lora_rank`` > 0): gradients and optimizer state for the adapters only (the base is
+  frozen), the adapters beside the weights, and ``lora_merged``: the sender's merged copy of the adapted
+  weights (megarl/trainer/ddma.py LoraMergedSender).
 - fp8_wire: ``sync.wire: fp8`` quantizes the rank's weights to e4m3 before sending: 1 byte/param
   (plus a 4-byte scale a row, counted) held on the trainer GPU while the sync runs.
 - activations: Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer
@@ -151,9 +154,12 @@ def trainer_plan(dims: ModelDims, *, tp: int, pp: int, dp: int, params_dtype: st
                  seq: int, micro_batch: int, grad_bytes: int = 4, ep: int = 1, reference: bool = False,
                  fp8_wire: bool = False, recompute: str = "none", fused_attention: bool = False,
                  max_tokens: int = 0, entropy: bool = False, temperature: float = 1.0,
-                 vocab_divisible_by: int = 128) -> dict[str, float]:
+                 vocab_divisible_by: int = 128, lora_rank: int = 0,
+                 lora_targets: tuple = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")) -> dict[str, float]:
     """Bytes per GPU of the largest trainer rank, by term (see the module doc); terms that are 0 for
-    this config are still present (the printout skips zeros)."""
+    this config are still present (the printout skips zeros). ``lora_rank`` > 0 (trainer.lora_rank):
+    frozen base weights (no gradient, no optimizer state), the adapters' weights, gradients and optimizer
+    state, and ``lora_merged``: the DDMA sender's copy of the adapted weights' merged shards."""
     from megarl.models.layouts import padded_vocab_size
 
     dense, expert = trainer_rank_param_split(dims, tp, pp, ep)
@@ -176,6 +182,15 @@ def trainer_plan(dims: ModelDims, *, tp: int, pp: int, dp: int, params_dtype: st
     copy = params_dtype != "float32" or padded or temperature != 1.0
     logits = row_len * rows * v_local
     rows_fp8 = n / max(1, dims.hidden_size)  # one scale per row of ~hidden elements
+    if lora_rank > 0:
+        adapters, adapted = lora_rank_params(dims, tp, pp, lora_rank, lora_targets)
+        return {"weights": (n + adapters) * w, "gradients": adapters * g, "optimizer": adapters * o_dense,
+                "lora_merged": adapted * w, "reference": n * w if reference else 0.0,
+                "fp8_wire": n * 1.0 + 4 * rows_fp8 if fp8_wire else 0.0,
+                "activations": acts, "attention_scores": score_term,
+                "logits": logits * logits_bytes_per_logit(params_dtype, copy=copy),
+                "entropy": logits * ENTROPY_BYTES_PER_LOGIT if entropy else 0.0,
+                "overhead": OVERHEAD_GB * GB}
     return {"weights": n * w, "gradients": n * g, "optimizer": dense * o_dense + expert * o_exp,
             "reference": n * w if reference else 0.0,
             "fp8_wire": n * 1.0 + 4 * rows_fp8 if fp8_wire else 0.0,
@@ -183,6 +198,22 @@ def trainer_plan(dims: ModelDims, *, tp: int, pp: int, dp: int, params_dtype: st
             "logits": logits * logits_bytes_per_logit(params_dtype, copy=copy),
             "entropy": logits * ENTROPY_BYTES_PER_LOGIT if entropy else 0.0,
             "overhead": OVERHEAD_GB * GB}
+
+
+def lora_rank_params(dims: ModelDims, tp: int, pp: int, rank: int, targets) -> tuple[int, int]:
+    """(adapter elements, adapted weight elements) on one trainer rank of a dense model (megarl/trainer/lora.py):
+    column-parallel qkv/fc1 hold A [r, in] whole and B [out/tp, r]; row-parallel proj/fc2 A [r, in/tp] and
+    B [out, r]. MoE experts' linears are not counted."""
+    h, q, kv, f = dims.hidden_size, dims.num_heads * dims.head_dim, dims.num_kv_heads * dims.head_dim, dims.ffn_hidden_size
+    shapes = {"linear_qkv": (h, q + 2 * kv, True), "linear_proj": (q, h, False), "linear_fc1": (h, 2 * f, True),
+              "linear_fc2": (f, h, False)}  # (in, out, column-parallel)
+    adapters = adapted = 0
+    for t in targets:
+        i, o, column = shapes[t]
+        adapters += rank * (i + o // tp) if column else rank * (i // tp + o)
+        adapted += i * o // tp
+    layers = dims.num_layers // pp
+    return layers * adapters, layers * adapted
 
 
 def state_bytes_per_param(params_dtype: str, *, dp: int, distributed: bool, grad_bytes: int = 4) -> tuple[float, ...]:
@@ -215,6 +246,7 @@ TERM_NOTES = {
     "fp8_wire": "sync.wire=fp8 buffers, 1 B/param",
     "attention_scores": "[b, heads/t, s, s] kept: no fused attention, trainer.recompute=none",
     "entropy": "algorithm.entropy_coef > 0",
+    "lora_merged": "trainer.lora_rank > 0: the merged adapted weights the sync sends",
 }
 
 
@@ -323,7 +355,7 @@ def plan_memory(cfg, dims: ModelDims, *, fused_attention: Optional[bool] = None)
     common = dict(dp=t.dp, params_dtype=t.params_dtype, distributed_optimizer=t.use_distributed_optimizer, seq=seq,
                   ep=t.ep, reference=algo.kl_coef > 0, fp8_wire=wire == "fp8", fused_attention=fused_attention,
                   max_tokens=t.max_tokens_per_micro_batch, entropy=algo.entropy_coef > 0,
-                  temperature=t.logprob_temperature)
+                  temperature=t.logprob_temperature, lora_rank=t.lora_rank, lora_targets=tuple(t.lora_targets))
 
     def trainer_at(tp: int, pp: int, mb: int, recompute: str = t.recompute, fused: bool = fused_attention):
         return trainer_plan(dims, tp=tp, pp=pp, micro_batch=mb, recompute=recompute,
