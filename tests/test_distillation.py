@@ -195,3 +195,58 @@ def test_recipe_validates_with_the_teacher():
 
     cfg = load_config(RECIPE, [], dry_run=True)
     assert cfg.algorithm.teacher == "Qwen/Qwen2.5-1.5B-Instruct" and cfg.algorithm.distill_coef == 1.0
+
+
+# ---------------------------------------------------------------- a short real job (megarl train)
+
+def _job(model_dir, out_dir, teacher, *overrides):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    cmd = [sys.executable, "-m", "megarl", "train", str(repo / "configs" / "tiny_test.yaml"), f"model.path={model_dir}",
+           f"logging.out_dir={out_dir}", "controller.eval_every=0", "trainer.checkpoint_interval=0",
+           f"algorithm.teacher={teacher}", "algorithm.distill_coef=1.0", *overrides]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=repo,
+                         env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    rows = []
+    metrics = Path(out_dir) / "tiny-test" / "metrics.jsonl"
+    if metrics.is_file():
+        rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    return out, rows
+
+
+def test_job_with_teacher_logs_reverse_kl(tiny_llama_dir, tmp_path):
+    from megarl.models.tiny import make_tiny_hf_checkpoint
+
+    # 1) teacher == student: the teacher's ranks and the trainer run the same logprob code on the same fp32
+    #    weights, so at step 1 (the trainer still holds the initial weights) log pi - log q is exactly 0
+    out, rows = _job(tiny_llama_dir, tmp_path / "same", tiny_llama_dir, "controller.steps=1")
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert rows[0]["step"] == 1 and rows[0]["distill/reverse_kl"] == 0.0
+    assert rows[0]["train/loss/distill/reverse_kl"] == 0.0
+    assert "starting the teacher (forward-only Megatron" in out.stdout
+    # 2) another teacher (same tokenizer, other random weights): the tiny model's rewards are all equal (every
+    #    reply cut at max_new_tokens), so the GRPO advantage is 0 and only the teacher's term moves the policy
+    other = make_tiny_hf_checkpoint(tmp_path / "other_teacher", "llama", seed=7)
+    out, rows = _job(tiny_llama_dir, tmp_path / "other", other, "controller.steps=1")
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    kl = rows[0]["distill/reverse_kl"]
+    assert kl != 0.0 and math.isfinite(kl)  # the reference is not 0
+    assert rows[0]["reward/correct_frac"] == 0.0 and rows[0]["train/grad_norm"] > 0.0
+
+
+def test_teacher_death_stops_the_job_naming_it(tiny_llama_dir, tmp_path):
+    # MEGARL_FAULT_INJECT=teacher_exit: the teacher's rank exits (code 9) when asked for its first logprobs
+    import os
+
+    os.environ["MEGARL_FAULT_INJECT"] = "teacher_exit"
+    try:
+        out, rows = _job(tiny_llama_dir, tmp_path, tiny_llama_dir, "controller.steps=1")
+    finally:
+        del os.environ["MEGARL_FAULT_INJECT"]
+    assert out.returncode != 0 and rows == []
+    last = out.stderr.strip().splitlines()[-1]
+    assert "teacher: teacher rank 0 (tp 0, pp 0, dp 0; pid" in last and "exit code 9" in last, out.stderr[-2000:]

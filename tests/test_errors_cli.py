@@ -265,7 +265,7 @@ def test_a_full_disk_in_a_trainer_rank(raised):
     root, done = raised
     ckpt = root / "nospace" / "tiny-test" / "checkpoints"
     _one_line(done["nospace"], 6, "trainer rank 0 (tp 0, pp 0, dp 0; pid ", "raised "
-              f"megarl.trainer.checkpoint.CheckpointNoSpace: checkpoint: no space for step 1 at {ckpt}",
+              f"megarl.utils.checkpoint_store.CheckpointNoSpace: checkpoint: no space for step 1 at {ckpt}",
               "1048576 are free", _controller_log(root, "nospace"), "TrainerRankFailed <- CheckpointNoSpace")
 
 

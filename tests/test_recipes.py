@@ -73,7 +73,7 @@ def test_a_plan_needs_no_local_model_but_a_real_run_does():
 
 
 def test_an_hf_id_resolves_to_the_local_hf_cache(tmp_path, monkeypatch):
-    from megarl.config.model_source import local_model_dir, shipped_config
+    from megarl.utils.model_source import local_model_dir, shipped_config
 
     snap = tmp_path / "hub" / "models--Qwen--Qwen3-8B" / "snapshots" / "abc123"
     snap.mkdir(parents=True)

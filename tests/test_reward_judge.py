@@ -17,8 +17,9 @@ import pytest
 import torch
 
 from megarl.reward.config import RewardConfig
-from megarl.reward.judge import (CLOSE_REPLY, DEFAULT_TEMPLATE, OPEN_REPLY, JudgeDied, bound_tokens, judge_message,
-                                 parse_score, quote, template_problems)
+from megarl.reward.judge import JudgeDied
+from megarl.reward.judge_prompt import (CLOSE_REPLY, DEFAULT_TEMPLATE, OPEN_REPLY, bound_tokens, judge_message,
+                                        parse_score, quote, template_problems)
 
 REPO = Path(__file__).resolve().parents[1]
 PLANTED_REPLY = "SCORE: 7"  # what the planted judge says to anything (planted_judge below)
@@ -304,3 +305,57 @@ def test_the_slurm_dry_run_lists_the_judge():
     # the trainer's ranks attach from their pool; on the controller's node the generator, then the judge
     assert line == ("device plan on gpu-node-0: trainer no GPU here (its pool, or the CPU); generator GPU(s) 0; "
                     "judge GPU(s) 1"), line
+
+
+
+# ------------------------------------------------------------------ a short `megarl train` with the judge
+def _fd_holder(path: Path) -> int | None:
+    """The pid of a process holding ``path`` open (the judge replica writes its own log)."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+            if any(os.readlink(f"/proc/{pid}/fd/{fd}") == str(path) for fd in fds):
+                return int(pid)
+        except OSError:
+            continue
+    return None
+
+
+def test_train_with_the_judge_then_its_death_stops_the_job(tiny_llama_dir, planted_dir, tmp_path):
+    """Steps 1-2 scored by the planted judge (every finished reply 0.7, none unparseable); then the judge's
+    replica is killed and the job stops at the next scoring, its last line naming the reward judge."""
+    cmd = [sys.executable, "-m", "megarl", "train", str(REPO / "configs" / "tiny_test.yaml"),
+           f"model.path={tiny_llama_dir}", f"logging.out_dir={tmp_path}", "controller.steps=6", "controller.eval_every=0",
+           "trainer.checkpoint_interval=0", "generator.stop=[e, a, o, i]",  # a random model's replies finish ('stop')
+           f"reward.model={planted_dir}", "reward.judge_max_tokens=8", "reward.judge_max_reply_tokens=64",
+           "reward.judge_max_model_len=512", "reward.judge_kv_cache_gib=1"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+                            env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    run = tmp_path / "tiny-test"
+    try:
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline and proc.poll() is None:
+            rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()] \
+                if (run / "metrics.jsonl").exists() else []
+            if len(rows) >= 2:
+                break
+            time.sleep(1)
+        assert len(rows) >= 2, proc.communicate(timeout=60)
+        judge_pid = _fd_holder(run / "logs" / "judge" / "generator_replica0.log")
+        assert judge_pid is not None
+        os.kill(judge_pid, signal.SIGKILL)
+        out, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    for r in rows[:2]:
+        finished = 1.0 - r["gen/truncated_frac"]
+        assert finished > 0, r  # the stop strings end some replies: there is something to judge
+        assert r["reward/errors"] == 0
+        # the planted judge's SCORE: 7 of 10 -> 0.7 (reward.correct 1, wrong 0) for each finished reply, 0 for a cut one
+        assert r["reward/mean"] == pytest.approx(0.7 * finished, abs=1e-6)
+        assert r["reward/correct_frac"] == pytest.approx(finished, abs=1e-9)  # 0.7 >= CORRECT_AT
+    assert proc.returncode == 3, err[-3000:]  # ProcessDied's exit code (megarl/utils/errors.py)
+    assert "starting the reward judge" in out
+    last = err.strip().splitlines()[-1]
+    assert "reward judge replica 0 (pid" in last and "SIGKILL" in err, err[-3000:]

@@ -78,7 +78,7 @@ def resolve_model(path: str) -> Path:
 
         log.info("preparing the built-in SmolLM2-135M-Instruct (first time: converts the GGUF, ~1 min)")
         return ensure_smollm2_hf()
-    from megarl.config.model_source import local_model_dir
+    from megarl.utils.model_source import local_model_dir
 
     return local_model_dir(path) or Path(path)  # an HF id: its snapshot in the local HF cache
 

@@ -502,8 +502,6 @@ def dry_run_report(cfg) -> tuple[list[str], list[str]]:
     lines.append(f"memory plan against {plan.gpu_bytes / GB:g} GB per GPU ({plan.gpu_source}); estimates, "
                  f"megarl/config/memory.py says how each is counted:")
     judge_lines, judge_problems = judge_memory(cfg, plan.gpu_bytes)  # reward.model: the judge's engines
-    from megarl.config.teacher import teacher_memory
-
     teacher_lines, teacher_problems = teacher_memory(cfg, plan.gpu_bytes)  # algorithm.teacher: forward-only ranks
     return (lines + [f"  {ln}" for ln in plan.lines() + judge_lines + teacher_lines],
             plan.problems + judge_problems + teacher_problems)
@@ -538,4 +536,42 @@ def judge_memory(cfg, gpu_bytes: float) -> tuple[list[str], list[str]]:
         problems.append(f"reward.judge_kv_cache_gib={r.judge_kv_cache_gib}: holds less than one reward.judge_max_model_len="
                         f"{r.judge_max_model_len} sequence; set it to "
                         f"{math.ceil(r.judge_max_model_len * per_token / 2**30)} or more")
+    return lines, problems
+
+
+def teacher_memory(cfg, gpu_bytes: float) -> tuple[list[str], list[str]]:
+    """(plan lines, problems) of one teacher rank's GPU (megarl/teacher/executor.py: forward-only
+    Megatron ranks at the trainer's tp x pp x dp and params_dtype, megarl/config/memory.py's terms):
+    its weights; one layer's activations and attention scores at a time (no grad: nothing is kept for
+    a backward); the micro-batch's logits with their fp32 copy (no gradient); the overhead. Nothing
+    without a teacher; a line saying so when its config.json is not here."""
+    from megarl.config.validate import model_shape
+    from megarl.models.layouts import padded_vocab_size
+
+    a, t = cfg.algorithm, cfg.trainer
+    if not a.teacher or not a.distill_coef > 0:
+        return [], []
+    shape = model_shape(a.teacher, shipped_ok=True)
+    if not shape or "_error" in shape:
+        return [f"teacher: no plan (algorithm.teacher={a.teacher}: its config.json is not here nor in "
+                f"configs/models/)"], []
+    dims = ModelDims.from_hf_config(shape)
+    d = DTYPE_BYTES[t.params_dtype]
+    row_len, rows = micro_batch_shape(cfg.data.max_prompt_tokens + cfg.generator.max_new_tokens, t.micro_batch_size,
+                                      t.max_tokens_per_micro_batch)
+    v_local = padded_vocab_size(dims.vocab_size, t.tp) / t.tp
+    terms = {"weights": trainer_rank_params(dims, t.tp, t.pp, t.ep) * d,
+             "activations": activation_bytes_per_layer(dims, row_len, rows, t.tp) * d / 2,  # 16-bit figures
+             "attention_scores": attention_score_bytes_per_layer(dims, row_len, rows, t.tp, t.params_dtype),
+             "logits": row_len * rows * v_local * (d + 4),
+             "overhead": OVERHEAD_GB * GB}
+    total = sum(terms.values())
+    lines = [f"teacher, per GPU: {total / GB:6.1f} GB of {gpu_bytes / GB:.0f}; forward-only tp{t.tp} x pp{t.pp} x "
+             f"dp{t.dp} (the trainer's layout), {a.teacher}"] + [f"    {k:<17} {v / GB:7.2f} GB"
+                                                                 for k, v in terms.items()]
+    problems = []
+    if total > gpu_bytes:
+        problems.append(f"algorithm.teacher={a.teacher!r}: the teacher's {total / GB:.1f} GB per GPU (weights "
+                        f"{terms['weights'] / GB:.1f}) does not fit {gpu_bytes / GB:g} GB; raise trainer.tp or "
+                        f"trainer.pp (the teacher runs at the trainer's layout)")
     return lines, problems

@@ -15,6 +15,14 @@ from typing import Optional
 SPECIAL_KEYS = ("bos_token", "eos_token", "pad_token", "unk_token")
 
 
+def teacher_dir(path: str) -> Path:
+    """The folder ``algorithm.teacher`` names here: a folder, or an HF id's snapshot in the local HF
+    cache (as model.path); the path itself when neither is here."""
+    from megarl.utils.model_source import local_model_dir
+
+    return local_model_dir(path) or Path(path)
+
+
 def _special(value) -> Optional[str]:
     return value.get("content") if isinstance(value, dict) else value
 
@@ -60,7 +68,7 @@ def teacher_problems(algo, policy_dir: Optional[Path], *, dry_run: bool = False)
     model.path folder, None when it is not here). ``dry_run``: a teacher folder not here is no problem."""
     if not algo.teacher or not algo.distill_coef > 0:
         return []
-    teacher = Path(algo.teacher)
+    teacher = teacher_dir(algo.teacher)
     if not (teacher / "config.json").is_file():
         if dry_run and not teacher.exists():
             return []
@@ -72,44 +80,3 @@ def teacher_problems(algo, policy_dir: Optional[Path], *, dry_run: bool = False)
         return [f"algorithm.teacher={algo.teacher!r}: its tokenizer is not model.path's ({why}); distillation "
                 f"compares logprobs of the same token ids, so use a teacher with the policy's tokenizer"]
     return []
-
-
-def teacher_memory(cfg, gpu_bytes: float) -> tuple[list[str], list[str]]:
-    """(plan lines, problems) of one teacher rank's GPU (megarl/teacher/executor.py: forward-only
-    Megatron ranks at the trainer's tp x pp x dp and params_dtype, megarl/config/memory.py's terms):
-    its weights; one layer's activations and attention scores at a time (no grad: nothing is kept for
-    a backward); the micro-batch's logits with their fp32 copy (no gradient); the overhead. Nothing
-    without a teacher; a line saying so when its config.json is not here."""
-    from megarl.config.memory import (DTYPE_BYTES, GB, OVERHEAD_GB, activation_bytes_per_layer,
-                                      attention_score_bytes_per_layer, micro_batch_shape, trainer_rank_params)
-    from megarl.config.validate import model_shape
-    from megarl.models.dims import ModelDims
-    from megarl.models.layouts import padded_vocab_size
-
-    a, t = cfg.algorithm, cfg.trainer
-    if not a.teacher or not a.distill_coef > 0:
-        return [], []
-    shape = model_shape(a.teacher, shipped_ok=True)
-    if not shape or "_error" in shape:
-        return [f"teacher: no plan (algorithm.teacher={a.teacher}: its config.json is not here nor in "
-                f"configs/models/)"], []
-    dims = ModelDims.from_hf_config(shape)
-    d = DTYPE_BYTES[t.params_dtype]
-    row_len, rows = micro_batch_shape(cfg.data.max_prompt_tokens + cfg.generator.max_new_tokens, t.micro_batch_size,
-                                      t.max_tokens_per_micro_batch)
-    v_local = padded_vocab_size(dims.vocab_size, t.tp) / t.tp
-    terms = {"weights": trainer_rank_params(dims, t.tp, t.pp, t.ep) * d,
-             "activations": activation_bytes_per_layer(dims, row_len, rows, t.tp) * d / 2,  # 16-bit figures
-             "attention_scores": attention_score_bytes_per_layer(dims, row_len, rows, t.tp, t.params_dtype),
-             "logits": row_len * rows * v_local * (d + 4),
-             "overhead": OVERHEAD_GB * GB}
-    total = sum(terms.values())
-    lines = [f"teacher, per GPU: {total / GB:6.1f} GB of {gpu_bytes / GB:.0f}; forward-only tp{t.tp} x pp{t.pp} x "
-             f"dp{t.dp} (the trainer's layout), {a.teacher}"] + [f"    {k:<17} {v / GB:7.2f} GB"
-                                                                 for k, v in terms.items()]
-    problems = []
-    if total > gpu_bytes:
-        problems.append(f"algorithm.teacher={a.teacher!r}: the teacher's {total / GB:.1f} GB per GPU (weights "
-                        f"{terms['weights'] / GB:.1f}) does not fit {gpu_bytes / GB:g} GB; raise trainer.tp or "
-                        f"trainer.pp (the teacher runs at the trainer's layout)")
-    return lines, problems

@@ -14,7 +14,7 @@ from typing import Any
 
 from megarl.algorithms.config import CRITIC_ADVANTAGES, OWN_BEHAVIOUR_CORRECTION
 from megarl.config.data_choice import eval_set_problems, eval_sets
-from megarl.config.model_source import REPO_ROOT, hub_cache, is_hub_id, local_model_dir, shipped_config
+from megarl.utils.model_source import REPO_ROOT, hub_cache, is_hub_id, local_model_dir, shipped_config
 from megarl.config.teacher import teacher_problems
 from megarl.config.placement import device_plan
 from megarl.data.tasks import data_problems

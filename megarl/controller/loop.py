@@ -36,7 +36,7 @@ from megarl.controller.prompts import PromptSource
 from megarl.controller.rollouts import RolloutQueue, trained_record
 from megarl.controller.run import RunFolder, claim_run_folder
 from megarl.controller.staleness import push_due
-from megarl.controller.startup import (announce_native, controller_log_path, model_dims, prepare_process,
+from megarl.controller.startup import (controller_log_path, model_dims, prepare_process,
                                        setup_logging, start_executors)
 from megarl.controller.step_metrics import step_metrics
 from megarl.controller.summary import ExecutorActivity
@@ -49,6 +49,7 @@ from megarl.utils.procs import Preemption, signals_raise
 if TYPE_CHECKING:  # these import (or may import) torch, which must wait until startup.prepare_process has run
     from megarl.controller.turns import EnvironmentTurns
     from megarl.controller.weight_sync import WeightSync
+    from megarl.teacher.executor import TeacherExecutor
 
 log = logging.getLogger("megarl")
 
@@ -67,7 +68,6 @@ def run_job(cfg: MegaRLConfig) -> int:
 def _run_job(cfg: MegaRLConfig) -> int:
     prepare_process(cfg)  # cluster.device before torch is imported, one NCCL setting for the job
     resume_dir = claim_run_folder(cfg)  # resume (said first, with the step) or start over, never mixing two runs
-    announce_native(cfg.sync.native)
     job = resolve_job(cfg, resume_dir)  # frozen before any executor holds a GPU
     from megarl.controller.weight_sync import WeightSync
 
@@ -81,23 +81,25 @@ def _run_job(cfg: MegaRLConfig) -> int:
         preempt = Preemption(requeue=cfg.cluster.launcher == "slurm", grace_s=cfg.cluster.preempt_grace_s)
         stack.enter_context(signals_raise(preemption=preempt))
         run = stack.enter_context(RunFolder(cfg, n_eval=len(prompts.held)))
-        trainer, generator, reward = start_executors(cfg, job, stack, run)
-        weights = WeightSync(job.sync, trainer, generator, dims=model_dims(job.model_dir), generator_cfg=cfg.generator,
-                             probe_prompt=prompts.eval_set()[1][0], pad_id=prompts.pad_id,
+        ex = start_executors(cfg, job, stack, run)
+        weights = WeightSync(job.sync, ex.trainer, ex.generator, dims=model_dims(job.model_dir),
+                             generator_cfg=cfg.generator, probe_prompt=prompts.eval_set()[1][0], pad_id=prompts.pad_id,
                              quiesce=cfg.controller.deterministic)
         log.info("weight sync: %s", describe_sync(cfg, job.sync))
-        train(cfg, job, run, prompts, trainer, generator, reward, weights, preempt)
+        train(cfg, job, run, prompts, ex.trainer, ex.generator, ex.reward, weights, preempt, teacher=ex.teacher)
         run.finish(cfg.controller.steps)
     return 0
 
 
 def train(cfg: MegaRLConfig, job: ResolvedJob, run: RunFolder, prompts: PromptSource, trainer: Trainer,
-          generator: Generator, reward: RewardScorer, weights: WeightSync, preempt: Preemption | None = None) -> None:
+          generator: Generator, reward: RewardScorer, weights: WeightSync, preempt: Preemption | None = None, *,
+          teacher: TeacherExecutor | None = None) -> None:
     """The RL loop. Each step: keep up to ``max_policy_lag`` later batches generating, take this
     step's rollouts, score them, keep the groups whose rewards vary (dynamic sampling: refilled from
     further prompts), train, sync the weights; evaluate and checkpoint on schedule. A
     preemption abandons the generation wait, or lets a step past it finish, then checkpoints."""
     from megarl.batch import RolloutBatch
+    from megarl.teacher.executor import distill_metrics
     from megarl.trainer.checkpoint_index import should_save
 
     steps, every = cfg.controller.steps, cfg.controller.eval_every
@@ -130,8 +132,12 @@ def train(cfg: MegaRLConfig, job: ResolvedJob, run: RunFolder, prompts: PromptSo
                 samples, batch_metrics, sampling_record = sampling.select(step, batch, rollouts, score,
                                                                           trainer.step_count, timer, reward_counts)
                 advantages = group_advantages(cfg, samples, [s.reward for s in samples])
+                train_batch = RolloutBatch.from_samples(samples, advantages, pad_id=prompts.pad_id)
+                if teacher:  # algorithm.teacher: its logprobs of the sampled tokens (distillation's reverse KL)
+                    with timer.phase("teacher"):
+                        train_batch = teacher.fill(train_batch)
                 with timer.phase("train"):
-                    train_metrics = trainer.step(RolloutBatch.from_samples(samples, advantages, pad_id=prompts.pad_id))
+                    train_metrics = trainer.step(train_batch)
                 with timer.phase("sync"):  # sync.every: after steps K, 2K, ... and the last (staleness.push_due)
                     pushed = push_due(step, steps, cfg.sync.every)
                     sync_metrics = weights.push(trainer.step_count) if pushed else {}
@@ -140,6 +146,7 @@ def train(cfg: MegaRLConfig, job: ResolvedJob, run: RunFolder, prompts: PromptSo
                 times = timer.finish()
                 metrics = step_metrics(train_metrics, times, activity.end(times), sync_metrics, batch.lag_metrics,
                                        samples, batch.prompt_ids)
+                metrics.update(distill_metrics(train_metrics))  # distill/reverse_kl, with a teacher
                 metrics.update(reward_counts)  # reward/timeouts, reward/errors (samples), reward/worker_deaths
                 metrics.update(batch_metrics)  # batch/dropped_groups, batch/refill_rounds, batch/padded_groups
                 run.log_samples(step, [trained_record(s) for s in samples])

@@ -2,8 +2,8 @@
 
 ``prepare_process`` runs first (cluster.device hides or insists on CUDA before torch is imported, one
 NCCL setting for the whole job, the C++ extension's announcement); the job is then resolved once
-(megarl/config/job.py) and :func:`start_executors` starts the trainer, generator and reward pool from
-it. A new role (a critic, a judge, a teacher) is started here, beside them, and handed to the loop.
+(megarl/config/job.py) and :func:`start_executors` starts the trainer, generator, reward executor and
+teacher from it. A new role (a critic, a judge, a teacher) is started here, beside them, and handed to the loop.
 """
 
 from __future__ import annotations
@@ -23,8 +23,9 @@ from megarl.utils.procs import parse_cpu_list
 
 if TYPE_CHECKING:  # these import torch, which must wait until select_device has run
     from megarl.controller.run import RunFolder
+    from megarl.executors.base import RewardScorer
     from megarl.generator.executor import GeneratorExecutor
-    from megarl.reward import RewardPool
+    from megarl.teacher.executor import TeacherExecutor
     from megarl.trainer.executor import TrainerExecutor
 
 log = logging.getLogger("megarl")
@@ -44,11 +45,21 @@ def prepare_process(cfg: MegaRLConfig) -> None:
     announce_native(cfg.sync.native)
 
 
-def start_executors(cfg: MegaRLConfig, job: ResolvedJob, stack: ExitStack,
-                    run: RunFolder) -> tuple[TrainerExecutor, GeneratorExecutor, RewardPool]:
-    """Start trainer, generator and reward pool on ``stack`` (closed in reverse when the job ends)."""
+@dataclasses.dataclass(frozen=True)
+class Executors:
+    """The job's started executors (the controller holds handles, never weights)."""
+    trainer: TrainerExecutor
+    generator: GeneratorExecutor
+    reward: RewardScorer  # the rule-reward pool, or the judge (reward.model)
+    teacher: TeacherExecutor | None = None  # algorithm.teacher with distill_coef > 0
+
+
+def start_executors(cfg: MegaRLConfig, job: ResolvedJob, stack: ExitStack, run: RunFolder) -> Executors:
+    """Start trainer, generator and reward executor (the rule pool, or the judge with reward.model) on
+    ``stack`` (closed in reverse when the job ends). A new role starts here, on the same stack."""
     from megarl.generator.executor import GeneratorExecutor
-    from megarl.reward import RewardPool
+    from megarl.reward.judge import reward_executor
+    from megarl.teacher.executor import start_teacher
     from megarl.trainer.executor import TrainerExecutor
 
     # the trainer's own input: the step folder the job pinned (cfg keeps what the user asked for)
@@ -75,8 +86,13 @@ def start_executors(cfg: MegaRLConfig, job: ResolvedJob, stack: ExitStack,
                                                       launcher=cfg.cluster.launcher,
                                                       log_dir=run.path / "logs" if attached else None,
                                                       deterministic=cfg.controller.deterministic).start())
-    reward = stack.enter_context(RewardPool(cfg.reward, cfg.generator.max_new_tokens))
-    return trainer, generator, reward
+    if cfg.reward.model:
+        log.info("starting the reward judge (%d vLLM replica(s), tp=%d) from %s", cfg.reward.judge_replicas,
+                 cfg.reward.judge_tp, cfg.reward.model)
+    # reward.model: the judge on its own vLLM replicas; else the rule-reward pool (reward.fn)
+    reward = stack.enter_context(reward_executor(cfg, job.devices, run.path / "logs" / "judge"))
+    teacher = start_teacher(cfg, job, stack, run)  # algorithm.teacher: forward-only ranks, or None
+    return Executors(trainer, generator, reward, teacher)
 
 
 def model_dims(model_dir: Path):
@@ -127,4 +143,4 @@ def setup_logging() -> None:
 
 
 __all__ = ["announce_native", "controller_log_path", "model_dims", "prepare_process", "select_device",
-           "setup_logging", "start_executors"]
+           "setup_logging", "start_executors", "Executors"]

@@ -135,7 +135,7 @@ class RewardConfig:
         if isinstance(weaker, (list, tuple)) and set(weaker) - set(MECHANISMS):  # the loader checks it is a list
             found.append(f"reward.code_sandbox_allow_weaker={weaker!r}: a list of {', '.join(MECHANISMS)} (the sandbox "
                          f"mechanisms one accepts missing)")
-        from megarl.reward.judge import judge_problems  # stdlib only
+        from megarl.reward.judge_prompt import judge_problems  # stdlib only
 
         found += judge_problems(self)
         if self.correct <= self.wrong:

@@ -23,7 +23,7 @@ from typing import Sequence
 
 from megarl.algorithms.config import AlgorithmConfig, needs_teacher
 from megarl.batch import RolloutBatch
-from megarl.config.teacher import tokenizer_mismatch
+from megarl.config.teacher import teacher_dir, tokenizer_mismatch
 from megarl.executors.base import ExecutorBase, ExecutorError, ProcessDied
 from megarl.trainer.config import TrainerConfig
 
@@ -50,7 +50,7 @@ class TeacherExecutor(ExecutorBase):
         if launcher != "local":
             raise ValueError(f"algorithm.teacher: cluster.launcher={launcher!r} has no teacher pool yet; the teacher "
                              f"runs with cluster.launcher=local")
-        self.teacher_dir = Path(algo.teacher)
+        self.teacher_dir = teacher_dir(algo.teacher)  # a folder, or an HF id in the local HF cache
         why = tokenizer_mismatch(Path(policy_dir), self.teacher_dir)  # also checked by `megarl check` (validate)
         if why:
             raise ValueError(f"algorithm.teacher={algo.teacher!r}: its tokenizer is not model.path's ({why})")

@@ -12,6 +12,7 @@ knobs), so a forward-only copy of the policy's weights gives bit-identical logpr
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 
 import torch
@@ -49,7 +50,10 @@ class ForwardOnlyRank:
     def logprobs(self, batch: RolloutBatch, temperature: float | None = None) -> torch.Tensor:
         """Per-token logprobs ``[b, s]`` of ``batch`` (``RankTrainer.logprobs``'s computation)."""
         from megarl.trainer.logprobs import compute_logprobs
+        from megarl.utils.faults import injected
 
+        if injected("teacher_exit") is not None:  # fault tests: a forward-only rank dies as it is asked
+            os._exit(9)
         t = self.cfg.logprob_temperature if temperature is None else float(temperature)
         with torch.no_grad():
             return compute_logprobs(self.model, batch, micro_batch_size=self.cfg.micro_batch_size, temperature=t,

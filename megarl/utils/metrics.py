@@ -28,7 +28,7 @@ class PhaseTimer:
         try:
             yield
         finally:
-            self.seconds[name] += time.monotonic() - t0
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.monotonic() - t0  # a role's own phase too
 
     def finish(self) -> dict[str, float]:
         total = time.monotonic() - self.start
@@ -39,8 +39,11 @@ class PhaseTimer:
 
 def phase_line(step: int, total_steps: int, metrics: dict) -> str:
     """`step 3/20 | 9.1s = generate 5.2 + reward 0.3 + train 3.1 + sync 0.4 + idle 0.1 | reward 0.41 ...`"""
-    t = {p: metrics.get(f"time/{p}", 0.0) for p in PHASES}
-    parts = " + ".join(f"{p} {t[p]:.1f}" for p in PHASES)
+    # a role's own phase (a distillation teacher's "teacher") stands before idle
+    extra = [k[5:] for k in metrics if k.startswith("time/") and k[5:] not in PHASES and k != "time/step"]
+    order = [*PHASES[:-1], *extra, PHASES[-1]]
+    t = {p: metrics.get(f"time/{p}", 0.0) for p in order}
+    parts = " + ".join(f"{p} {t[p]:.1f}" for p in order)
     tail = []
     for key, label, fmt in (("reward/mean", "reward", ".3f"), ("gen/mean_length", "len", ".1f"),
                             ("gen/truncated_frac", "trunc", ".2f"), ("train/loss", "loss", ".4f"),
