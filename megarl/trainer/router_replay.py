@@ -1,0 +1,109 @@
+"""Rollout routing replay (R3) for an MoE model: the trainer routes each token to the experts the
+engine routed it to, and counts where its own router would have chosen otherwise.
+
+megatron-core 0.16's ``RouterReplay`` (``transformer/moe/router_replay.py``) is the mechanism: every
+``TopKRouter`` with a ``router_replay`` asks it for the top-k, and in ``REPLAY_FORWARD`` it returns the
+given expert ids with the router's own scores gathered at them (so the gate weights stay
+differentiable: softmax over the k replayed logits, as with ``moe_router_pre_softmax=False``). This
+module gives each router of one model its own instance (taken out of megatron's process-wide list,
+which would otherwise mix models built in one process), wraps its ``get_replay_topk`` to count the
+routing mismatch, and sets the targets of one forward.
+
+Expert ids come as ``[batch, seq, moe_layers, topk]`` (the padded batch layout, megarl/batch.py);
+megatron's router sees tokens sequence-first (``[s, b, h]`` flattened to ``[s * b, h]``), so
+:func:`model_order` transposes them. An id of -1 means "unknown" (a token the engine never ran
+through its experts: the last sampled token, padding): the trainer's own choice is used there and
+the token is not counted in the mismatch.
+
+Not built yet (docs/moe.md, "Rollout routing replay"): the controller -> trainer plumbing (a
+``RolloutBatch`` field, packing, micro-batching, DP / EP sequence shards, PP micro-batches in flight).
+One forward at a time with the whole micro-batch's ids is what :meth:`RouterReplayer.replaying` supports.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+UNKNOWN = -1  # an expert id the engine did not report (see module docstring)
+
+
+def model_order(expert_ids: torch.Tensor) -> torch.Tensor:
+    """``[b, s, layers, k]`` (batch layout) -> ``[s * b, layers, k]`` (megatron's token order)."""
+    b, s, layers, k = expert_ids.shape
+    return expert_ids.transpose(0, 1).reshape(s * b, layers, k)
+
+
+class RouterReplayer:
+    """Replays given expert ids through every ``TopKRouter`` of ``model`` and counts the
+    token-layer pairs whose top-k set the trainer's forward used differs from the engine's."""
+
+    def __init__(self, model: torch.nn.Module):
+        from megatron.core.transformer.moe.router import TopKRouter
+        from megatron.core.transformer.moe.router_replay import RouterReplay
+
+        self.routers = [m for m in model.modules() if isinstance(m, TopKRouter)]
+        self.replays = []
+        for router in self.routers:
+            if router.router_replay is None:
+                router.router_replay = RouterReplay()
+                RouterReplay.global_router_replay_instances.remove(router.router_replay)
+            router.router_replay.get_replay_topk = self._wrap(router.router_replay)
+            self.replays.append(router.router_replay)
+        self.compared = 0
+        self.mismatched = 0
+        self._replay = False
+
+    def _wrap(self, rr):
+        def get_replay_topk(scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
+            own_vals, own_idx = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
+            target = rr.target_topk_idx
+            if target is None:
+                return own_vals, own_idx
+            target = target.to(scores.device)
+            if target.shape != own_idx.shape:
+                raise ValueError(f"router replay: {tuple(target.shape)} expert ids for a forward routing "
+                                 f"{tuple(own_idx.shape)} (tokens x topk): the ids must cover every token")
+            known = (target >= 0).all(1)
+            idx = torch.where(known[:, None], target, own_idx) if self._replay else own_idx
+            used = torch.zeros(scores.shape, dtype=torch.bool, device=scores.device).scatter_(1, idx, True)
+            engine = torch.zeros_like(used).scatter_(1, target.clamp(min=0), True)
+            self.compared += int(known.sum())
+            self.mismatched += int(((used != engine).any(1) & known).sum())
+            if not self._replay:
+                return own_vals, own_idx
+            return scores.gather(1, idx), idx
+        return get_replay_topk
+
+    @contextlib.contextmanager
+    def replaying(self, expert_ids: torch.Tensor, replay: bool = True) -> Iterator[None]:
+        """Inside, each forward's router ``i`` takes ``expert_ids[:, i]`` (``[tokens, layers, k]`` in
+        megatron's order, :func:`model_order`) when ``replay``, else its own top-k; either way the
+        mismatch against them is counted. Set for one forward (and its backward, a recompute included)."""
+        if expert_ids.shape[1] != len(self.replays):
+            raise ValueError(f"router replay: expert ids for {expert_ids.shape[1]} MoE layers, the model has "
+                             f"{len(self.replays)}")
+        ids = expert_ids.long()
+        for i, rr in enumerate(self.replays):
+            rr.target_topk_idx = ids[:, i]
+        self._replay = replay
+        try:
+            yield
+        finally:
+            for rr in self.replays:
+                rr.target_topk_idx = None
+            self._replay = False
+
+    def metrics(self) -> dict[str, float]:
+        """``moe/routing_mismatch``: share of the compared token-layer pairs routed to another top-k
+        set than the engine's (0 with replay), since the last call; {} if nothing was compared."""
+        if not self.compared:
+            return {}
+        out = {"moe/routing_mismatch": self.mismatched / self.compared}
+        self.compared = self.mismatched = 0
+        return out
+
+
+__all__ = ["RouterReplayer", "model_order", "UNKNOWN"]
