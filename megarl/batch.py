@@ -34,6 +34,9 @@ class RolloutBatch:
     group_ids:      optional [B] long, the prompt group of each row (its samples share an advantage
                     baseline); None = every row its own group. :meth:`minibatches` never splits a group.
     teacher_logprobs: optional [B, S] float, the distillation teacher's logprobs (algorithm.teacher).
+    routed_experts: optional [B, S, moe_layers, topk] long, the engine's expert ids of each token per MoE
+                    layer (``Sample.routed_experts``); -1 = not reported (padding included). The trainer
+                    replays them (trainer.router_replay) and counts moe/routing_mismatch against them.
     """
 
     input_ids: torch.Tensor
@@ -46,6 +49,7 @@ class RolloutBatch:
     ref_logprobs: torch.Tensor | None = None
     group_ids: torch.Tensor | None = None
     teacher_logprobs: torch.Tensor | None = None
+    routed_experts: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         b, s = self.input_ids.shape
@@ -53,7 +57,7 @@ class RolloutBatch:
             t = getattr(self, f.name)
             if t is None or f.name in _PER_ROW:
                 continue
-            if tuple(t.shape) != (b, s):
+            if tuple(t.shape[:2] if f.name == "routed_experts" else t.shape) != (b, s):
                 raise ValueError(f"RolloutBatch.{f.name} has shape {tuple(t.shape)}, expected {(b, s)} "
                                  f"like input_ids")
         for name in ("lengths", "group_ids"):
@@ -120,6 +124,7 @@ class RolloutBatch:
             groups.append(s.group_id)
         batch = cls.from_sequences(tokens, masks, behav, advantages, versions, pad_id=pad_id)
         batch.group_ids = torch.tensor(groups, dtype=torch.long)
+        batch.routed_experts = routed_experts_tensor(samples, batch.input_ids.shape[1])
         return batch
 
     @property
@@ -185,3 +190,18 @@ class RolloutBatch:
             "position_ids": torch.arange(s, dtype=torch.long, device=dev).unsqueeze(0).expand(b, s),
             "attention_mask": causal.view(1, 1, s, s).expand(b, 1, s, s),
         }
+
+
+def routed_experts_tensor(samples: Sequence, width: int) -> torch.Tensor | None:
+    """``[B, width, moe_layers, topk]`` long of the samples' ``routed_experts`` (-1 where a sample has
+    none, and on padding); None when no sample has them."""
+    have = [s.routed_experts for s in samples if getattr(s, "routed_experts", None)]
+    if not have:
+        return None
+    layers, k = len(have[0][0]), len(have[0][0][0])
+    out = torch.full((len(samples), width, layers, k), -1, dtype=torch.long)
+    for i, s in enumerate(samples):
+        if getattr(s, "routed_experts", None):
+            e = torch.as_tensor(s.routed_experts, dtype=torch.long)
+            out[i, :e.shape[0]] = e
+    return out
