@@ -31,8 +31,9 @@ class Sample:
                     token of ``token_ids`` (prompt + completion), per MoE layer (model order), the
                     top-k expert ids the engine routed it to, ``[tokens][moe_layers][topk]``; -1 = not
                     reported (the last token, which the engine never ran; prompt tokens a prefix-cache
-                    hit skipped). A resumed partial rollout keeps the latest round's routing of each
-                    token. The trainer replays them (trainer.router_replay, megarl/trainer/router_replay.py).
+                    hit skipped). It may cover only a prefix (a multi-turn rollout keeps its first
+                    reply's routing; later turns' tokens are unknown). A resumed partial rollout keeps
+                    the latest round's routing of each token. The trainer replays them (trainer.router_replay, megarl/trainer/router_replay.py).
     reward, correct, formatted: set by a scorer (``RewardScorer.score``), None before: the
                     reward trained on, whether the final answer is right, whether one could be
                     extracted in the expected format.
@@ -63,9 +64,9 @@ class Sample:
                              f"{len(self.versions)} versions; they must align one per token")
         if self.loss_mask is not None and len(self.loss_mask) != n:
             raise ValueError(f"Sample: {n} completion tokens but {len(self.loss_mask)} loss-mask entries")
-        if self.routed_experts is not None and len(self.routed_experts) != len(self.prompt_ids) + n:
+        if self.routed_experts is not None and len(self.routed_experts) > len(self.prompt_ids) + n:
             raise ValueError(f"Sample: {len(self.prompt_ids) + n} tokens but routed experts for "
-                             f"{len(self.routed_experts)}; they must align one per token of prompt + completion")
+                             f"{len(self.routed_experts)}; they align one per token of prompt + completion")
 
     @property
     def token_ids(self) -> list[int]:

@@ -1,7 +1,10 @@
 """Rollout routing replay (R3, issue 45): a bf16 vLLM engine routes some tokens of the tiny MoE to other
 experts than the fp32 trainer's router would (docs/moe.md: 3 of 512 token-layer pairs); with the
 engine's expert ids replayed through megatron's RouterReplay the trainer routes exactly as the engine
-did (moe/routing_mismatch 0) and its logprobs match the engine's within the bf16 bound."""
+did (moe/routing_mismatch 0) and its logprobs match the engine's within the bf16 bound.
+
+Also: a sample's routed experts across partial-rollout rounds and the controller's saved state (JSON),
+and `megarl train` with trainer.router_replay end to end."""
 
 from __future__ import annotations
 
@@ -56,28 +59,36 @@ def _engine_rollouts(hf_dir, tmp_path) -> list[dict]:
 
 
 def _trainer_worker(rank, world, hf_dir, tokens, experts):
+    """The trainer's own plumbing: the batch carries the engine's ids (RolloutBatch.routed_experts),
+    RouterStats hangs the replayer on the model, run_pipeline feeds each micro-batch's ids (4 rows
+    of 16 per micro-batch; padded, then packed)."""
+    import dataclasses
+
     from megarl.batch import RolloutBatch
     from megarl.models.layouts import ModelDims
     from megarl.trainer.convert import load_pretrained
     from megarl.trainer.logprobs import compute_logprobs
     from megarl.trainer.model import build_gpt_model, read_hf_config
-    from megarl.trainer.router_replay import RouterReplayer, model_order
+    from megarl.trainer.router_stats import RouterStats
     from megarl.utils.dist import init_model_parallel
 
     init_model_parallel(1, 1, seed=11, ep=1)
     model = build_gpt_model(ModelDims.from_hf_config(read_hf_config(hf_dir)), init_weights=False)
     load_pretrained(model, hf_dir)
-    replayer = RouterReplayer(model)
+    replayer = RouterStats(model, replay=False).replayer
     batch = RolloutBatch.from_sequences(tokens, [[0.0] + [1.0] * (len(t) - 1) for t in tokens])
-    ids = model_order(experts)
+    batch.routed_experts = experts
     out = {}
     for replay in (False, True):
-        # one micro-batch holding every row: the ids are in that forward's token order
-        with replayer.replaying(ids, replay=replay):
-            lp = compute_logprobs(model, batch, micro_batch_size=len(tokens)).logprobs
-        out[replay] = (lp, replayer.metrics())
-    plain = compute_logprobs(model, batch, micro_batch_size=len(tokens)).logprobs  # no targets: own routing
-    return out, plain
+        replayer.replay = replay
+        replayer.compared = replayer.mismatched = 0
+        lp = compute_logprobs(model, batch, micro_batch_size=4).logprobs
+        m = replayer.metrics()
+        lp_packed = compute_logprobs(model, batch, micro_batch_size=4, packing=True).logprobs
+        out[replay] = (lp, m, lp_packed, replayer.metrics())
+    # no ids in the batch: own routing, nothing counted
+    plain = compute_logprobs(model, dataclasses.replace(batch, routed_experts=None), micro_batch_size=4).logprobs
+    return out, plain, replayer.metrics()
 
 
 def test_replay_routes_like_the_bf16_engine_and_matches_its_logprobs(tiny_qwen3_moe_dir, tmp_path):
@@ -91,8 +102,13 @@ def test_replay_routes_like_the_bf16_engine_and_matches_its_logprobs(tiny_qwen3_
         assert e.shape == (len(tokens[i]) - 1, 1, 2), e.shape
         assert int(e.min()) >= 0 and int(e.max()) < 4
         experts[i, :e.shape[0]] = e
-    out, plain = run_multiprocess(_trainer_worker, 1, str(tiny_qwen3_moe_dir), tokens, experts, timeout_s=900)[0]
-    (lp_own, m_own), (lp_rep, m_rep) = out[False], out[True]
+    out, plain, m_plain = run_multiprocess(_trainer_worker, 1, str(tiny_qwen3_moe_dir), tokens, experts,
+                                           timeout_s=900)[0]
+    (lp_own, m_own, lpp_own, mp_own), (lp_rep, m_rep, lpp_rep, mp_rep) = out[False], out[True]
+    assert m_plain == {}
+    # packed micro-batches carry the ids in their packed layout: the same pairs compared, the same routing
+    assert mp_own == m_own and mp_rep == m_rep, (mp_own, m_own, mp_rep, m_rep)
+    assert float((lpp_rep - lp_rep).abs().max()) < 1e-4 and float((lpp_own - lp_own).abs().max()) < 1e-4
     known = int((experts[..., 0, 0] >= 0).sum())  # token-layer pairs compared (one MoE layer)
     # without replay the fp32 trainer routes some tokens elsewhere than the bf16 engine (docs/moe.md: 3/512)
     assert 0 < m_own["moe/routing_mismatch"] < 0.1, m_own
@@ -116,3 +132,77 @@ def test_replay_routes_like_the_bf16_engine_and_matches_its_logprobs(tiny_qwen3_
     # bf16 rounding does (own 0.15 vs replayed 0.07 nats here; a mis-ordered replay is off by nats)
     assert gap_rep < gap_own, (gap_rep, gap_own)
     assert not torch.equal(lp_rep, lp_own)  # the replay changed the forward where routing differed
+
+
+def test_partial_rounds_merge_and_survive_the_saved_state():
+    """A sample generated over two rounds (the second's request re-runs prompt + first-round tokens,
+    part of it served by the prefix cache: -1 there) keeps, per token, the latest round that ran it;
+    the Track goes through the controller's JSON state (GeneratorExecutor.snapshot/restore are the
+    Track's dataclass fields) and the finished Sample's ids through dataclasses.asdict/Sample(**row)."""
+    import dataclasses
+
+    from megarl.batch import RolloutBatch
+    from megarl.generator.replicas import Track
+    from megarl.generator.routed_experts import merge_rounds
+    from megarl.rollout import Sample
+
+    t = Track(key="g0s0", group_id=0, sample_index=0, prompt_index=0, prompt_ids=[5, 6, 7], max_new_tokens=6)
+    # round 1: prompt (3) + 3 sampled tokens; the engine ran positions 0..4 (not the last sampled token)
+    t.ids += [8, 9, 10]
+    t.lps += [-1.0] * 3
+    t.vers += [0] * 3
+    r1 = np.array([[[0, 1]], [[1, 2]], [[2, 3]], [[3, 0]], [[0, 2]], [[-1, -1]]], dtype=np.int16)
+    t.experts = merge_rounds(t.experts, r1, len(t.prompt_ids) + len(t.ids))
+    assert t.experts[5] == [[-1, -1]]
+    # resumed after an update: positions 0-1 from the prefix cache (-1), 2..7 recomputed / new
+    state = json.loads(json.dumps(dataclasses.asdict(t)))  # the controller's saved state, and back
+    t = Track(**state)
+    t.ids += [11, 12, 13]
+    t.lps += [-1.0] * 3
+    t.vers += [1] * 3
+    r2 = np.array([[[-1, -1]], [[-1, -1]], [[1, 3]], [[3, 0]], [[0, 2]], [[2, 1]], [[1, 0]], [[0, 3]]], dtype=np.int16)
+    t.experts = merge_rounds(t.experts, r2, len(t.prompt_ids) + len(t.ids))
+    s = t.sample("length", None)
+    assert s.routed_experts == [[[0, 1]], [[1, 2]], [[1, 3]], [[3, 0]], [[0, 2]], [[2, 1]], [[1, 0]], [[0, 3]],
+                                [[-1, -1]]]
+    back = Sample(**json.loads(json.dumps(dataclasses.asdict(s))))  # RolloutQueue.state_dict's "finished"
+    assert back.routed_experts == s.routed_experts
+    batch = RolloutBatch.from_samples([back, Sample([1], [2], [0.0], [0], "stop")])
+    assert batch.routed_experts.shape == (2, 9, 1, 2)
+    assert batch.routed_experts[0, 2].tolist() == [[1, 3]] and bool((batch.routed_experts[1] == -1).all())
+    assert batch.select(slice(1, 2)).routed_experts.shape == (1, 2, 1, 2)
+
+
+def _train_rows(model_dir, out_dir, *overrides):
+    from tests.test_controller import _rows, _train
+
+    out = _train(model_dir, out_dir, "generator.dtype=bfloat16", "controller.steps=2", "controller.eval_every=0",
+                 "controller.prompts_per_step=8", "generator.max_new_tokens=64", "generator.round_token_budget=24",
+                 "trainer.micro_batch_size=4", *overrides)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return _rows(out_dir / "tiny-test")
+
+
+def test_train_with_router_replay_routes_like_the_engine(tiny_qwen3_moe_dir, tmp_path):
+    """`megarl train` of the tiny MoE, bf16 engine and fp32 trainer, 16 samples of up to 64 tokens a
+    step generated in rounds of 24 (partial rollouts: every sample's routing merged over its rounds),
+    packed micro-batches of 4: without replay the trainer routes a few token-layer pairs elsewhere
+    (moe/routing_mismatch > 0, and small: a mis-filed request or position would make it tens of
+    percent); with trainer.router_replay=true it is 0 at every step."""
+    own = _train_rows(tiny_qwen3_moe_dir, tmp_path / "own")
+    rep = _train_rows(tiny_qwen3_moe_dir, tmp_path / "rep", "trainer.router_replay=true")
+    m_own = [r["train/moe/routing_mismatch"] for r in own if r["step"] > 0]
+    m_rep = [r["train/moe/routing_mismatch"] for r in rep if r["step"] > 0]
+    print(f"moe/routing_mismatch per step: own routing {m_own}, replayed {m_rep}; "
+          f"loss/mismatch own {[r['train/loss/mismatch'] for r in own]}, replayed {[r['train/loss/mismatch'] for r in rep]}")
+    assert len(m_own) == len(m_rep) == 2
+    assert m_rep == [0.0, 0.0]
+    assert max(m_own) > 0 and max(m_own) < 0.05, m_own
+
+
+def test_router_replay_is_refused_for_a_dense_model_and_pp():
+    from megarl.trainer.config import TrainerConfig, router_replay_problems
+
+    assert router_replay_problems(True, False, "llama") and not router_replay_problems(True, True, "qwen3_moe")
+    assert not router_replay_problems(False, False, "llama")
+    assert any("trainer.pp" in p for p in TrainerConfig(router_replay=True, pp=2).problems())

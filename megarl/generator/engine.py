@@ -133,6 +133,8 @@ class _Replica:
         self.load_s = 0.0  # seconds loading weights
         self.last_report = time.monotonic()
         self.fault_paused: set[str] = set()  # fault pause points this replica already held at
+        # MoE: each request's routed experts per MoE layer go back with its tokens (router replay, R3)
+        self.moe_layers = self.engine.collective_rpc("megarl_capture_routed_experts")[0]
 
     def sampling_params(self, max_tokens: int, overrides: dict, seed: int | None = None):
         from vllm import SamplingParams
@@ -189,6 +191,8 @@ class _Replica:
         # recompute their prefix under the new weights; the prefix cache starts empty.
         if not self.engine.reset_prefix_cache(reset_running_requests=True):
             raise RuntimeError("vLLM refused to reset its prefix cache after a weight update")
+        if self.moe_layers:  # the reload may have rebuilt a router: hook it again
+            self.engine.collective_rpc("megarl_capture_routed_experts")
         self.version = version
         self.load_s += time.monotonic() - t0
         _log(f"replica {self.replica}: weights v{version} landed in {time.monotonic() - t0:.2f}s")
@@ -242,6 +246,11 @@ class _Replica:
             _log(f"replica {self.replica} (pid {os.getpid()}): decoding {len(self.pending)} request(s) at "
                  f"v{self.version}, {self.tokens} token(s) so far: fault pause")
             pause_point(point)
+        if finished and self.moe_layers:
+            # worker 0's record (every TP worker routes every token alike)
+            routed = self.engine.collective_rpc("megarl_take_routed_experts", args=([r["rid"] for r in finished],))[0]
+            for r in finished:
+                r["experts"] = routed.get(r["rid"])
         if finished:
             self.conn.send(("done", finished, {"busy_s": self.busy_s, "load_s": self.load_s}))
         elif time.monotonic() - self.last_report > HEARTBEAT_S:

@@ -46,6 +46,7 @@ from megarl.executors.base import ExecutorBase
 from megarl.executors.group import ProcessGroup, member_cause
 from megarl.generator.config import GeneratorConfig
 from megarl.generator.threads import threads_binds
+from megarl.generator.routed_experts import merge_rounds
 from megarl.generator.replicas import ReplicaHandle, Track, model_vocab_size, remove_shm_files, request_seed
 from megarl.generator.errors import GeneratorEngineDied, GeneratorError, GeneratorTimeout
 from megarl.generator.supervision import ReplicaSupervision
@@ -494,6 +495,8 @@ class GeneratorExecutor(ReplicaSupervision, ExecutorBase):
         t.ids.extend(res["ids"])
         t.lps.extend(res["lps"])
         t.vers.extend(res["vers"])
+        if res.get("experts") is not None:  # an MoE model: this round's routing of prompt + tokens so far
+            t.experts = merge_rounds(t.experts, res["experts"], len(t.prompt_ids) + len(t.ids))
         reason = res["finish_reason"]
         cut = (reason == "length" and t.round_budget > 0
                and len(t.ids) < t.max_new_tokens

@@ -35,9 +35,17 @@ class Track:
     ids: list[int] = dataclasses.field(default_factory=list)
     lps: list[float] = dataclasses.field(default_factory=list)
     vers: list[int] = dataclasses.field(default_factory=list)
+    # MoE: per token of prompt_ids + ids, per MoE layer, the top-k expert ids of the latest round that
+    # ran it (-1 = none did); [] = not reported (a dense model)
+    experts: list = dataclasses.field(default_factory=list)
 
     def sample(self, finish_reason: str, stop_reason: Any) -> Sample:
-        return Sample(prompt_ids=list(self.prompt_ids), completion_ids=list(self.ids),
+        routed = None
+        if self.experts:
+            n = len(self.prompt_ids) + len(self.ids)
+            fill = [[-1] * len(self.experts[0][0]) for _ in self.experts[0]]
+            routed = [list(map(list, e)) for e in self.experts[:n]] + [fill] * max(n - len(self.experts), 0)
+        return Sample(routed_experts=routed,prompt_ids=list(self.prompt_ids), completion_ids=list(self.ids),
                       behav_logprobs=list(self.lps), versions=list(self.vers),
                       finish_reason=finish_reason, group_id=self.group_id,
                       sample_index=self.sample_index, prompt_index=self.prompt_index,

@@ -9,11 +9,18 @@ function (``BaseRouter.set_capture_fn``) called with the logical top-k ids of ea
 any expert-placement mapping. The worker functions below run on every TP worker through
 ``collective_rpc`` (each worker routes all tokens; worker 0's answer is used).
 
-Which rows belong to which request is the caller's: these functions keep each forward's rows in
-order. With one sequence at a time and a whole prompt in one prefill step (the engine's
-deterministic mode, ``controller.deterministic``) a request's rows are the concatenation of the
-forwards that ran while it was the only one: its prompt tokens, then each fed-back sampled token.
-Mapping rows of a mixed batch to requests (the scheduler's per-step token counts) is not built.
+Two captures:
+
+* :func:`install_capture` / :func:`take_captured` keep each forward's rows in order (one request at
+  a time: the test's engine, tests/test_router_replay.py).
+* :func:`install_request_capture` / :func:`take_request_experts` (what a megarl replica runs, through
+  ``MegarlWorkerExtension``) file every row under its request and token position as the model
+  runner laid out the step: request i of ``input_batch.req_ids`` owns rows
+  ``query_start_loc[i]:query_start_loc[i+1]``, at positions ``num_computed_tokens[i] + 0, 1, ...``
+  (the same arithmetic the runner's ``_prepare_inputs`` uses for ``positions``). So a mixed batch
+  (several requests, chunked prefills, decodes) maps exactly, and a request preempted and recomputed
+  (a weight update resets running requests) has its positions overwritten by the recompute. A
+  prompt prefix served from the prefix cache runs no forward: those positions stay -1 (unknown).
 """
 
 from __future__ import annotations
@@ -50,4 +57,75 @@ def take_captured(worker) -> np.ndarray | None:
     return out
 
 
-__all__ = ["install_capture", "take_captured"]
+def install_request_capture(worker) -> int:
+    """Worker side: file every routed row under its request and position (module docstring); returns
+    the number of MoE layers hooked (0: a dense model, nothing hooked). Idempotent (a weight update
+    re-installs it)."""
+    from vllm.model_executor.layers.fused_moe.layer import MoERunner
+    from vllm.model_executor.layers.fused_moe.router.base_router import BaseRouter
+
+    store: dict[str, np.ndarray] = worker.__dict__.setdefault("_megarl_routed_requests", {})
+    runner_model = worker.model_runner
+    runners = sorted((m for m in runner_model.model.modules() if isinstance(m, MoERunner)), key=lambda r: r.layer_id)
+    layers = len(runners)
+
+    def capture(topk_ids, order):
+        batch = runner_model.input_batch
+        n = batch.num_reqs
+        if not n:
+            return  # a dummy run
+        bounds = runner_model.query_start_loc.np[:n + 1]
+        starts = batch.num_computed_tokens_cpu[:n]
+        ids = topk_ids.detach().to("cpu").numpy().astype(np.int16)
+        for i, rid in enumerate(batch.req_ids[:n]):
+            a, b = int(bounds[i]), int(bounds[i + 1])
+            if b <= a:
+                continue
+            p0 = int(starts[i])
+            arr = store.get(rid)
+            if arr is None or arr.shape[0] < p0 + b - a:
+                grown = np.full((max(p0 + b - a, 2 * (0 if arr is None else arr.shape[0])), layers, ids.shape[1]),
+                                -1, dtype=np.int16)
+                if arr is not None:
+                    grown[:arr.shape[0]] = arr
+                store[rid] = arr = grown
+            arr[p0:p0 + b - a, order] = ids[a:b]
+
+    for order, runner in enumerate(runners):
+        if not isinstance(runner.router, BaseRouter):
+            raise ValueError(f"routed-experts capture: router {type(runner.router).__name__} takes no capture function")
+        runner.router.set_capture_fn(lambda topk_ids, _order=order: capture(topk_ids, _order))
+    return layers
+
+
+def take_request_experts(worker, request_ids: list[str]) -> dict[str, np.ndarray]:
+    """Worker side: the rows filed under ``request_ids`` (the caller's ids; vLLM's internal ones add
+    ``-<8 hex>``), ``[positions, moe_layers, topk]`` int16 with -1 where nothing ran, and forget them."""
+    store: dict[str, np.ndarray] = worker.__dict__.get("_megarl_routed_requests", {})
+    wanted = set(request_ids)
+    out = {}
+    for rid in list(store):
+        outer = rid if rid in wanted else rid.rsplit("-", 1)[0]
+        if outer in wanted:
+            out[outer] = store.pop(rid)
+    return out
+
+
+def merge_rounds(old: list | None, new, length: int) -> list[list[list[int]]]:
+    """A sample's routed experts after one more round: ``new`` (a round's ``[positions, layers, k]``,
+    positions from 0 of prompt + completion) overwrites ``old`` where it is known (>= 0), the rest
+    stays; the result covers ``length`` tokens, -1 where neither knows."""
+    new = np.asarray(new, dtype=np.int64)
+    if new.ndim != 3:
+        return old[:length] if old is not None else []
+    out = np.full((length, new.shape[1], new.shape[2]), -1, dtype=np.int64)
+    if old:
+        o = np.asarray(old, dtype=np.int64)[:length]
+        out[:o.shape[0]] = o
+    n = min(new.shape[0], length)
+    known = (new[:n] >= 0).all(-1, keepdims=True)
+    out[:n] = np.where(known, new[:n], out[:n])
+    return out.tolist()
+
+
+__all__ = ["install_capture", "take_captured", "install_request_capture", "take_request_experts", "merge_rounds"]

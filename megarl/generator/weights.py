@@ -58,6 +58,20 @@ class MegarlWorkerExtension:
             self.__dict__["_megarl_landed"] = landed
         return count
 
+    def megarl_capture_routed_experts(self) -> int:
+        """Record each request's routed experts per MoE layer (megarl/generator/routed_experts.py);
+        returns the number of MoE layers (0: a dense model, nothing recorded)."""
+        from megarl.generator.routed_experts import install_request_capture
+
+        return install_request_capture(self)
+
+    def megarl_take_routed_experts(self, request_ids: list) -> dict:
+        """The routed experts recorded for ``request_ids`` (``[positions, layers, k]`` int16, -1 =
+        not run), forgotten here."""
+        from megarl.generator.routed_experts import take_request_experts
+
+        return take_request_experts(self, list(request_ids))
+
     def megarl_landed_weights(self) -> dict[str, torch.Tensor]:
         """Every parameter as the last capturing update landed it (vLLM names, this rank's shard)."""
         return self.__dict__.pop("_megarl_landed", {})

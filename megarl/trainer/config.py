@@ -33,6 +33,14 @@ class TrainerConfig:
                                      "of an MoE model, added to the policy loss (dimensionless; megatron's "
                                      "moe_aux_loss_coeff with the 'aux_loss' balancing). 0 = off, as RL "
                                      "recipes run it: routing then follows the policy loss only. Default 0.")
+    router_replay: bool = knob(False, help="Rollout routing replay (R3) for an MoE model (flag): every trainer "
+                               "forward (logprob passes and training) routes each token to the top-k experts the "
+                               "generator's engine routed it to (the sample's routed experts, per MoE layer; the "
+                               "gate weights stay the trainer router's own scores at those experts, "
+                               "differentiable); tokens the engine did not report keep the trainer's choice. "
+                               "moe/routing_mismatch (share of token-layer pairs routed otherwise than the engine "
+                               "did) is logged either way and is 0 with replay. Only for MoE models; not with "
+                               "trainer.pp > 1. Default false.")
 
     # --- batch ---
     micro_batch_size: int = knob(4, help="Sequences per forward/backward micro-batch on one DP "
@@ -195,6 +203,17 @@ class TrainerConfig:
         if bad or (self.lora_rank > 0 and not self.lora_targets):
             out.append(f"trainer.lora_targets={list(self.lora_targets)}: use a non-empty list of "
                        f"{', '.join(LORA_TARGETS)}")
+        if self.router_replay and self.pp > 1:
+            out.append(f"trainer.router_replay=true with trainer.pp={self.pp}: router replay is built for one "
+                       f"pipeline stage; set trainer.pp=1 or trainer.router_replay=false")
         if self.logprob_temperature <= 0:
             out.append(f"trainer.logprob_temperature={self.logprob_temperature}: must be > 0")
         return out
+
+
+def router_replay_problems(router_replay: bool, is_moe: bool, family: str = "") -> list[str]:
+    """trainer.router_replay needs an MoE model (its routers are what is replayed); [] when fine."""
+    if router_replay and not is_moe:
+        return [f"trainer.router_replay=true but the model has no experts (model_type={family!r}): router "
+                f"replay is for MoE models; set trainer.router_replay=false"]
+    return []

@@ -80,7 +80,7 @@ class RankTrainer:
         load_pretrained(self.model, model_dir)
         from megarl.trainer.router_stats import RouterStats
 
-        self.router_stats = RouterStats(self.model)  # MoE: tokens per expert of each training pass
+        self.router_stats = RouterStats(self.model, replay=cfg.router_replay)  # MoE: tokens per expert, routing mismatch (R3)
         # the LR schedule counts optimizer updates: trainer.minibatches x trainer.epochs a step
         self.objs = build_training(cfg, self.model, total_steps * cfg.minibatches * cfg.epochs)
         # The KL reference: the initial policy (from model_dir even on resume), frozen, built only if used.

@@ -120,10 +120,17 @@ def run_pipeline(model, micro_batches: list[RolloutBatch], on_logits: Callable[.
     layout)`` runs on the last PP stage and returns megatron's loss-func tuple (``layout``: None, or
     the micro-batch's packing when ``packing``; :func:`aligned_logprobs` takes both); returns the
     schedule's per-micro-batch outputs (non-empty on the last stage only). Every PP stage packs the
-    same rows the same way (deterministic), so the stages agree on the shapes."""
+    same rows the same way (deterministic), so the stages agree on the shapes.
+
+    An MoE model with a router replayer (``megarl_router_replayer``, megarl/trainer/router_stats.py)
+    gets each micro-batch's ``routed_experts`` in the forward's token layout (packed like its tokens)
+    before its forward: replayed with trainer.router_replay, counted for moe/routing_mismatch either
+    way; a micro-batch without them routes on its own."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    from megarl.trainer.model import unwrap
     from megarl.trainer.packing import pack
+    from megarl.trainer.router_replay import UNKNOWN, model_order
 
     device = next(model.parameters()).device
     micro_batches = [mb.to(device) for mb in micro_batches]
@@ -132,20 +139,31 @@ def run_pipeline(model, micro_batches: list[RolloutBatch], on_logits: Callable[.
     shapes = [tuple(lay.input_ids.shape) if lay is not None else tuple(mb.input_ids.shape)
               for mb, lay in zip(micro_batches, layouts)]
 
+    replayer = getattr(unwrap(model), "megarl_router_replayer", None)
+
     def forward_step(data_iterator, model_chunk):
         mb, layout = next(data_iterator)
         inputs = mb.model_inputs() if layout is None else layout.model_inputs()
+        if replayer is not None:
+            ids = mb.routed_experts
+            if ids is not None and layout is not None:
+                ids = layout.pack_like(ids, UNKNOWN)
+            replayer.set_targets(None if ids is None else model_order(ids))
         return model_chunk(**inputs), functools.partial(on_logits, mb, layout=layout)
 
-    return get_forward_backward_func()(
-        forward_step_func=forward_step,
-        data_iterator=iter(list(zip(micro_batches, layouts))),
-        model=[model],
-        num_microbatches=len(micro_batches),
-        seq_length=max(s for _, s in shapes),
-        micro_batch_size=max(b for b, _ in shapes),
-        forward_only=forward_only,
-    )
+    try:
+        return get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=iter(list(zip(micro_batches, layouts))),
+            model=[model],
+            num_microbatches=len(micro_batches),
+            seq_length=max(s for _, s in shapes),
+            micro_batch_size=max(b for b, _ in shapes),
+            forward_only=forward_only,
+        )
+    finally:
+        if replayer is not None:
+            replayer.clear()
 
 
 def broadcast_from_last_stage(tensor: torch.Tensor) -> torch.Tensor:

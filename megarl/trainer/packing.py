@@ -116,6 +116,17 @@ class PackedLayout:
             out["packed_seq_params"] = self.packed_seq_params
         return out
 
+    def pack_like(self, per_token: torch.Tensor, fill) -> torch.Tensor:
+        """A per-token ``[b, s, ...]`` tensor of the micro-batch (e.g. ``RolloutBatch.routed_experts``)
+        laid out as the packed ``[rows, cap, ...]`` tokens: sequence i at ``row[i], offset[i]``; the
+        free tails hold ``fill``."""
+        rows = int(self.input_ids.shape[0])
+        cap = int(self.input_ids.shape[1])
+        out = torch.full((rows, cap, *per_token.shape[2:]), fill, dtype=per_token.dtype, device=per_token.device)
+        for i, (r, o, n) in enumerate(zip(self.row.tolist(), self.offset.tolist(), self.lengths.tolist())):
+            out[r, o:o + n] = per_token[i, :n]
+        return out
+
     def unpack(self, packed: torch.Tensor) -> torch.Tensor:
         """Token-aligned ``[rows, cap]`` -> the micro-batch's ``[b, s]`` (differentiable gather).
         Position 0 of a sequence has no logprob (its packed neighbour is the previous sequence's

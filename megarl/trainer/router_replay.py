@@ -15,9 +15,13 @@ megatron's router sees tokens sequence-first (``[s, b, h]`` flattened to ``[s * 
 through its experts: the last sampled token, padding): the trainer's own choice is used there and
 the token is not counted in the mismatch.
 
-Not built yet (docs/moe.md, "Rollout routing replay"): the controller -> trainer plumbing (a
-``RolloutBatch`` field, packing, micro-batching, DP / EP sequence shards, PP micro-batches in flight).
-One forward at a time with the whole micro-batch's ids is what :meth:`RouterReplayer.replaying` supports.
+The trainer's passes (megarl/trainer/logprobs.py ``run_pipeline``) set each micro-batch's ids
+(``RolloutBatch.routed_experts``, laid out like the forward's tokens: padded or packed) with
+:meth:`RouterReplayer.set_targets` in its forward step; they stay until the next micro-batch's forward
+(so a backward's activation recompute sees them: one pipeline stage, each micro-batch's forward then
+backward) and :meth:`RouterReplayer.clear` ends the pass. PP > 1 (micro-batches in flight) is refused
+(trainer.router_replay, megarl/trainer/config.py). ``RouterStats`` (router_stats.py) owns the replayer
+of the policy model and reports the mismatch of each step's training passes.
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ class RouterReplayer:
     """Replays given expert ids through every ``TopKRouter`` of ``model`` and counts the
     token-layer pairs whose top-k set the trainer's forward used differs from the engine's."""
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, replay: bool = False):
         from megatron.core.transformer.moe.router import TopKRouter
         from megatron.core.transformer.moe.router_replay import RouterReplay
 
@@ -54,6 +58,7 @@ class RouterReplayer:
             self.replays.append(router.router_replay)
         self.compared = 0
         self.mismatched = 0
+        self.replay = replay  # trainer.router_replay: what set_targets does (else only counts)
         self._replay = False
 
     def _wrap(self, rr):
@@ -95,6 +100,26 @@ class RouterReplayer:
             for rr in self.replays:
                 rr.target_topk_idx = None
             self._replay = False
+
+    def set_targets(self, expert_ids: torch.Tensor | None) -> None:
+        """The engine's ids for the next forward(s), ``[tokens, layers, k]`` in megatron's order
+        (:func:`model_order`): replayed when ``self.replay``, counted either way; None = the trainer's
+        own routing, nothing counted. They stay until the next call or :meth:`clear`."""
+        if expert_ids is None:
+            self.clear()
+            return
+        if expert_ids.shape[1] != len(self.replays):
+            raise ValueError(f"router replay: expert ids for {expert_ids.shape[1]} MoE layers, the model has "
+                             f"{len(self.replays)}")
+        ids = expert_ids.long()
+        for i, rr in enumerate(self.replays):
+            rr.target_topk_idx = ids[:, i]
+        self._replay = self.replay
+
+    def clear(self) -> None:
+        for rr in self.replays:
+            rr.target_topk_idx = None
+        self._replay = False
 
     def metrics(self) -> dict[str, float]:
         """``moe/routing_mismatch``: share of the compared token-layer pairs routed to another top-k

@@ -5,6 +5,12 @@ Forward hooks on every megatron ``TopKRouter`` (its forward returns ``(probs, ro
 is open. The counts are summed over the data-parallel ranks (each routes its own tokens; TP ranks
 route the same ones and are not added), so every rank reports the same metrics. Padding tokens of a
 micro-batch are routed like any token and counted (megatron routes them; the count says where compute went).
+
+``moe/routing_mismatch``: the share of token-layer pairs whose top-k set in the training passes differs
+from the generator engine's (``RolloutBatch.routed_experts``), counted by the model's
+:class:`~megarl.trainer.router_replay.RouterReplayer`, which this class builds and hangs on the model
+(``megarl_router_replayer``) for ``run_pipeline`` to feed; 0 with ``trainer.router_replay`` (replayed).
+Logged whenever the step's batch carries routed experts (an MoE model's samples always do).
 """
 
 from __future__ import annotations
@@ -18,10 +24,23 @@ import torch
 class RouterStats:
     """Counts tokens per expert of each MoE layer of ``model`` (none for a dense model)."""
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, replay: bool = False):
         from megatron.core.transformer.moe.router import TopKRouter
 
+        from megarl.trainer.config import router_replay_problems
+        from megarl.trainer.model import unwrap
+
         self.routers = [m for m in model.modules() if isinstance(m, TopKRouter)]
+        family = getattr(getattr(unwrap(model), "megarl_dims", None), "family", "")
+        problems = router_replay_problems(replay, bool(self.routers), family)
+        if problems:
+            raise ValueError(problems[0])
+        self.replayer = None
+        if self.routers:
+            from megarl.trainer.router_replay import RouterReplayer
+
+            self.replayer = RouterReplayer(model, replay=replay)
+            unwrap(model).megarl_router_replayer = self.replayer
         self.counts: dict[int, torch.Tensor] = {}
         self._on = False
         for i, router in enumerate(self.routers):
@@ -41,6 +60,8 @@ class RouterStats:
         """Count the routing of the forwards run inside: a step's, i.e. every update's training pass
         (trainer.minibatches x trainer.epochs of them) and a batch-statistic pass (vaco) where the loss has one."""
         self.counts, self._on = {}, True
+        if self.replayer is not None:
+            self.replayer.compared = self.replayer.mismatched = 0
         try:
             yield
         finally:
@@ -49,7 +70,8 @@ class RouterStats:
     def metrics(self) -> dict[str, float]:
         """``moe/tokens_per_expert_max`` / ``_mean`` / ``_min`` (tokens, over experts and MoE layers,
         summed over DP), ``moe/load_imbalance`` = max / mean (1 = perfectly balanced), and
-        ``moe/expert_load/<e>``: expert e's share of the routed tokens, averaged over layers. Collective
+        ``moe/expert_load/<e>``: expert e's share of the routed tokens, averaged over layers, and
+        ``moe/routing_mismatch`` (module docstring; pairs summed over DP) when any were compared. Collective
         over the data-parallel group; {} for a dense model."""
         if not self.routers:
             return {}
@@ -59,8 +81,10 @@ class RouterStats:
         table = torch.zeros(len(self.routers), experts, dtype=torch.float64)
         for layer, c in self.counts.items():
             table[layer] = c
+        pairs = torch.tensor([float(self.replayer.compared), float(self.replayer.mismatched)], dtype=torch.float64)
         if ps.get_data_parallel_world_size() > 1:
             torch.distributed.all_reduce(table, group=ps.get_data_parallel_group())
+            torch.distributed.all_reduce(pairs, group=ps.get_data_parallel_group())
         mean = float(table.mean())
         out = {"moe/tokens_per_expert_max": float(table.max()), "moe/tokens_per_expert_mean": mean,
                "moe/tokens_per_expert_min": float(table.min()),
@@ -68,6 +92,8 @@ class RouterStats:
         share = table / table.sum(1, keepdim=True).clamp(min=1.0)
         for e, s in enumerate(share.mean(0).tolist()):
             out[f"moe/expert_load/{e}"] = s
+        if pairs[0] > 0:  # the step's batch carried the engine's routed experts
+            out["moe/routing_mismatch"] = float(pairs[1] / pairs[0])
         return out
 
 
