@@ -81,6 +81,10 @@ class SyncSpec:
     bucket_bytes: int = DEFAULT_BUCKET_BYTES  # gloo / nccl: bytes in flight per pair (two rounds of half) and per
                                    # parameter group (transport/buckets.py); cuda_ipc and every sender: bucket
                                    # size of converted wire buffers (sync.bucket_mb)
+    skip: frozenset = frozenset()  # HF tensor names this sync leaves out (a partial sync: :func:`without`); the
+                                   # engine keeps what it holds for them. LoRA: the frozen tensors after the first
+                                   # sync (megarl/trainer/ddma.py LoraMergedSender). A sender's table names its skip,
+                                   # so a receiver built for the full spec lands a partial sync too.
 
     def __post_init__(self):
         if self.transport in ALIASES:
@@ -95,6 +99,8 @@ class SyncSpec:
             raise ValueError(f"ddma zero_copy_via {self.zero_copy_via!r}: choose 'map' or 'read'")
         if self.verify_every < 0 or self.timeout_s <= 0 or self.bucket_bytes < 1:
             raise ValueError("ddma verify_every must be >= 0, timeout_s > 0 and bucket_bytes >= 1")
+        if not isinstance(self.skip, frozenset):
+            raise ValueError(f"ddma skip must be a frozenset of HF tensor names, not {type(self.skip).__name__}")
 
     def weight_source(self, version: int) -> dict:
         """The generator's weight source for this sync (see megarl/generator/weights.py)."""
@@ -102,6 +108,41 @@ class SyncSpec:
 
     def verifies(self, version: int) -> bool:
         return self.verify_every > 0 and version % self.verify_every == 0
+
+
+def without(plan: SyncPlan, skip: frozenset) -> SyncPlan:
+    """``plan`` less every copy of the HF tensors in ``skip`` (a partial sync: the same senders and
+    offsets for what is left; pairs left with no copy are dropped)."""
+    if not skip:
+        return plan
+    pairs = {k: kept for k, cs in plan.pairs.items() if (kept := tuple(c for c in cs if c.hf_name not in skip))}
+    return dataclasses.replace(plan, pairs=pairs)
+
+
+def skipped_params(spec: SyncSpec, d: DstRank) -> frozenset:
+    """The engine parameters of worker ``d`` that a sync under ``spec`` leaves whole out (every HF tensor in
+    them skipped). Raises ValueError where a parameter, or a vLLM layer (the parameters of one module, which
+    vLLM's layerwise reload processes together: a layer half landed is rebuilt from uninitialised storage),
+    would land in part."""
+    if not spec.skip:
+        return frozenset()
+    layouts = vllm_param_layouts(spec.dims, spec.dst.tp, d.tp, spec.dst.vocab_padding)
+    out, sent = set(), set()
+    for name, layout in layouts.items():
+        hf = {p.hf_name for p in layout.pieces}
+        if hf <= spec.skip:
+            out.add(name)
+        elif hf & spec.skip:
+            raise ValueError(f"ddma skip: engine parameter {name} would land in part (skipped {sorted(hf & spec.skip)}, "
+                             f"sent {sorted(hf - spec.skip)}); skip all of its HF tensors or none")
+        else:
+            sent.add(name)
+    layer = lambda n: n.rsplit(".", 1)[0]  # noqa: E731
+    half = sorted({layer(n) for n in out} & {layer(n) for n in sent})
+    if half:
+        raise ValueError(f"ddma skip: vLLM layer {half[0]} would land in part (its parameters "
+                         f"{sorted(n for n in layouts if layer(n) == half[0])}): skip all of a layer's tensors or none")
+    return frozenset(out)
 
 
 def host_store(host: str = "127.0.0.1", port: int = 0) -> torch.distributed.TCPStore:
@@ -117,7 +158,7 @@ def _connect(spec: SyncSpec) -> torch.distributed.TCPStore:
 class _Side:
     def __init__(self, spec: SyncSpec):
         self.spec = spec
-        self.plan: SyncPlan = plan_sync(spec.dims, spec.src, spec.dst)
+        self.plan: SyncPlan = without(plan_sync(spec.dims, spec.src, spec.dst), spec.skip)
         self.src_ranks = sorted(self.plan.src_shapes)
         self.dst_ranks = sorted(self.plan.dst_shapes)
         self.store = _connect(spec)
@@ -127,6 +168,13 @@ class _Side:
         if isinstance(rank, SrcRank):
             return self.src_ranks.index(rank)
         return len(self.src_ranks) + self.dst_ranks.index(rank)
+
+    def dst_layouts(self, d: DstRank) -> dict:
+        """Worker ``d``'s engine parameters this side's syncs land (all, less :func:`skipped_params`), in
+        vLLM's order: the transports' parameter order and groups."""
+        layouts = vllm_param_layouts(self.spec.dims, self.spec.dst.tp, d.tp, self.spec.dst.vocab_padding)
+        skipped = skipped_params(self.spec, d)
+        return {n: lay for n, lay in layouts.items() if n not in skipped}
 
 
 class DdmaSender(_Side):
@@ -145,8 +193,7 @@ class DdmaSender(_Side):
                                  f"the layout says {tuple(shape)}")
         self.params = {n: params[n] for n in shapes}
         self.layouts = source_rank_layouts(spec.dims, spec.src, rank.tp, rank.pp, rank.dp % spec.src.ep)  # EP rank: its experts
-        dst_order = {r: list(vllm_param_layouts(spec.dims, spec.dst.tp, r.tp, spec.dst.vocab_padding))
-                     for r in self.dst_ranks}
+        dst_order = {r: list(self.dst_layouts(r)) for r in self.dst_ranks}
         # Outgoing messages in one global order: destination rank, then its parameter order.
         self.outgoing: list[tuple[DstRank, str, list[Copy]]] = []
         for d in self.dst_ranks:
@@ -155,6 +202,9 @@ class DdmaSender(_Side):
             for c in copies:
                 by_param[c.dst_param].append(c)
             self.outgoing += [(d, p, by_param[p]) for p in dst_order[d] if p in by_param]
+        if spec.skip:  # a partial sync: only the parameters it sends get wire (conversion) buffers
+            used = {c.src_param for _, _, cs in self.outgoing for c in cs}
+            self.params = {n: t for n, t in self.params.items() if n in used}
         self.transport = get_transport(spec.transport)(self)
         self._bufs: dict[str, torch.Tensor] | None = None  # conversion buffers, allocated once, in buckets
 
@@ -172,7 +222,8 @@ class DdmaSender(_Side):
         pause_point("ddma_send")
         # The addresses first, the digests after (their own key, read at verification): zero_copy workers
         # copy while this rank sums the same bytes (both only read the wire).
-        table: dict = {"pid": os.getpid(), **self.transport.publish(wire, scales), **({} if checks else {"sums": {}})}
+        table: dict = {"pid": os.getpid(), **self.transport.publish(wire, scales), **({} if checks else {"sums": {}}),
+                       "skip": spec.skip}
         self.store.set(key(version, f"src{me}"), pickle.dumps(table))
         t2 = time.perf_counter()
         if checks:
@@ -274,11 +325,31 @@ class DdmaReceiver(_Side):
         super().__init__(spec)
         self.rank = rank
         self.device = torch.device(device)
-        self.layouts = vllm_param_layouts(spec.dims, spec.dst.tp, rank.tp, spec.dst.vocab_padding)
+        self.layouts = self.dst_layouts(rank)
+        self.skipped = skipped_params(spec, rank)  # engine parameters a partial sync leaves as they are
+        self._parts: dict[frozenset, DdmaReceiver] = {}  # receivers of the partial syncs senders chose
+        self._active: DdmaReceiver = self
         self.incoming: dict[str, list[tuple[SrcRank, list[Copy]]]] = outgoing_by_param(self)
         self.tables: dict[SrcRank, dict] = {}
         self.transport = get_transport(spec.transport)(self)
         self.last_stats: dict = {}
+
+    def _for(self, version: int) -> tuple[DdmaReceiver, dict[SrcRank, dict]]:
+        """The receiver of sync ``version`` (this one, or the one of the partial sync the senders' tables
+        name: their ``skip``) and the senders' tables. Every later call of this sync goes to it."""
+        tables = self._published(version)
+        skips = {frozenset(t.get("skip", frozenset())) for t in tables.values()}
+        if len(skips) != 1:
+            raise DdmaTransportError(f"ddma: the trainer ranks disagree on what weights v{version} leave out "
+                                     f"({len(skips)} different skip sets)")
+        skip = skips.pop()
+        if skip == self.spec.skip:
+            self._active = self
+        else:
+            if skip not in self._parts:
+                self._parts[skip] = DdmaReceiver(dataclasses.replace(self.spec, skip=skip), self.rank, self.device)
+            self._active = self._parts[skip]
+        return self._active, tables
 
     def receive(self, version: int) -> Iterator[tuple[str, torch.Tensor]]:
         """:meth:`stream`, each staging tensor checked as what lands, then :meth:`verify_landed`
@@ -309,6 +380,11 @@ class DdmaReceiver(_Side):
         process_vm_readv, the parameter is checksummed after it landed. Other transports land through
         :meth:`stream`'s staging tensors, copied in. A vLLM worker lands through :meth:`stream` and its
         loader (megarl/generator/ddma_source.py): its parameters are repacked after loading."""
+        part, tables = self._for(version)
+        if part is not self:
+            part.receive_into(version, params)
+            self.last_stats = part.last_stats
+            return
         spec, t0 = self.spec, time.perf_counter()
         for name, layout in self.layouts.items():
             t = params.get(name)
@@ -325,7 +401,7 @@ class DdmaReceiver(_Side):
                     self.check_landed(name, params[name])
             self.verify_landed(version)
             return
-        self.begin_landing(self._published(version))
+        self.begin_landing(tables)
         t1 = time.perf_counter()
         scale_cache: dict = {}
         peak = 0
@@ -411,9 +487,14 @@ class DdmaReceiver(_Side):
         """Yield this worker's parameters for weights ``version`` (vLLM names, local layout), one
         new staging tensor each; the caller lands them, reports each through :meth:`check_landed`
         and ends with :meth:`verify_landed`."""
-        spec = self.spec
         t0 = time.perf_counter()
-        self.begin_landing(self._published(version))
+        part, tables = self._for(version)
+        if part is not self:
+            yield from part.stream(version)
+            self.last_stats = part.last_stats
+            return
+        spec = self.spec
+        self.begin_landing(tables)
         transfer = land = 0.0
         received = peak = 0
         it = self.transport.receive_params(version)
@@ -445,7 +526,11 @@ class DdmaReceiver(_Side):
 
     def check_landed(self, name: str, landed: torch.Tensor) -> None:
         """Checksum parameter ``name`` as the engine holds it after landing (its local layout)."""
+        if self._active is not self:
+            return self._active.check_landed(name, landed)
         layout = self.layouts.get(name)
+        if layout is None and name in self.skipped:  # not in this (partial) sync: the engine keeps it
+            return
         if layout is None:
             if name.endswith((".weight", ".bias")):  # a weight DDMA sends nothing for (quantization
                 self._unsent.add(name)                 # scales are the engine's own): never right
@@ -463,6 +548,10 @@ class DdmaReceiver(_Side):
     def verify_landed(self, version: int) -> None:
         """After the engine landed weights ``version``: every parameter landed, and its checksums
         are the senders'. Raises :class:`DdmaVerifyError`."""
+        if self._active is not self:
+            self._active.verify_landed(version)
+            self.last_stats = self._active.last_stats
+            return
         if not self.spec.verifies(version):
             return
         t = time.perf_counter()

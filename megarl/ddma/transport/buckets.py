@@ -214,7 +214,7 @@ class BucketedTransport(Transport):
     def groups(self, d) -> list[list[str]]:
         if d not in self._groups:
             spec = self.spec
-            layouts = vllm_param_layouts(spec.dims, spec.dst.tp, d.tp, spec.dst.vocab_padding)
+            layouts = self.side.dst_layouts(d)  # a partial sync (spec.skip): the parameters it lands
             self._groups[d] = param_groups(layouts, engine_dtype(spec).itemsize, spec.bucket_bytes)
         return self._groups[d]
 
