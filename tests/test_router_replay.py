@@ -173,6 +173,30 @@ def test_partial_rounds_merge_and_survive_the_saved_state():
     assert batch.select(slice(1, 2)).routed_experts.shape == (1, 2, 1, 2)
 
 
+def test_generator_returns_each_tokens_routing_prefix_cache_hits_included(tiny_qwen3_moe_dir, tmp_path):
+    """The megarl generator (a replica process, prefix cache on) returns every sample's routing for
+    each token but the last, mixed batches included (3 samples of a prompt decode together). A
+    300-token prompt is more than 2 of vLLM-CPU's 128-token KV blocks: asked again, its first 256
+    tokens are prefix-cache hits that run no forward, and their routing is the blocks' recorded one,
+    the same as the first time (fp32 engine: the same tokens route alike)."""
+    from megarl.generator.executor import GeneratorExecutor
+    from test_generator import base_cfg
+
+    cfg = base_cfg(temperature=1.0, n_samples=3, max_new_tokens=24, max_model_len=512, dtype="float32",
+                   log_dir=str(tmp_path / "logs"))
+    prompt = torch.randint(3, 49152, (300,), generator=torch.Generator().manual_seed(5)).tolist()
+    with GeneratorExecutor(cfg, tiny_qwen3_moe_dir) as ex:
+        first = ex.generate([prompt])
+        again = ex.generate([prompt])
+    ref = np.array(first[0].routed_experts)[:len(prompt)]
+    for s in first + again:
+        e = np.array(s.routed_experts)
+        assert e.shape == (len(s.token_ids), 1, 2), e.shape
+        assert (e[:-1] >= 0).all() and (e[:-1] < 4).all(), np.argwhere(e[:-1, 0, 0] < 0).ravel()[:10]
+        assert (e[-1] == -1).all()  # the last sampled token never ran through the model
+        assert np.array_equal(e[:len(prompt)], ref)
+
+
 def _train_rows(model_dir, out_dir, *overrides):
     from tests.test_controller import _rows, _train
 

@@ -20,7 +20,10 @@ Two captures:
   (the same arithmetic the runner's ``_prepare_inputs`` uses for ``positions``). So a mixed batch
   (several requests, chunked prefills, decodes) maps exactly, and a request preempted and recomputed
   (a weight update resets running requests) has its positions overwritten by the recompute. A
-  prompt prefix served from the prefix cache runs no forward: those positions stay -1 (unknown).
+  prompt prefix served from the prefix cache runs no forward: its positions are copied from the
+  routing recorded for the KV blocks that serve it (block id -> the rows whose KV it holds, kept per
+  block as each forward fills it; the prefix cache is reset at every weight update, so a hit is
+  always this version's routing).
 """
 
 from __future__ import annotations
@@ -69,6 +72,10 @@ def install_request_capture(worker) -> int:
     runners = sorted((m for m in runner_model.model.modules() if isinstance(m, MoERunner)), key=lambda r: r.layer_id)
     layers = len(runners)
 
+    # KV block id -> [block_size, layers, k]: the routing of the tokens whose KV the block holds, so a
+    # request whose prompt prefix is a prefix-cache hit (no forward for it) gets that prefix's routing
+    blocks: dict[int, np.ndarray] = worker.__dict__.setdefault("_megarl_routed_blocks", {})
+
     def capture(topk_ids, order):
         batch = runner_model.input_batch
         n = batch.num_reqs
@@ -76,20 +83,35 @@ def install_request_capture(worker) -> int:
             return  # a dummy run
         bounds = runner_model.query_start_loc.np[:n + 1]
         starts = batch.num_computed_tokens_cpu[:n]
+        table = batch.block_table[0]
+        bs, block_ids = table.block_size, table.block_table.np
         ids = topk_ids.detach().to("cpu").numpy().astype(np.int16)
+        k = ids.shape[1]
         for i, rid in enumerate(batch.req_ids[:n]):
             a, b = int(bounds[i]), int(bounds[i + 1])
             if b <= a:
                 continue
             p0 = int(starts[i])
             arr = store.get(rid)
+            if arr is None and p0 > 0 and order == 0:  # its first forward, after a prefix-cache hit
+                arr = store[rid] = np.full((p0 + b - a, layers, k), -1, dtype=np.int16)
+                for j in range(0, p0, bs):
+                    cached = blocks.get(int(block_ids[i, j // bs]))
+                    if cached is not None:
+                        arr[j:min(j + bs, p0)] = cached[:min(bs, p0 - j)]
             if arr is None or arr.shape[0] < p0 + b - a:
-                grown = np.full((max(p0 + b - a, 2 * (0 if arr is None else arr.shape[0])), layers, ids.shape[1]),
-                                -1, dtype=np.int16)
+                grown = np.full((max(p0 + b - a, 2 * (0 if arr is None else arr.shape[0])), layers, k), -1,
+                                dtype=np.int16)
                 if arr is not None:
                     grown[:arr.shape[0]] = arr
                 store[rid] = arr = grown
             arr[p0:p0 + b - a, order] = ids[a:b]
+            for j in range(p0 - p0 % bs, p0 + b - a, bs):  # the KV blocks these positions fill
+                lo, hi = max(j, p0), min(j + bs, p0 + b - a)
+                blk = blocks.get(int(block_ids[i, j // bs]))
+                if blk is None:
+                    blk = blocks[int(block_ids[i, j // bs])] = np.full((bs, layers, k), -1, dtype=np.int16)
+                blk[lo - j:hi - j, order] = ids[a + lo - p0:a + hi - p0]
 
     for order, runner in enumerate(runners):
         if not isinstance(runner.router, BaseRouter):
