@@ -86,9 +86,23 @@ def _trainer_worker(rank, world, hf_dir, tokens, experts):
         m = replayer.metrics()
         lp_packed = compute_logprobs(model, batch, micro_batch_size=4, packing=True).logprobs
         out[replay] = (lp, m, lp_packed, replayer.metrics())
+    # rows cut to 64, 40, 24, 16 tokens (causal: the kept tokens route as before): packing puts the 40- and
+    # the 24-token rows in one packed row (the 24 at offset 40), so the packed ids must follow the offsets
+    keep = [(64, 40, 24, 16)[i % 4] for i in range(len(tokens))]
+    cut = RolloutBatch.from_sequences([t[:k] for t, k in zip(tokens, keep)], [[0.0] + [1.0] * (k - 1) for k in keep])
+    cut.routed_experts = experts[:, :max(keep)].clone()
+    for i, k in enumerate(keep):
+        cut.routed_experts[i, k:] = -1
+    out_cut = {}
+    for replay in (False, True):
+        replayer.replay = replay
+        padded = compute_logprobs(model, cut, micro_batch_size=4).logprobs
+        m = replayer.metrics()
+        out_cut[replay] = (padded, m, compute_logprobs(model, cut, micro_batch_size=4, packing=True).logprobs,
+                           replayer.metrics())
     # no ids in the batch: own routing, nothing counted
     plain = compute_logprobs(model, dataclasses.replace(batch, routed_experts=None), micro_batch_size=4).logprobs
-    return out, plain, replayer.metrics()
+    return out, out_cut, plain, replayer.metrics()
 
 
 def test_replay_routes_like_the_bf16_engine_and_matches_its_logprobs(tiny_qwen3_moe_dir, tmp_path):
@@ -102,13 +116,15 @@ def test_replay_routes_like_the_bf16_engine_and_matches_its_logprobs(tiny_qwen3_
         assert e.shape == (len(tokens[i]) - 1, 1, 2), e.shape
         assert int(e.min()) >= 0 and int(e.max()) < 4
         experts[i, :e.shape[0]] = e
-    out, plain, m_plain = run_multiprocess(_trainer_worker, 1, str(tiny_qwen3_moe_dir), tokens, experts,
-                                           timeout_s=900)[0]
+    out, out_cut, plain, m_plain = run_multiprocess(_trainer_worker, 1, str(tiny_qwen3_moe_dir), tokens, experts,
+                                                    timeout_s=900)[0]
     (lp_own, m_own, lpp_own, mp_own), (lp_rep, m_rep, lpp_rep, mp_rep) = out[False], out[True]
     assert m_plain == {}
     # packed micro-batches carry the ids in their packed layout: the same pairs compared, the same routing
-    assert mp_own == m_own and mp_rep == m_rep, (mp_own, m_own, mp_rep, m_rep)
-    assert float((lpp_rep - lp_rep).abs().max()) < 1e-4 and float((lpp_own - lp_own).abs().max()) < 1e-4
+    for lp, m, lpp, mp in (out[False], out[True], out_cut[False], out_cut[True]):
+        assert mp == m, (mp, m)
+        assert float((lpp - lp).abs().max()) < 1e-4, float((lpp - lp).abs().max())
+    assert out_cut[True][1] == {"moe/routing_mismatch": 0.0}
     known = int((experts[..., 0, 0] >= 0).sum())  # token-layer pairs compared (one MoE layer)
     # without replay the fp32 trainer routes some tokens elsewhere than the bf16 engine (docs/moe.md: 3/512)
     assert 0 < m_own["moe/routing_mismatch"] < 0.1, m_own
