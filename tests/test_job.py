@@ -70,14 +70,14 @@ def test_the_launcher_lists_every_role_of_the_device_plan(monkeypatch):
     class Plan:
         trainer: list[int] | None
         generator: list[int] | None
-        critic: list[int] | None
+        verifier: list[int] | None
         note: str
 
     monkeypatch.setattr(placement, "DevicePlan", Plan)
     monkeypatch.setattr(placement, "device_plan", lambda cfg, gpus: Plan(None, [0], [1, 2], "n"))
     (line,) = placement_lines(None, 4, "n3")
     assert line == ("device plan on n3: trainer no GPU here (its pool, or the CPU); generator GPU(s) 0; "
-                    "critic GPU(s) 1,2")
+                    "verifier GPU(s) 1,2")
 
 
 def test_validation_does_not_guess_the_device_the_job_decides(monkeypatch, tiny_llama_dir):

@@ -456,9 +456,10 @@ def placement_lines(cfg, gpus: int, node: str) -> list[str]:
         plan = device_plan(cfg, gpus)
     except ValueError as e:
         return [f"device plan roles {', '.join(roles)}: not placeable on {node} ({e})"]
-    # trainer and generator always run; an optional role (judge, teacher) only when configured
-    optional = {"judge": bool(getattr(cfg.reward, "model", "")),
-                "teacher": bool(getattr(cfg.algorithm, "teacher", ""))}
+    # trainer and generator always run; an optional role (judge, teacher, critic) only when configured
+    reward, algo = getattr(cfg, "reward", None), getattr(cfg, "algorithm", None)
+    optional = {"judge": bool(getattr(reward, "model", "")), "teacher": bool(getattr(algo, "teacher", "")),
+                "critic": getattr(algo, "advantage", "") in ("gae", "vtrace")}
     ids = {role: getattr(plan, role) for role in roles if optional.get(role, True)}
     return [f"device plan on {node}: " + "; ".join(
         f"{role} {'GPU(s) ' + ','.join(map(str, d)) if d else 'no GPU here (its pool, or the CPU)'}"

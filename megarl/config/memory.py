@@ -503,8 +503,9 @@ def dry_run_report(cfg) -> tuple[list[str], list[str]]:
                  f"megarl/config/memory.py says how each is counted:")
     judge_lines, judge_problems = judge_memory(cfg, plan.gpu_bytes)  # reward.model: the judge's engines
     teacher_lines, teacher_problems = teacher_memory(cfg, plan.gpu_bytes)  # algorithm.teacher: forward-only ranks
-    return (lines + [f"  {ln}" for ln in plan.lines() + judge_lines + teacher_lines],
-            plan.problems + judge_problems + teacher_problems)
+    critic_lines, critic_problems = critic_memory(cfg, plan.gpu_bytes)  # gae/vtrace: the value model's ranks
+    return (lines + [f"  {ln}" for ln in plan.lines() + judge_lines + teacher_lines + critic_lines],
+            plan.problems + judge_problems + teacher_problems + critic_problems)
 
 
 def judge_memory(cfg, gpu_bytes: float) -> tuple[list[str], list[str]]:
@@ -574,4 +575,42 @@ def teacher_memory(cfg, gpu_bytes: float) -> tuple[list[str], list[str]]:
         problems.append(f"algorithm.teacher={a.teacher!r}: the teacher's {total / GB:.1f} GB per GPU (weights "
                         f"{terms['weights'] / GB:.1f}) does not fit {gpu_bytes / GB:g} GB; raise trainer.tp or "
                         f"trainer.pp (the teacher runs at the trainer's layout)")
+    return lines, problems
+
+
+def critic_memory(cfg, gpu_bytes: float) -> tuple[list[str], list[str]]:
+    """(plan lines, problems) of one critic rank's GPU (megarl/critic/executor.py: the value model, the policy's
+    GPTModel with a scalar head, trained at critic.tp x pp x dp with the trainer's params_dtype and optimizer):
+    the trainer's terms (:func:`trainer_plan`) at the critic's layout and micro-batch, without the logits
+    (the head gives one value a token), a reference model, LoRA or the sync's fp8 copy. The weights keep an
+    untied vocabulary projection the head replaces (an upper bound by vocab x hidden / tp). Nothing unless
+    algorithm.advantage is gae or vtrace; a line saying so when the value model's config.json is not here."""
+    from megarl.config.validate import model_shape
+
+    critic, t = getattr(cfg, "critic", None), cfg.trainer
+    if critic is None or cfg.algorithm.advantage not in ("gae", "vtrace"):
+        return [], []
+    source = critic.path or cfg.model.path
+    shape = model_shape(source, shipped_ok=True)
+    if (not shape or "_error" in shape) and critic.path:  # a megarl checkpoint: the policy's architecture
+        shape = model_shape(cfg.model.path, shipped_ok=True)
+    if not shape or "_error" in shape:
+        return [f"critic: no plan (its model {source}: config.json is not here nor in configs/models/)"], []
+    dims = ModelDims.from_hf_config(shape)
+    tp, pp, dp = critic.layout(t)
+    terms = trainer_plan(dims, tp=tp, pp=pp, dp=dp, params_dtype=t.params_dtype,
+                         distributed_optimizer=t.use_distributed_optimizer,
+                         seq=cfg.data.max_prompt_tokens + cfg.generator.max_new_tokens,
+                         micro_batch=critic.micro_batch_size or t.micro_batch_size, recompute=t.recompute,
+                         max_tokens=t.max_tokens_per_micro_batch, fused_attention=fused_attention_expected()[0])
+    terms = {k: v for k, v in terms.items() if k not in ("logits", "entropy", "reference", "fp8_wire", "lora_merged")}
+    total = sum(terms.values())
+    lines = [f"critic, per GPU: {total / GB:6.1f} GB of {gpu_bytes / GB:.0f}; value model tp{tp} x pp{pp} x dp{dp} "
+             f"(critic.tp/pp/dp), {source}"] + [f"    {k:<17} {v / GB:7.2f} GB" for k, v in terms.items() if v]
+    problems = []
+    if total > gpu_bytes:
+        problems.append(f"critic.tp={critic.tp} critic.pp={critic.pp}: the critic's {total / GB:.1f} GB per GPU "
+                        f"(weights {terms['weights'] / GB:.1f}, optimizer {terms['optimizer'] / GB:.1f}) does not fit "
+                        f"{gpu_bytes / GB:g} GB; raise critic.tp or critic.pp (0 = the trainer's), or lower "
+                        f"critic.micro_batch_size")
     return lines, problems

@@ -24,6 +24,7 @@ class DevicePlan:
     note: str                    # one line for the log: what went where and why
     judge: list[int] | None = None  # reward.judge_tp devices per judge replica (reward.model), replica-major
     teacher: list[int] | None = None  # one device per teacher rank (algorithm.teacher), in global rank order
+    critic: list[int] | None = None  # one device per critic rank (algorithm.advantage gae|vtrace), in global rank order
 
 
 def needed(cfg) -> tuple[int, int]:
@@ -83,7 +84,7 @@ def device_plan(cfg, visible: int) -> DevicePlan:
     shared = sorted(set(train) & set(gen))
     note = (f"trainer ranks on GPU(s) {_fmt(train)}, generator workers on GPU(s) {_fmt(gen)}"
             + (f" (sharing {_fmt(shared)}: cluster.share_devices)" if shared else " (disjoint)"))
-    return _with_teacher(cfg, visible, _with_judge(cfg, visible, DevicePlan(train, gen, note)))
+    return _with_critic(cfg, visible, _with_teacher(cfg, visible, _with_judge(cfg, visible, DevicePlan(train, gen, note))))
 
 
 def judge_needed(cfg) -> int:
@@ -143,6 +144,34 @@ def _with_teacher(cfg, visible: int, plan: DevicePlan) -> DevicePlan:
     return dataclasses.replace(plan, teacher=teacher, note=f"{plan.note}; teacher ranks on GPU(s) {_fmt(teacher)}")
 
 
+def critic_needed(cfg) -> int:
+    """GPUs the critic needs: one per rank of its Megatron executor (megarl/critic/executor.py), at
+    critic.tp x pp x dp (0 = the trainer's); 0 unless algorithm.advantage is gae or vtrace."""
+    critic = getattr(cfg, "critic", None)
+    if critic is None or cfg.algorithm.advantage not in ("gae", "vtrace"):
+        return 0
+    return critic.ranks(cfg.trainer)
+
+
+def _with_critic(cfg, visible: int, plan: DevicePlan) -> DevicePlan:
+    """``plan`` with the critic's devices: those no other role has (with cluster.share_devices: the
+    trainer's, round-robin). Its ranks start from the controller (cluster.launcher=local)."""
+    n = critic_needed(cfg)
+    if not n:
+        return plan
+    if cfg.cluster.share_devices:
+        critic = list(plan.trainer or range(min(n, visible)))
+    else:
+        taken = set(plan.trainer or []) | set(plan.generator or []) | set(plan.judge or []) | set(plan.teacher or [])
+        critic = [d for d in range(visible) if d not in taken][:n]
+        if len(critic) < n:
+            raise ValueError(f"the critic (algorithm.advantage={cfg.algorithm.advantage}) needs {n} GPU(s) (critic.tp*pp*dp) "
+                             f"and got {len(critic)} of {visible} visible after the other roles'; lower critic.dp, free "
+                             f"devices or set cluster.share_devices=true")
+    critic = [critic[r % len(critic)] for r in range(n)]
+    return dataclasses.replace(plan, critic=critic, note=f"{plan.note}; critic ranks on GPU(s) {_fmt(critic)}")
+
+
 def _parse(key: str, text: str, visible: int) -> list[int]:
     try:
         ids = parse_cpu_list(text)
@@ -158,4 +187,4 @@ def _fmt(ids: list[int]) -> str:
     return ",".join(str(d) for d in ids)
 
 
-__all__ = ["DevicePlan", "device_plan", "judge_needed", "needed", "teacher_needed"]
+__all__ = ["DevicePlan", "critic_needed", "device_plan", "judge_needed", "needed", "teacher_needed"]

@@ -1,7 +1,8 @@
 """The whole job's configuration: one dataclass per section, composed here.
 
 Sections owned by an executor live next to it (`megarl/trainer/config.py`, `megarl/generator/config.py`,
-`megarl/algorithms/config.py`, `megarl/reward/config.py`, `megarl/ddma/config.py`); the job-level sections are defined below.
+`megarl/algorithms/config.py`, `megarl/reward/config.py`, `megarl/ddma/config.py`, `megarl/critic/config.py`); the
+job-level sections are defined below.
 Every knob is declared with :func:`megarl.utils.knobs.knob`, so `megarl config explain` prints its
 unit and default.
 """
@@ -12,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Union
 
 from megarl.algorithms.config import AlgorithmConfig
+from megarl.critic.config import CriticConfig
 from megarl.utils.knobs import knob
 from megarl.ddma.config import SyncConfig
 from megarl.generator.config import GeneratorConfig
@@ -205,6 +207,7 @@ class MegaRLConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     generator: GeneratorConfig = field(default_factory=GeneratorConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)  # the value model: read with algorithm.advantage gae|vtrace
     reward: RewardConfig = field(default_factory=RewardConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
     controller: ControllerConfig = field(default_factory=ControllerConfig)

@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from megarl.algorithms.config import CRITIC_ADVANTAGES, OWN_BEHAVIOUR_CORRECTION
+from megarl.algorithms.config import OWN_BEHAVIOUR_CORRECTION, needs_critic
 from megarl.config.data_choice import eval_set_problems, eval_sets
 from megarl.utils.model_source import REPO_ROOT, hub_cache, is_hub_id, local_model_dir, shipped_config
 from megarl.config.teacher import teacher_problems
@@ -73,10 +73,7 @@ def check(cfg: MegaRLConfig, *, dry_run: bool = False, scan_data: bool = True) -
         problems.append(f"generator.max_turns={g.max_turns}: reward.env={cfg.reward.env!r} answers a reply with an "
                         f"observation, so every rollout would end truncated after its first reply; set "
                         f"generator.max_turns >= 2 (replies per rollout; the calculator recipe uses 5)")
-    if cfg.algorithm.advantage in CRITIC_ADVANTAGES:  # megarl/algorithms/value_targets.py: needs a critic's values
-        problems.append(f"algorithm.advantage={cfg.algorithm.advantage}: GAE/V-trace take a critic's per-token values "
-                        f"and the controller does not start a critic executor yet (issue 43); use "
-                        f"algorithm.advantage=grpo, dr_grpo or rloo")
+    problems += critic_problems(cfg, dry_run=dry_run)  # gae/vtrace: the critic's knobs, layout, folder
     if cfg.algorithm.dynamic_sampling and g.n_samples < 2:  # a group of one sample always has equal rewards
         problems.append(f"algorithm.dynamic_sampling=true: with generator.n_samples={g.n_samples} every group's rewards "
                         f"are all equal, so every group would be dropped; set generator.n_samples >= 2 (e.g. 4) or "
@@ -207,6 +204,45 @@ def check(cfg: MegaRLConfig, *, dry_run: bool = False, scan_data: bool = True) -
             f"generator tp*replicas={counts['generator']} = {counts['total']} ranks; change trainer.dp / "
             f"generator.replicas or the job's size")
     return problems
+
+
+def critic_problems(cfg: MegaRLConfig, *, dry_run: bool = False) -> list[str]:
+    """The critic's section when algorithm.advantage is gae or vtrace (megarl/critic/): its knobs, its
+    layout against the value model's shape (critic.path's, else the policy's), a step's batch and each
+    minibatch over critic.dp, critic.path there (``dry_run``: a path not here is no problem), local launch."""
+    if not needs_critic(cfg.algorithm):
+        return []
+    c, t = cfg.critic, cfg.trainer
+    out = list(c.problems())
+    if cfg.cluster.launcher != "local":
+        out.append(f"algorithm.advantage={cfg.algorithm.advantage}: cluster.launcher={cfg.cluster.launcher!r} has no "
+                   f"critic pool yet; run the critic's job with cluster.launcher=local")
+    source = cfg.model.path
+    if c.path:
+        folder = local_model_dir(c.path) or Path(c.path)
+        if not ((folder / "config.json").is_file() or (folder / "meta.json").is_file()
+                or (folder / "latest").is_file()):
+            if not (dry_run and not folder.exists()):
+                out.append(f"critic.path={c.path!r}: neither an HF model folder (config.json) nor a megarl checkpoint "
+                           f"(meta.json, or a checkpoint folder with 'latest'); point it at the value model's starting "
+                           f"weights, or set critic.path='' to start from model.path")
+        elif (folder / "config.json").is_file():
+            source = str(folder)
+    if out or any(getattr(c, k) < 0 for k in ("tp", "pp", "dp")):
+        return out
+    tp, pp, dp = c.layout(t)
+    shape = model_shape(source, shipped_ok=dry_run)
+    if shape and "_error" not in shape and not architecture_problem(shape):
+        out += parallel_problems(ModelDims.from_hf_config(shape), tp, pp, tp_key="critic.tp", pp_key="critic.pp")
+    prompts, n = cfg.controller.prompts_per_step, cfg.generator.n_samples
+    if t.minibatches >= 1 and prompts >= 1 and prompts % t.minibatches == 0:
+        rows = prompts // t.minibatches * n
+        if rows % dp:
+            fits = [d for d in divisors(rows) if d <= dp] or [1]
+            out.append(f"critic.dp={c.dp}: a critic update's {rows} sequences (controller.prompts_per_step={prompts} x "
+                       f"generator.n_samples={n} / trainer.minibatches={t.minibatches}) do not split over {dp} "
+                       f"data-parallel critic ranks; set critic.dp={fits[-1]} (0 = trainer.dp)")
+    return out
 
 
 def minibatch_problems(cfg: MegaRLConfig) -> list[str]:

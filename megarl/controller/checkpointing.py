@@ -1,7 +1,8 @@
 """The loop's checkpoints: a save on schedule, a save on preemption, and the controller's part of a resume.
 
 A checkpoint is the trainer's save with the controller's state staged first (controller/state.py), so
-the step folder's manifest covers both. :func:`checkpoint_on_preemption` wraps the loop: a preempted
+the step folder's manifest covers both; with a critic (algorithm.advantage gae|vtrace) its save of the same
+step comes first, in its own folder (megarl/critic/executor.py), so a step the trainer saved always has its critic. :func:`checkpoint_on_preemption` wraps the loop: a preempted
 step is saved (unless it was just saved) before the job exits. :func:`resume_controller` puts back what
 the controller saved with the step folder the job resumed from (config/job.py ``resume_dir``).
 """
@@ -26,11 +27,14 @@ from megarl.utils.procs import Preempted, Preemption
 log = logging.getLogger("megarl")
 
 
-def checkpoint(cfg: MegaRLConfig, trainer: Trainer, rollouts: RolloutQueue) -> float:
+def checkpoint(cfg: MegaRLConfig, trainer: Trainer, rollouts: RolloutQueue, critic=None) -> float:
     """Save the trainer with the controller's part (data cursor, admitted rollouts) staged first, so
-    the step folder's manifest covers both (controller/state.py); the seconds it took (with
-    trainer.async_save: the snapshot's, the write goes on behind the next step)."""
+    the step folder's manifest covers both (controller/state.py), after the critic's save of the step
+    (``critic``: a CriticExecutor or None); the seconds it took (with trainer.async_save: the snapshot's,
+    the write goes on behind the next step)."""
     t0 = time.monotonic()
+    if critic is not None:
+        critic.save()
     stage_controller_state(cfg, policy_version=trainer.step_count, rollouts=rollouts.state_dict())
     trainer.save()
     return time.monotonic() - t0
@@ -38,12 +42,12 @@ def checkpoint(cfg: MegaRLConfig, trainer: Trainer, rollouts: RolloutQueue) -> f
 
 @contextlib.contextmanager
 def checkpoint_on_preemption(cfg: MegaRLConfig, trainer: Trainer, rollouts: RolloutQueue,
-                             preempt: Preemption, saved: int = 0) -> Iterator[None]:
+                             preempt: Preemption, saved: int = 0, critic=None) -> Iterator[None]:
     """Arms ``preempt`` (a plain run's signals checkpoint from here on). On :class:`Preempted`: save
     the trainer at its current step with the controller's state (the step being generated is in it,
     with its finished samples and partial rollouts), unless that step was just saved on schedule or
     is the one the run resumed from (``saved``), then let it propagate (the job exits with
-    PREEMPTED_EXIT under a launcher, 128 + signum in a plain run)."""
+    PREEMPTED_EXIT under a launcher, 128 + signum in a plain run). ``critic``: saved with the trainer."""
     from megarl.trainer.checkpoint_index import should_save
 
     preempt.armed = True
@@ -53,7 +57,7 @@ def checkpoint_on_preemption(cfg: MegaRLConfig, trainer: Trainer, rollouts: Roll
         version = trainer.step_count
         with preempt.deferred():
             if version and version != saved and not should_save(cfg.trainer, version, cfg.controller.steps):
-                checkpoint(cfg, trainer, rollouts)
+                checkpoint(cfg, trainer, rollouts, critic)
             trainer.wait_saves()  # trainer.async_save: the write in flight, within cluster.preempt_grace_s
         exc.set_step(version)
         if not version and not exc.requeue:

@@ -14,8 +14,8 @@ folder), the process set-up and the executors' start (controller/startup.py), ch
 (controller/step_metrics.py), busy/idle and the run summary (controller/summary.py).
 
 A new role (critic, judge, teacher) is started in startup.start_executors and plugs into ``train`` as one
-call in the step: a judge's scores in ``score`` (rollout_scorer), a teacher's logprobs on ``samples``
-before the advantages, a critic's step beside ``trainer.step``.
+call in the step: a judge's scores in ``score`` (rollout_scorer), a teacher's logprobs on the train batch
+before ``trainer.step``, a critic's per-token advantages before it and the critic's own update after it.
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ from megarl.utils.procs import Preemption, signals_raise
 if TYPE_CHECKING:  # these import (or may import) torch, which must wait until startup.prepare_process has run
     from megarl.controller.turns import EnvironmentTurns
     from megarl.controller.weight_sync import WeightSync
+    from megarl.critic.executor import CriticExecutor
     from megarl.teacher.executor import TeacherExecutor
 
 log = logging.getLogger("megarl")
@@ -86,14 +87,15 @@ def _run_job(cfg: MegaRLConfig) -> int:
                              generator_cfg=cfg.generator, probe_prompt=prompts.eval_set()[1][0], pad_id=prompts.pad_id,
                              quiesce=cfg.controller.deterministic)
         log.info("weight sync: %s", describe_sync(cfg, job.sync))
-        train(cfg, job, run, prompts, ex.trainer, ex.generator, ex.reward, weights, preempt, teacher=ex.teacher)
+        train(cfg, job, run, prompts, ex.trainer, ex.generator, ex.reward, weights, preempt, teacher=ex.teacher,
+              critic=ex.critic)
         run.finish(cfg.controller.steps)
     return 0
 
 
 def train(cfg: MegaRLConfig, job: ResolvedJob, run: RunFolder, prompts: PromptSource, trainer: Trainer,
           generator: Generator, reward: RewardScorer, weights: WeightSync, preempt: Preemption | None = None, *,
-          teacher: TeacherExecutor | None = None) -> None:
+          teacher: TeacherExecutor | None = None, critic: CriticExecutor | None = None) -> None:
     """The RL loop. Each step: keep up to ``max_policy_lag`` later batches generating, take this
     step's rollouts, score them, keep the groups whose rewards vary (dynamic sampling: refilled from
     further prompts), train, sync the weights; evaluate and checkpoint on schedule. A
@@ -116,7 +118,7 @@ def train(cfg: MegaRLConfig, job: ResolvedJob, run: RunFolder, prompts: PromptSo
     activity = ExecutorActivity(generator)
     turns = environment_turns(cfg, generator, prompts)  # None: single turn, each reply scored by reward.fn
     preempt = preempt or Preemption()
-    with checkpoint_on_preemption(cfg, trainer, rollouts, preempt, saved=trainer.step_count):
+    with checkpoint_on_preemption(cfg, trainer, rollouts, preempt, saved=trainer.step_count, critic=critic):
         for step in range(trainer.step_count + 1, steps + 1):
             preempt.check()  # a SIGTERM during the last step is served here
             timer = PhaseTimer()
@@ -131,13 +133,20 @@ def train(cfg: MegaRLConfig, job: ResolvedJob, run: RunFolder, prompts: PromptSo
                 # dynamic_sampling: all-equal groups out, further prompts in (off: the batch as it is)
                 samples, batch_metrics, sampling_record = sampling.select(step, batch, rollouts, score,
                                                                           trainer.step_count, timer, reward_counts)
-                advantages = group_advantages(cfg, samples, [s.reward for s in samples])
+                advantages = None if critic else group_advantages(cfg, samples, [s.reward for s in samples])
                 train_batch = RolloutBatch.from_samples(samples, advantages, pad_id=prompts.pad_id)
                 if teacher:  # algorithm.teacher: its logprobs of the sampled tokens (distillation's reverse KL)
                     with timer.phase("teacher"):
                         train_batch = teacher.fill(train_batch)
+                if critic:  # gae/vtrace: per-token advantages from the critic's values of the batch
+                    with timer.phase("critic"):
+                        train_batch, critic_update = critic.advantages(train_batch, [s.reward for s in samples], trainer)
                 with timer.phase("train"):
                     train_metrics = trainer.step(train_batch)
+                critic_metrics = {}
+                if critic:  # then the critic learns the returns its values gave
+                    with timer.phase("critic"):
+                        critic_metrics = critic.step(critic_update)
                 with timer.phase("sync"):  # sync.every: after steps K, 2K, ... and the last (staleness.push_due)
                     pushed = push_due(step, steps, cfg.sync.every)
                     sync_metrics = weights.push(trainer.step_count) if pushed else {}
@@ -147,6 +156,7 @@ def train(cfg: MegaRLConfig, job: ResolvedJob, run: RunFolder, prompts: PromptSo
                 metrics = step_metrics(train_metrics, times, activity.end(times), sync_metrics, batch.lag_metrics,
                                        samples, batch.prompt_ids)
                 metrics.update(distill_metrics(train_metrics))  # distill/reverse_kl, with a teacher
+                metrics.update(critic_metrics)  # critic/value_loss, critic/explained_var, critic/clip_frac, ...
                 metrics.update(reward_counts)  # reward/timeouts, reward/errors (samples), reward/worker_deaths
                 metrics.update(batch_metrics)  # batch/dropped_groups, batch/refill_rounds, batch/padded_groups
                 run.log_samples(step, [trained_record(s) for s in samples])
@@ -154,7 +164,7 @@ def train(cfg: MegaRLConfig, job: ResolvedJob, run: RunFolder, prompts: PromptSo
                 if every and (step % every == 0 or step == steps):
                     metrics.update(evaluate(generator, prompts, run, step=step))
                 if should_save(cfg.trainer, step, steps):
-                    metrics["checkpoint/seconds"] = checkpoint(cfg, trainer, rollouts)
+                    metrics["checkpoint/seconds"] = checkpoint(cfg, trainer, rollouts, critic)
                 run.log(step, steps, metrics)
             pause_point(f"step_logged@{step}", until=lambda: preempt.requested)  # fault tests: a signal here
                                                                                # lands between two steps

@@ -2,8 +2,8 @@
 
 ``prepare_process`` runs first (cluster.device hides or insists on CUDA before torch is imported, one
 NCCL setting for the whole job, the C++ extension's announcement); the job is then resolved once
-(megarl/config/job.py) and :func:`start_executors` starts the trainer, generator, reward executor and
-teacher from it. A new role (a critic, a judge, a teacher) is started here, beside them, and handed to the loop.
+(megarl/config/job.py) and :func:`start_executors` starts the trainer, generator, reward executor,
+teacher and critic from it. A new role (a critic, a judge, a teacher) is started here, beside them, and handed to the loop.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from megarl.utils.procs import parse_cpu_list
 
 if TYPE_CHECKING:  # these import torch, which must wait until select_device has run
     from megarl.controller.run import RunFolder
+    from megarl.critic.executor import CriticExecutor
     from megarl.executors.base import RewardScorer
     from megarl.generator.executor import GeneratorExecutor
     from megarl.teacher.executor import TeacherExecutor
@@ -52,11 +53,13 @@ class Executors:
     generator: GeneratorExecutor
     reward: RewardScorer  # the rule-reward pool, or the judge (reward.model)
     teacher: TeacherExecutor | None = None  # algorithm.teacher with distill_coef > 0
+    critic: CriticExecutor | None = None  # algorithm.advantage gae or vtrace: the value model
 
 
 def start_executors(cfg: MegaRLConfig, job: ResolvedJob, stack: ExitStack, run: RunFolder) -> Executors:
     """Start trainer, generator and reward executor (the rule pool, or the judge with reward.model) on
     ``stack`` (closed in reverse when the job ends). A new role starts here, on the same stack."""
+    from megarl.critic.executor import start_critic
     from megarl.generator.executor import GeneratorExecutor
     from megarl.reward.judge import reward_executor
     from megarl.teacher.executor import start_teacher
@@ -92,7 +95,8 @@ def start_executors(cfg: MegaRLConfig, job: ResolvedJob, stack: ExitStack, run: 
     # reward.model: the judge on its own vLLM replicas; else the rule-reward pool (reward.fn)
     reward = stack.enter_context(reward_executor(cfg, job.devices, run.path / "logs" / "judge"))
     teacher = start_teacher(cfg, job, stack, run)  # algorithm.teacher: forward-only ranks, or None
-    return Executors(trainer, generator, reward, teacher)
+    critic = start_critic(cfg, job, stack, run)  # gae/vtrace: the value model's ranks, resumed at the trainer's step
+    return Executors(trainer, generator, reward, teacher, critic)
 
 
 def model_dims(model_dir: Path):

@@ -1,8 +1,8 @@
 """The ``critic:`` knobs: the value model gae/vtrace need (algorithm.advantage; megarl/critic/).
 
-Torch-free, like every config section. Not yet composed into the top-level config (the controller
-does not start a critic executor yet: config validation refuses gae/vtrace); the learner
-(megarl/critic/learner.py) takes it directly.
+Torch-free, like every config section: the top-level config's ``critic:`` section (megarl/config/schema.py),
+read only when algorithm.advantage is gae or vtrace; the critic's executor (megarl/critic/executor.py)
+runs its ranks at :meth:`CriticConfig.layout` and its learner (megarl/critic/learner.py) takes the rest.
 """
 
 from __future__ import annotations
@@ -26,6 +26,11 @@ class CriticConfig:
                                  "default 0 = trainer.micro_batch_size")
     head_init_std: float = knob(0.0, help="std of the scalar head's initial weights (>= 0); default 0: every "
                                 "value starts at 0")
+    tp: int = knob(0, help="the critic's tensor-parallel size (ranks, >= 0; a divisor of the model's heads like "
+                   "trainer.tp); default 0 = trainer.tp")
+    pp: int = knob(0, help="the critic's pipeline-parallel size (stages, >= 0); default 0 = trainer.pp")
+    dp: int = knob(0, help="the critic's data-parallel size (ranks, >= 0; a step's batch, and each of its "
+                   "trainer.minibatches, must split over it); default 0 = trainer.dp")
     checkpoint_subdir: str = knob("critic", help="folder under the trainer's checkpoint folder that holds the "
                                   "critic's checkpoints (saved and resumed with the trainer's); default 'critic'")
 
@@ -38,8 +43,20 @@ class CriticConfig:
             out.append(f"critic.value_clip={self.value_clip}: must be >= 0 (reward units; 0 = no clip)")
         if self.micro_batch_size < 0:
             out.append(f"critic.micro_batch_size={self.micro_batch_size}: must be >= 0 (0 = the trainer's)")
+        for key in ("tp", "pp", "dp"):
+            if getattr(self, key) < 0:
+                out.append(f"critic.{key}={getattr(self, key)}: must be >= 0 (0 = the trainer's)")
         if self.head_init_std < 0:
             out.append(f"critic.head_init_std={self.head_init_std}: must be >= 0")
         if not self.checkpoint_subdir or "/" in self.checkpoint_subdir or self.checkpoint_subdir.startswith("."):
             out.append(f"critic.checkpoint_subdir={self.checkpoint_subdir!r}: must be one folder name (e.g. critic)")
         return out
+
+    def layout(self, trainer) -> tuple[int, int, int]:
+        """(tp, pp, dp) of the critic's ranks: its own sizes, the trainer's where 0."""
+        return self.tp or trainer.tp, self.pp or trainer.pp, self.dp or trainer.dp
+
+    def ranks(self, trainer) -> int:
+        """The critic's rank count (one process, and on GPUs one device, each)."""
+        tp, pp, dp = self.layout(trainer)
+        return tp * pp * dp

@@ -109,7 +109,8 @@ def critic_update(objs, batch: RolloutBatch, old_values: torch.Tensor, targets: 
     ``targets`` ``[B, S]``, clipped around ``old_values`` (the values the advantages were computed
     with). The loss is normalised by the global batch's loss tokens, so it does not depend on
     micro-batch size or DP. Returns ``critic/value_loss`` (the whole batch's, before the update),
-    ``critic/grad_norm`` and ``critic/lr``."""
+    ``critic/clip_frac`` (the loss tokens whose clipped error was the larger), ``critic/grad_norm`` and
+    ``critic/lr``."""
     import dataclasses
 
     from megatron.core import parallel_state as ps
@@ -124,12 +125,13 @@ def critic_update(objs, batch: RolloutBatch, old_values: torch.Tensor, targets: 
     local = full.select(dp_rows(full, False)[ps.get_data_parallel_rank()])
     micro = [local.select(r) for r in micro_batch_rows(local, micro_batch_size)]
     scale = len(micro) * ps.get_data_parallel_world_size()  # undo megatron's 1/num_mb and DDP's 1/dp
-    total = torch.zeros((), dtype=torch.float64)
+    total = torch.zeros(2, dtype=torch.float64)  # the loss, the clipped tokens
 
     def on_out(mb: RolloutBatch, out: torch.Tensor, layout=None):
-        loss, _ = value_loss(_aligned(out, mb), mb.prox_logprobs, mb.ref_logprobs, mb.loss_mask,
+        loss, m = value_loss(_aligned(out, mb), mb.prox_logprobs, mb.ref_logprobs, mb.loss_mask,
                              value_clip=value_clip, denominator=denominator)
-        total.add_(loss.detach().double())
+        total.add_(torch.tensor([float(loss.detach()), m["critic/clip_frac"] * max(float(mb.loss_mask.sum()), 1.0)],
+                                dtype=torch.float64))
         return loss * scale, {}
 
     (model,) = objs.model
@@ -140,6 +142,7 @@ def critic_update(objs, batch: RolloutBatch, old_values: torch.Tensor, targets: 
     from megarl.trainer.logprobs import broadcast_from_last_stage
 
     total = broadcast_from_last_stage(total)
-    step = optimizer_step(objs, loss=float(total))
-    return {"critic/value_loss": float(total), "critic/grad_norm": float(step.get("grad_norm", float("nan"))),
+    step = optimizer_step(objs, loss=float(total[0]))
+    return {"critic/value_loss": float(total[0]), "critic/clip_frac": float(total[1]) / denominator,
+            "critic/grad_norm": float(step.get("grad_norm", float("nan"))),
             "critic/lr": float(step.get("lr", float("nan")))}

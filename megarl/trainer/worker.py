@@ -4,8 +4,8 @@
 with the controller), sends stdout/stderr to its log file, leads its own process group, pins its
 threads to its cores, joins the trainer's process group (gloo; megatron TP x PP, DP = world /
 (tp * pp)), builds the learner (:class:`megarl.trainer.local.RankTrainer`: the same model,
-optimizer and resume as the single-rank trainer), reports ``ready``, then serves commands until
-``exit``.
+optimizer and resume as the single-rank trainer; another role's, picked by its config's class:
+:func:`_learner`), reports ``ready``, then serves commands until ``exit``.
 
 Wire format (both directions): ``pickle`` bytes over a duplex ``multiprocessing`` pipe.
 Commands ``(name, seq, *args)``; replies ``("ok", seq, payload)`` or ``("error", seq,
@@ -40,7 +40,7 @@ from megarl.trainer.config import TrainerConfig
 log = logging.getLogger(__name__)
 
 HEARTBEAT_S = 1.0  # seconds between heartbeats (the executor's heartbeat_timeout_s is far longer)
-COMMANDS = ("step", "save", "wait_saves", "sync", "logprobs", "topology", "shards", "health")  # plus "exit"
+COMMANDS = ("step", "save", "wait_saves", "sync", "logprobs", "values", "topology", "shards", "health")  # plus "exit"
 
 
 class _Channel:
@@ -140,6 +140,10 @@ class _Server:
         lp = self.trainer.logprobs(batch, temperature)  # collective: every rank runs it
         return lp if self.reports else None
 
+    def values(self, batch) -> torch.Tensor | None:
+        v = self.trainer.values(batch)  # a value model's ranks (the critic's): collective like logprobs
+        return v if self.reports else None
+
     def topology(self):
         return self.trainer.topology()
 
@@ -221,10 +225,22 @@ def _run(chan: _Channel, rank: int, serve, exit_on_lost: bool = False, cleanup=N
     finish(0)
 
 
+def _learner(cfg: TrainerConfig):
+    """The class one rank builds, picked by the config's class: a role's config subclass names its own
+    (``rank_class()``: the critic's, megarl/critic/executor.py, which this floor does not import), a
+    forward-only config the frozen rank (the teacher's), else the trainer's learner."""
+    from megarl.trainer.forward_only import ForwardOnlyConfig, ForwardOnlyRank
+    from megarl.trainer.local import RankTrainer
+
+    own = getattr(type(cfg), "rank_class", None)
+    if own is not None:
+        return own()
+    return ForwardOnlyRank if isinstance(cfg, ForwardOnlyConfig) else RankTrainer
+
+
 def _serve(chan: _Channel, rank: int, world: int, master_port: int, cfg: TrainerConfig,
            algo: AlgorithmConfig, model_dir: str, total_steps: int, run_dir: str,
            cores: list[int] | None, master_addr: str = "127.0.0.1") -> None:
-    from megarl.trainer.local import RankTrainer
     from megarl.utils.dist import destroy_distributed, init_distributed, init_model_parallel
 
     t0 = time.monotonic()
@@ -241,10 +257,7 @@ def _serve(chan: _Channel, rank: int, world: int, master_port: int, cfg: Trainer
             os._exit(3)
         raise
     init_model_parallel(cfg.tp, cfg.pp, seed=cfg.seed, ep=cfg.ep)
-    from megarl.trainer.forward_only import ForwardOnlyConfig, ForwardOnlyRank
-
-    learner = ForwardOnlyRank if isinstance(cfg, ForwardOnlyConfig) else RankTrainer  # a forward-only role
-    trainer = learner(cfg, algo, model_dir, total_steps=total_steps, run_dir=run_dir)
+    trainer = _learner(cfg)(cfg, algo, model_dir, total_steps=total_steps, run_dir=run_dir)
     from megatron.core import parallel_state as ps
 
     coords = _coords()
