@@ -169,20 +169,28 @@ def lora_trainer(tiny_llama_tied_dir, tmp_path_factory):
     trainer.close()  # torch.distributed must not leak into the next test module
 
 
-def test_generator_after_ddma_sync_gives_the_merged_model_logprobs(lora_trainer, tiny_llama_tied_dir):
+@pytest.fixture(scope="module")
+def lora_gen(lora_trainer, tiny_llama_tied_dir):
+    from megarl.generator.executor import GeneratorExecutor
+
+    cfg, _ = lora_trainer
+    with GeneratorExecutor(cfg.generator, tiny_llama_tied_dir) as gen:
+        yield gen
+
+
+def test_generator_after_ddma_sync_gives_the_merged_model_logprobs(lora_trainer, lora_gen, tiny_llama_tied_dir):
     from megarl.controller.loop import model_dims, resolved_sync
     from megarl.controller.weight_sync import WeightSync
-    from megarl.generator.executor import GeneratorExecutor
     from megarl.trainer.logprobs import compute_logprobs
 
     cfg, trainer = lora_trainer
+    gen = lora_gen
     _set_nonzero_b(trainer.model, 1)
-    with GeneratorExecutor(cfg.generator, tiny_llama_tied_dir) as gen:
-        sync = WeightSync(resolved_sync(cfg), trainer, gen, dims=model_dims(tiny_llama_tied_dir),
-                          generator_cfg=cfg.generator, probe_prompt=[1, 504, 3180, 314])
-        m = sync.push(1)
-        assert m["sync/probe_gap"] < 1e-3  # the fp32 probe bound (controller/weight_sync.py docstring)
-        samples = gen.generate([[1, 504, 3180, 314], [1, 2683, 314, 253, 1345]], n_samples=2)
+    sync = WeightSync(resolved_sync(cfg), trainer, gen, dims=model_dims(tiny_llama_tied_dir),
+                      generator_cfg=cfg.generator, probe_prompt=[1, 504, 3180, 314])
+    m = sync.push(1)
+    assert m["sync/probe_gap"] < 1e-3  # the fp32 probe bound (controller/weight_sync.py docstring)
+    samples = gen.generate([[1, 504, 3180, 314], [1, 2683, 314, 253, 1345]], n_samples=2)
     batch = RolloutBatch.from_samples(samples)
     lp = compute_logprobs(trainer.model, batch, temperature=1.0).logprobs
     assert float(((lp - batch.behav_logprobs).abs() * batch.loss_mask).max()) < 1e-3
@@ -198,6 +206,55 @@ def test_generator_after_ddma_sync_gives_the_merged_model_logprobs(lora_trainer,
         for n, mod in lora_modules(trainer.model).items():
             mod.lora_B.copy_(saved[n])
     assert float(((base - batch.behav_logprobs).abs() * batch.loss_mask).max()) > 0.05
+
+
+def _greedy(gen, prompts):
+    samples = gen.generate(prompts, n_samples=1, max_new_tokens=12, sampling={"temperature": 0.0})
+    return RolloutBatch.from_samples(samples)
+
+
+def test_later_syncs_send_only_the_merged_targets_and_land_what_a_full_sync_lands(lora_trainer, lora_gen,
+                                                                                  tiny_llama_tied_dir):
+    """Sync 1 sends every tensor; sync 2 (B changed) sends only the merged targets (bytes by hand), the
+    frozen tensors stay as the engine holds them, and the engine computes what a full merged sync of the same
+    weights gives (a sync to the replica alone, a new sender: full), bit for bit."""
+    import json
+
+    from megarl.controller.loop import model_dims, resolved_sync
+    from megarl.controller.weight_sync import WeightSync
+    from megarl.trainer.logprobs import compute_logprobs
+    from megarl.trainer.lora import lora_modules
+
+    cfg, trainer = lora_trainer
+    gen = lora_gen
+    _set_nonzero_b(trainer.model, 1)
+    sync = WeightSync(resolved_sync(cfg), trainer, gen, dims=model_dims(tiny_llama_tied_dir),
+                      generator_cfg=cfg.generator, probe_prompt=[1, 504, 3180, 314])
+    c = json.loads((Path(tiny_llama_tied_dir) / "config.json").read_text())
+    h, f, hd = c["hidden_size"], c["intermediate_size"], c["hidden_size"] // c["num_attention_heads"]
+    q, kv = c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd
+    hf_params, _ = _hand_counts(tiny_llama_tied_dir)
+    targets = c["num_hidden_layers"] * (h * (q + 2 * kv) + q * h + 3 * h * f)  # qkv, o, gate+up, down weights
+    first = sync.push(1)
+    assert first["sync/bytes_sent"] == hf_params * 4  # fp32 engine: every HF element once (break: skip at sync 1)
+    with torch.no_grad():  # a step's change: every B moves
+        for mod in lora_modules(trainer.model).values():
+            mod.lora_B.mul_(-1.5)
+    second = sync.push(2)
+    # only the merged targets: no embedding, no norm (break: no skip -> hf_params * 4)
+    assert second["sync/bytes_sent"] == targets * 4, (second["sync/bytes_sent"], targets * 4, hf_params * 4)
+    assert second["sync/probe_gap"] < 1e-3  # fp32 probe bound (controller/weight_sync.py)
+    prompts = [[1, 504, 3180, 314], [1, 2683, 314, 253, 1345]]
+    delta = _greedy(gen, prompts)
+    lp = compute_logprobs(trainer.model, delta, temperature=1.0).logprobs
+    # the engine after the partial sync holds the trainer's merged policy (fp32 bound: test_controller.py, 10x)
+    assert float(((lp - delta.behav_logprobs).abs() * delta.loss_mask).max()) < 1e-3
+    # reference: a full merged sync of the same weights (a new spec, so a new sender whose first sync is full)
+    sync.strategy.push_to_replica(0, 3)
+    full = _greedy(gen, prompts)
+    assert full.input_ids.tolist() == delta.input_ids.tolist()
+    # the same fp32 weights in the same engine, the same batch: the same bits (break: skip a target -> stale B)
+    assert torch.equal(full.behav_logprobs, delta.behav_logprobs)
 
 
 def _reshard_worker(rank, world, hf_dir, step_dir, batch):
@@ -243,6 +300,47 @@ def test_checkpoint_keeps_the_adapters_resume_and_reshard(lora_trainer, tiny_lla
     # reshard: the TP=1 checkpoint loaded at TP=2 (A of row-parallel and B of column-parallel layers split)
     tp2 = run_multiprocess(_reshard_worker, 2, str(tiny_llama_tied_dir), str(path), batch, timeout_s=600)
     assert (tp2[0] - lp).abs().max() < FP32_BOUND
+
+
+def test_checkpoint_names_its_base_and_resume_refuses_another(lora_trainer, tiny_llama_tied_dir, tmp_path):
+    """meta.json names the base (its folder and a sha256 of its weight files, by hand here); the same files in
+    another folder resume, one changed weight is refused with the model.path to set."""
+    import hashlib
+    import json
+    import re
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from megarl.trainer.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint
+    from megarl.trainer.model import unwrap
+
+    cfg, trainer = lora_trainer
+    path = latest_checkpoint(trainer.checkpoint_dir) or trainer.save()
+    lora = json.loads((path / "meta.json").read_text())["lora"]
+    files = sorted(Path(tiny_llama_tied_dir).glob("*.safetensors"))
+    assert files
+    hand = hashlib.sha256("".join(f"{f.name} {hashlib.sha256(f.read_bytes()).hexdigest()}\n"
+                                  for f in files).encode()).hexdigest()
+    assert (lora["rank"], lora["alpha"], sorted(lora["targets"])) == (RANK, ALPHA, sorted(cfg.trainer.lora_targets))
+    assert lora["base"] == {"path": str(Path(tiny_llama_tied_dir).resolve()), "sha256": hand}
+    m = unwrap(trainer.model)
+    source = m.megarl_source
+    copy, other = tmp_path / "copy", tmp_path / "other"
+    shutil.copytree(tiny_llama_tied_dir, copy)
+    shutil.copytree(tiny_llama_tied_dir, other)
+    tensors = load_file(str(other / files[0].name))
+    norm = next(k for k in tensors if k.endswith("norm.weight"))
+    tensors[norm] = tensors[norm] + 1e-3  # a frozen base tensor moved: another policy under the same adapters
+    save_file(tensors, str(other / files[0].name), metadata={"format": "pt"})
+    try:
+        m.megarl_source = str(copy)  # the same weight files elsewhere: the same base (break: hash the path)
+        load_checkpoint(path, model=trainer.objs.model, optimizer=None, load_rng=False)
+        m.megarl_source = str(other)  # break: hash names and sizes only -> loads
+        with pytest.raises(CheckpointError, match=re.escape(f"set model.path={Path(tiny_llama_tied_dir).resolve()}")):
+            load_checkpoint(path, model=trainer.objs.model, optimizer=None, load_rng=False)
+    finally:
+        m.megarl_source = source
 
 
 def test_memory_plan_counts_lora(tiny_llama_tied_dir):

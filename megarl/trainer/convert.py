@@ -192,7 +192,10 @@ def load_model_checkpoint(model, mcore_dir: str | Path) -> dict:
 def load_pretrained(model, path: str | Path) -> str:
     """Load weights into a built model from either a megarl Megatron checkpoint (collective) or an
     HF folder (each rank reads its own slices). Returns "mcore" or "hf"."""
+    from megarl.trainer.model import unwrap
+
     p = Path(path)
+    unwrap(model).megarl_source = str(p)  # the base a LoRA checkpoint names (megarl/trainer/checkpoint.py lora_meta)
     if (p / META_FILE).is_file():
         load_model_checkpoint(model, p)
         return "mcore"
