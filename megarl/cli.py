@@ -108,6 +108,9 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("--hf", default=None,
                    help="HF folder the run trained from: config + tokenizer for training checkpoints "
                         "saved without them (older megarl)")
+    m.add_argument("--adapters-only", action="store_true",
+                   help="a LoRA training checkpoint: write its adapters alone in peft's format (adapter_config.json "
+                        "+ adapter_model.safetensors) instead of the merged weights (the default)")
     m.set_defaults(func=_cmd_mcore_to_hf)
 
     r = sub.add_parser("reward", help="rewards and environments")
@@ -322,9 +325,10 @@ def _cmd_mcore_to_hf(args: argparse.Namespace) -> int:
 
     if args.hf is not None and not Path(args.hf).exists():
         return _missing_dir("mcore-to-hf", "--hf", args.hf, "the HF model folder the run trained from")
-    rc = _convert("mcore-to-hf", mcore_to_hf, args.mcore, args.out, dtype=args.dtype, hf_dir=args.hf)
+    rc = _convert("mcore-to-hf", mcore_to_hf, args.mcore, args.out, dtype=args.dtype, hf_dir=args.hf,
+                  adapters_only=args.adapters_only)
     if rc == 0:
-        print(f"HF folder: {args.out}")
+        print(f"{'peft adapters' if args.adapters_only else 'HF folder'}: {args.out}")
     return rc
 
 

@@ -343,6 +343,77 @@ def test_checkpoint_names_its_base_and_resume_refuses_another(lora_trainer, tiny
         m.megarl_source = source
 
 
+def test_convert_writes_merged_weights_and_peft_adapters(lora_trainer, tiny_llama_tied_dir, tmp_path):
+    """`megarl convert mcore-to-hf` of a LoRA checkpoint: HF transformers loads the merged folder and gives the
+    trainer's logprobs; --adapters-only writes peft's files whose W + alpha/r B A (plain torch, and peft itself)
+    is the merged export."""
+    import json
+
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from megarl.cli import main
+    from megarl.trainer.checkpoint import latest_checkpoint, load_checkpoint
+    from megarl.trainer.logprobs import compute_logprobs
+
+    cfg, trainer = lora_trainer
+    path = latest_checkpoint(trainer.checkpoint_dir)
+    if path is None:  # run alone: a step first (B != 0; megatron saves no optimizer state before one)
+        _set_nonzero_b(trainer.model, 1)
+        from megarl.trainer.train_step import train_step
+
+        train_step(trainer.objs, _batch(49152), loss_name="aipo", loss_params={"rho": 4.0}, micro_batch_size=1,
+                   current_version=0)
+        path = trainer.save()
+    load_checkpoint(path, model=trainer.objs.model, optimizer=None, load_rng=False)
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(3, 4000, (2, 12), generator=g)
+    batch = RolloutBatch.from_sequences(tokens.tolist(), [[0.0] * 4 + [1.0] * 8] * 2, behav_logprobs=[[-6.0] * 12] * 2,
+                                        advantages=[1.0, -1.0], versions=[[0] * 12] * 2)
+    trainer_lp = compute_logprobs(trainer.model, batch, micro_batch_size=2, temperature=1.0).logprobs
+    merged_dir, peft_dir = tmp_path / "merged", tmp_path / "peft"
+    assert main(["convert", "mcore-to-hf", "--mcore", str(path), "--out", str(merged_dir)]) == 0
+    assert main(["convert", "mcore-to-hf", "--mcore", str(path), "--out", str(peft_dir), "--adapters-only"]) == 0
+    merged = AutoModelForCausalLM.from_pretrained(merged_dir).eval()
+    base = AutoModelForCausalLM.from_pretrained(tiny_llama_tied_dir).eval()
+    with torch.no_grad():
+        logits, base_logits = merged(tokens).logits.float(), base(tokens).logits.float()
+    hf_lp = logits[:, :-1].log_softmax(-1).gather(-1, tokens[:, 1:, None])[..., 0]
+    # both fp32, other kernels: tests/test_cli_convert.py's 2e-3 (20x the 1e-4 logit-rounding bound)
+    assert (hf_lp - trainer_lp[:, 1:]).abs().max() < 2e-3
+    assert (logits - base_logits).abs().max() > 0.05  # the export is not the base (break: merge skipped)
+
+    conf = json.loads((peft_dir / "adapter_config.json").read_text())
+    assert (conf["peft_type"], conf["r"], conf["lora_alpha"]) == ("LORA", RANK, ALPHA)
+    assert sorted(conf["target_modules"]) == sorted(["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                                     "down_proj"])
+    assert conf["base_model_name_or_path"] == str(Path(tiny_llama_tied_dir).resolve())
+    adapters = load_file(str(peft_dir / "adapter_model.safetensors"))
+    assert "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight" in adapters
+    assert "base_model.model.model.layers.1.mlp.down_proj.lora_B.weight" in adapters
+    assert len(adapters) == 2 * 7 * 2  # layers x projections x (A, B)
+    base_sd, merged_sd = base.state_dict(), merged.state_dict()
+    for k in [k for k in adapters if k.endswith("lora_A.weight")]:
+        module = k.removeprefix("base_model.model.").removesuffix(".lora_A.weight")
+        a, b = adapters[k], adapters[k.replace("lora_A", "lora_B")]
+        assert a.shape[0] == RANK and b.shape[1] == RANK
+        w = base_sd[f"{module}.weight"] + (ALPHA / RANK) * (b @ a)
+        # fp32 on both sides, the same three roundings (a 4-term dot, a scale, an add) in another order:
+        # |W + delta| < 4 here, 3 roundings x 2 sides x 2^-24 x 4 ~ 1.4e-6 (break: a wrong q/k/v row split
+        # or a transposed A is off by the delta itself, ~1e-2)
+        assert (w - merged_sd[f"{module}.weight"]).abs().max() < 2e-6, module
+    try:
+        from peft import PeftModel
+    except ImportError:
+        return
+    wrapped = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_llama_tied_dir), str(peft_dir)).eval()
+    with torch.no_grad():
+        peft_logits = wrapped(tokens).logits.float()
+    # peft adds x A^T B^T beside x W^T (factored): other summation order than the merged W; fp32 logit rounding
+    # bound of tests/test_trainer_model.py (1e-4), the logits being O(1)
+    assert (peft_logits - logits).abs().max() < 1e-4
+
+
 def test_memory_plan_counts_lora(tiny_llama_tied_dir):
     """Frozen base: gradients and optimizer state for the adapters only (hand counts above)."""
     import json

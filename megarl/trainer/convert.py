@@ -425,8 +425,49 @@ def _mcore_to_hf_worker(rank: int, world_size: int, mcore_dir: str, out_dir: str
                      dtype or meta.get("hf_dtype") or meta["params_dtype"], str(extra) if extra.is_dir() else None)
 
 
+PEFT_PREFIX = "base_model.model."  # peft's PeftModel wraps the HF model as base_model (LoraModel) .model
+
+
+def peft_adapters(model) -> dict[str, torch.Tensor]:
+    """A LoRA model's adapters (one TP=1 rank) under peft's key names for the HF model:
+    ``base_model.model.<HF module>.lora_A.weight`` [r, in] and ``.lora_B.weight`` [out, r], so that
+    ``W_hf + lora_alpha/r * B A`` is the merged HF weight. A fused Megatron linear gives each HF projection
+    its rows of B and the whole A (q/k/v share linear_qkv's A, gate/up share linear_fc1's): exact, since the
+    fused delta is B A row by row. Row-parallel linears (o_proj, down_proj) map A's columns as W's."""
+    from megarl.trainer.lora import lora_modules
+
+    layouts, out = model_layouts(model), {}
+    for name, mod in lora_modules(model).items():
+        layout = layouts[f"{name}.weight"]
+        a, b = mod.lora_A.detach(), mod.lora_B.detach()
+        for p in layout.pieces:
+            module = PEFT_PREFIX + p.hf_name.removesuffix(".weight")
+            ka, kb = f"{module}.lora_A.weight", f"{module}.lora_B.weight"
+            if p.dim == 0:  # rows of W (column-parallel: q/k/v of qkv, gate/up of fc1): rows of B, all of A
+                out.setdefault(ka, a.clone())
+                out.setdefault(kb, torch.zeros(p.hf_shape[0], b.shape[1], dtype=b.dtype))
+                out[kb].narrow(0, p.hf_start, p.length).copy_(b.narrow(0, p.local_start, p.length))
+            else:  # columns of W (row-parallel input): columns of A, all of B
+                out.setdefault(kb, b.clone())
+                out.setdefault(ka, torch.zeros(a.shape[0], p.hf_shape[1], dtype=a.dtype))
+                out[ka].narrow(1, p.hf_start, p.length).copy_(a.narrow(1, p.local_start, p.length))
+    return out
+
+
+def peft_config(lora: dict, adapters: dict[str, torch.Tensor]) -> dict:
+    """peft's adapter_config.json for :func:`peft_adapters` (LoRA, no dropout, no bias, rslora off: the
+    scale is lora_alpha / r as megarl's)."""
+    targets = sorted({k.removesuffix(".lora_A.weight").rsplit(".", 1)[-1] for k in adapters if k.endswith("lora_A.weight")})
+    base = lora.get("base") or {}
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": int(lora["rank"]), "lora_alpha": float(lora["alpha"]),
+            "target_modules": targets, "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False,
+            "use_rslora": False, "use_dora": False, "init_lora_weights": True, "inference_mode": True,
+            "modules_to_save": None, "layers_to_transform": None, "revision": None,
+            "base_model_name_or_path": base.get("path"), "megarl_base_sha256": base.get("sha256")}
+
+
 def _train_to_hf_worker(rank: int, world_size: int, step_dir: str, out_dir: str, hf_config: dict,
-                        extra_dir: str | None, dtype: str | None) -> None:
+                        extra_dir: str | None, dtype: str | None, adapters_only: bool = False) -> None:
     from megarl.trainer.model import build_gpt_model
     from megarl.utils.dist import init_model_parallel
 
@@ -438,14 +479,31 @@ def _train_to_hf_worker(rank: int, world_size: int, step_dir: str, out_dir: str,
     # every element is filled from the checkpoint (vocab padding included): no random init
     model = build_gpt_model(dims, params_dtype=_DTYPES[params_dtype], init_weights=False,
                             vocab_divisible_by=export.get("vocab_divisible_by") or DEFAULT_VOCAB_DIVISIBLE_BY)
+    lora = meta.get("lora")
+    if lora is not None:  # adapters as saved (A, B resharded to TP=1 by the load below)
+        from megarl.trainer.lora import apply_lora, lora_modules, merged_delta
+
+        apply_lora(model, lora["rank"], lora["alpha"], lora["targets"])
     # weights only, resharded from the saved TP/PP to 1 x 1; the model signature is checked
     load_checkpoint(step_dir, model=[model], optimizer=None, load_rng=False)
-    _write_hf_folder(Path(out_dir), _model_to_hf_tensors(model, dims), hf_config, dtype or params_dtype,
-                     extra_dir)
+    out, dtype = Path(out_dir), dtype or params_dtype
+    if adapters_only:
+        from safetensors.torch import save_file
+
+        adapters = {k: v.to(_DTYPES[dtype]).contiguous() for k, v in peft_adapters(model).items()}
+        out.mkdir(parents=True, exist_ok=True)
+        save_file(adapters, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+        (out / "adapter_config.json").write_text(json.dumps(peft_config(lora, adapters), indent=2))
+        return
+    if lora is not None:  # W + alpha/r B A, computed as the DDMA sender merges (fp32, then the weight's dtype)
+        with torch.no_grad():
+            for mod in lora_modules(model).values():
+                mod.weight.copy_((mod.weight.float() + merged_delta(mod)).to(mod.weight.dtype))
+    _write_hf_folder(out, _model_to_hf_tensors(model, dims), hf_config, dtype, extra_dir)
 
 
 def mcore_to_hf(mcore_dir: str | Path, out_dir: str | Path, dtype: str | None = None,
-                timeout_s: float = 1800.0, hf_dir: str | Path | None = None) -> Path:
+                timeout_s: float = 1800.0, hf_dir: str | Path | None = None, adapters_only: bool = False) -> Path:
     """Convert a megarl Megatron checkpoint back to an HF folder: safetensors, config.json, and the
     tokenizer / generation config when the source had them.
 
@@ -454,7 +512,11 @@ def mcore_to_hf(mcore_dir: str | Path, out_dir: str | Path, dtype: str | None = 
     ``latest``) or a run folder with ``checkpoints/`` -- saved at any TP/PP/DP (``dtype`` defaults
     to the trainer's params dtype, so the weights are written exactly). ``hf_dir`` supplies the HF
     config and tokenizer for a training checkpoint that does not record them. Invalid input raises
-    CheckpointError before any process starts."""
+    CheckpointError before any process starts.
+
+    A LoRA training checkpoint (trainer.lora_rank > 0) is written merged (``W + lora_alpha/r * B A``); with
+    ``adapters_only`` its adapters alone in peft's format (adapter_config.json, adapter_model.safetensors,
+    :func:`peft_adapters`), to load over the base its meta.json names."""
     from megarl.utils.dist import run_multiprocess
 
     if dtype is not None and dtype not in _DTYPES:
@@ -463,6 +525,9 @@ def mcore_to_hf(mcore_dir: str | Path, out_dir: str | Path, dtype: str | None = 
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise FileExistsError(f"{out} exists and is not empty: choose a new --out folder")
+    if adapters_only and (kind == "model" or check_checkpoint(src).get("lora") is None):
+        raise CheckpointError(f"{src} holds no LoRA adapters (not a training checkpoint with trainer.lora_rank > 0): "
+                              f"drop --adapters-only to export its weights")
     if kind == "model":
         log.info("mcore_to_hf: model checkpoint %s -> %s", src, out)
         run_multiprocess(_mcore_to_hf_worker, 1, str(src), str(out), dtype, timeout_s=timeout_s)
@@ -471,7 +536,7 @@ def mcore_to_hf(mcore_dir: str | Path, out_dir: str | Path, dtype: str | None = 
         hf_config, extra = _train_export_sources(src, meta, hf_dir)
         log.info("mcore_to_hf: training checkpoint %s (step %d, saved at %s) -> %s", src, meta["step"],
                  meta.get("parallel"), out)
-        run_multiprocess(_train_to_hf_worker, 1, str(src), str(out), hf_config, extra, dtype,
+        run_multiprocess(_train_to_hf_worker, 1, str(src), str(out), hf_config, extra, dtype, adapters_only,
                          timeout_s=timeout_s)
     return out
 
