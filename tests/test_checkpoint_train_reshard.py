@@ -1,6 +1,6 @@
 """`megarl train`-level resume at another layout: one tp1 checkpoint (controller.deterministic, fp32,
 lag 0, written in the background: trainer.async_save) resumed at tp1, tp2 and pp2 gives the same step-3
-grad norm and step-4 loss within 1e-3 relative; the same resume with a fresh optimizer
+grad norm and step-4 loss within 1e-4 relative (derived below); the same resume with a fresh optimizer
 (trainer.resume_optimizer=false, the weights-only start) does not. The step-3 grad norm is computed
 from the resumed weights on the resumed data (before any update); the step-4 loss comes after the
 step-3 update, so it checks the resharded optimizer state. `megarl convert mcore-to-hf` exports the
@@ -25,9 +25,11 @@ COMMON = ("controller.deterministic=true", "controller.max_policy_lag=0", "contr
           "algorithm.entropy_coef=0.01",
           "trainer.async_save=true", "trainer.lr=1e-3", "trainer.min_lr=1e-4", "trainer.lr_warmup_steps=0")
 # Resharded fp32: the same weights, sums reordered over TP shards / PP stages: ~sqrt(n) * 2^-24 relative
-# per reduction of n <= 512 terms (~1e-6), through 2 steps and the engine's sampling of the same tokens;
-# the issue's bound, 1e-3, is far above that and below what a fresh optimizer changes (measured below).
-REL = 1e-3
+# per reduction of n <= 512 terms (~1.3e-6). Adam's update m / sqrt(v) carries the same relative error, a
+# few reductions deep per layer and through 2 steps: ~1e-5 at most. REL allows 10x that. The issue's own
+# bar (1e-3) let a partly lost Adam state pass: a fresh optimizer lands only ~2e-3 away, so the control
+# below must clear 10 * REL, not just REL.
+REL = 1e-4
 
 
 def _train(out: Path, model_dir: Path, *extra: str) -> tuple[list[dict], str]:
@@ -86,4 +88,4 @@ def test_a_tp1_checkpoint_resumes_at_tp1_tp2_pp2_with_its_optimizer(tiny_llama_d
         assert _rel(got[name][1], got["tp1"][1]) < REL, (name, got)
     # the control: same weights and data at step 3 (same grad norm), another update (another step-4 loss)
     assert _rel(got["fresh"][0], got["tp1"][0]) < REL, got
-    assert _rel(got["fresh"][1], got["tp1"][1]) > REL, got
+    assert _rel(got["fresh"][1], got["tp1"][1]) > 10 * REL, got  # a lost Adam state is 10x outside the bound

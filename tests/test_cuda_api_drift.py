@@ -26,7 +26,8 @@ import torch._C._distributed_c10d as c10d
 
 REPO = Path(__file__).resolve().parents[1]
 CUDA_PATHS = ["megarl/ddma/transport/nccl.py", "megarl/ddma/transport/cuda_ipc.py", "megarl/ddma/verify.py",
-              "megarl/ddma/sync.py", "megarl/trainer/worker.py"]
+              "megarl/ddma/sync.py", "megarl/trainer/worker.py",
+              "megarl/ddma/transport/buckets.py"]  # where the NCCL rounds are coalesced (BucketedTransport._post)
 NCCL_ONLY = {"ProcessGroupNCCL"}  # in torch._C._distributed_c10d only when torch was built with NCCL
 
 
@@ -70,6 +71,24 @@ def test_cuda_paths_names_exist_in_the_installed_torch(path):
             assert f"from torch._C._distributed_c10d import {name}" in inspect.getsource(mod), (path, module, name)
             continue
         assert hasattr(mod, name), f"{path}: from {module} import {name} fails in torch {torch.__version__}"
+
+
+def test_bucket_rounds_call_only_what_the_c10d_backend_binding_has():
+    """buckets.py posts a round on a raw c10d Backend (NCCL's on a GPU): every ``pg.<name>`` it reads
+    exists on the binding, and the ops it reaches through ``getattr(pg, op)`` ("send", "recv") take
+    ``(tensors, peer, tag)`` -- the three arguments _post passes. Read from the source, so a new call
+    there is checked too."""
+    tree = ast.parse((REPO / "megarl/ddma/transport/buckets.py").read_text())
+    post = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "_post")
+    attrs = {n.attr for n in ast.walk(post) if isinstance(n, ast.Attribute)
+             and isinstance(n.value, ast.Name) and n.value.id == "pg"}
+    assert {"supports_coalescing", "_start_coalescing", "_end_coalescing"} <= attrs, attrs
+    for name in attrs:
+        assert hasattr(c10d.Backend, name), f"buckets.py: pg.{name} is not on c10d.Backend in torch {torch.__version__}"
+    source = ast.get_source_segment((REPO / "megarl/ddma/transport/buckets.py").read_text(), post)
+    assert "getattr(pg, op)([t], peer, 0)" in source  # the op call shape checked below
+    for op in ("send", "recv"):
+        assert len(_pybind_params(getattr(c10d.Backend, op))) == 3, (op, getattr(c10d.Backend, op).__doc__)
 
 
 def test_backend_coalescing_takes_no_argument_and_process_group_takes_the_device():

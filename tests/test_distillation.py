@@ -249,4 +249,4 @@ def test_teacher_death_stops_the_job_naming_it(tiny_llama_dir, tmp_path):
         del os.environ["MEGARL_FAULT_INJECT"]
     assert out.returncode != 0 and rows == []
     last = out.stderr.strip().splitlines()[-1]
-    assert "teacher: teacher rank 0 (tp 0, pp 0, dp 0; pid" in last and "exit code 9" in last, out.stderr[-2000:]
+    assert "teacher: teacher rank 0 (tp 0, pp 0, dp 0; pid" in last and "exited with code 9" in last, out.stderr[-2000:]

@@ -70,7 +70,8 @@ def tok(tiny_llama_dir):
 
 @pytest.fixture(scope="module")
 def gen(tiny_llama_dir, tmp_path_factory):
-    cfg = GeneratorConfig(temperature=1.0, n_samples=1, max_new_tokens=8, max_model_len=160, kv_cache_gib=1,
+    # fp32: the new-weights test compares the engine's logprobs with the trainer's at the fp32 bound
+    cfg = GeneratorConfig(dtype="float32", temperature=1.0, n_samples=1, max_new_tokens=8, max_model_len=160, kv_cache_gib=1,
                           seed=7, start_timeout_s=300, request_timeout_s=120, shutdown_timeout_s=20,
                           log_dir=str(tmp_path_factory.mktemp("turn_logs")))
     ex = GeneratorExecutor(cfg, tiny_llama_dir).start()
@@ -146,31 +147,45 @@ def test_calculator_answers_a_call_with_template_tokens(tok):
 
 def test_multi_turn_batch_trains_and_the_next_rollouts_run_the_new_weights(gen, tok, tiny_llama_dir, tmp_path):
     """End to end: multi-turn rollouts -> a masked batch -> one Megatron step -> the weights pushed to
-    the engine -> every reply token of the next multi-turn rollouts carries the new version."""
+    the engine -> the next multi-turn rollouts run the new weights: the engine's logprobs of their reply
+    tokens are the stepped trainer's (not only the version label), and the step moved them."""
     import math
 
     from megarl.algorithms.config import AlgorithmConfig
     from megarl.trainer.config import TrainerConfig
     from megarl.trainer.local import LocalTrainer
 
+    # fp32 engine vs fp32 trainer on the same tokens: the probe's fp32 bound (1e-3 nats; measured < 1e-4,
+    # megarl/controller/weight_sync.py's docstring). The control must clear it by 10x.
+    FP32_GAP = 1e-3
+
+    def gap(lp, batch) -> float:
+        return float(((lp - batch.behav_logprobs).abs() * batch.loss_mask).max())
+
     env = ToolEveryTurn(tok, turns=2)
     prompts = _prompts(tok, [env.reset(t) for t in TASKS])
     samples = multi_turn(gen, env, TASKS, prompts, max_turns=2, max_new_tokens=16, max_model_len=160, sampling=STOP)
     assert all(s.turns == 2 and 0 in s.loss_mask for s in samples)
     batch = RolloutBatch.from_samples(samples, advantages=[1.0, -1.0])
-    trainer = LocalTrainer(TrainerConfig(lr=1e-3, micro_batch_size=2), AlgorithmConfig(), tiny_llama_dir,
+    trainer = LocalTrainer(TrainerConfig(lr=1e-2, micro_batch_size=2), AlgorithmConfig(), tiny_llama_dir,
                            total_steps=1, run_dir=tmp_path)
     try:
+        assert gap(trainer.logprobs(batch, temperature=1.0), batch) < FP32_GAP  # both start from the same weights
         metrics = trainer.step(batch)
         assert metrics and all(math.isfinite(v) for v in metrics.values() if isinstance(v, float))
+        # control: the step moved the policy on the first rollouts' own reply tokens (else the check below is empty)
+        assert gap(trainer.logprobs(batch, temperature=1.0), batch) > 10 * FP32_GAP
         gen.update_weights(trainer.hf_weights(), version=1)
+        env = ToolEveryTurn(tok, turns=2)
+        after = multi_turn(gen, env, TASKS, prompts, max_turns=2, max_new_tokens=16, max_model_len=160,
+                           sampling=STOP)
+        for s in after:
+            assert {v for v, m in zip(s.versions, s.loss_mask) if m} == {1}
+            assert {v for v, m in zip(s.versions, s.loss_mask) if not m} == {-1}
+        after_batch = RolloutBatch.from_samples(after)
+        assert gap(trainer.logprobs(after_batch, temperature=1.0), after_batch) < FP32_GAP  # the new weights ran
     finally:
         trainer.close()
-    env = ToolEveryTurn(tok, turns=2)
-    after = multi_turn(gen, env, TASKS, prompts, max_turns=2, max_new_tokens=16, max_model_len=160, sampling=STOP)
-    for s in after:
-        assert {v for v, m in zip(s.versions, s.loss_mask) if m} == {1}
-        assert {v for v, m in zip(s.versions, s.loss_mask) if not m} == {-1}
 
 
 class ConcurrentTool(ToolEveryTurn):

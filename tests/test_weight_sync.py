@@ -62,24 +62,27 @@ def test_ddma_push_verified_and_probe_catches_stale_weights(tiny_llama_tied_dir,
 
     cfg = load_config(REPO / "configs" / "tiny_test.yaml", [
         f"model.path={tiny_llama_tied_dir}", "generator.dtype=float32", "generator.max_new_tokens=12",
-        "sync.probe_every=1", "cluster.device=cpu"])
+        "sync.probe_every=1", "sync.verify_every=2", "cluster.device=cpu"])
     trainer = LocalTrainer(cfg.trainer, cfg.algorithm, tiny_llama_tied_dir, total_steps=1, run_dir=tmp_path)
     try:
         with GeneratorExecutor(cfg.generator, tiny_llama_tied_dir) as gen:
             sync = WeightSync(resolved_sync(cfg), trainer, gen, dims=model_dims(tiny_llama_tied_dir), generator_cfg=cfg.generator,
                               probe_prompt=[1, 504, 3180, 314])
+            # sync/verified is what the generator workers' checksum compares found, not the flag:
+            # v1 is not checksummed (verify_every=2), v2 is, by every worker
+            assert sync.push(1)["sync/verified"] == 0.0
             g = torch.Generator().manual_seed(0)
             with torch.no_grad():
                 for p in trainer.model.parameters():
                     p.add_(torch.randn(p.shape, generator=g) * 0.05)
-            m = sync.push(1)
+            m = sync.push(2)
             assert m["sync/verified"] == 1.0 and m["sync/bytes_sent"] > 0
             assert m["sync/probe_gap"] < 1e-3  # the fp32 bound (weight_sync.py docstring)
             with torch.no_grad():
                 for p in trainer.model.parameters():
                     p.add_(torch.randn(p.shape, generator=g) * 0.05)
             with pytest.raises(ProbeMismatch, match="probe prompt differ"):
-                sync.probe(2)  # weights changed, never pushed: ~0.6 nats (see above), far over 1e-3
+                sync.probe(3)  # weights changed, never pushed: ~0.6 nats (see above), far over 1e-3
     finally:
         trainer.close()
 
@@ -96,7 +99,7 @@ def test_default_probe_bound_follows_the_coarser_of_engine_and_trainer():
     """fp32 on both sides: 1e-3 nats; bf16 weights on either side: 0.25; FP8: 1.0 (the numbers'
     sources: megarl/controller/weight_sync.py). An explicit sync.probe_max_gap wins."""
     from megarl.controller.loop import resolved_sync
-    from megarl.controller.weight_sync import default_probe_gap
+    from megarl.ddma.config import default_probe_gap
 
     assert default_probe_gap("float32", "none") == default_probe_gap("float32", "none", "float32") == 1e-3
     assert default_probe_gap("float32", "none", "bfloat16") == default_probe_gap("bfloat16", "none") == 0.25
@@ -143,7 +146,7 @@ def test_fp8_wire_into_an_fp32_engine_runs_past_the_first_probe(tiny_llama_tied_
 
 def test_probe_bound_follows_the_wire():
     from megarl.controller.loop import resolved_sync
-    from megarl.controller.weight_sync import default_probe_gap
+    from megarl.ddma.config import default_probe_gap
 
     assert default_probe_gap("float32", "none", "float32", "fp8") == 1.0
     assert default_probe_gap("float32", "none", "float32", "engine") == 1e-3

@@ -36,7 +36,7 @@ import time
 
 from typing import TYPE_CHECKING
 
-from megarl.ddma.config import SyncConfig
+from megarl.ddma.config import SyncConfig, default_probe_gap
 
 if TYPE_CHECKING:
     from megarl.executors.base import Generator, Trainer
@@ -50,15 +50,6 @@ PROBE_TOKENS = 16
 
 class ProbeMismatch(RuntimeError):
     """The generator's logprobs on the probe prompt are not the trainer's: its weights are wrong."""
-
-
-def default_probe_gap(dtype: str, quantization: str, trainer_dtype: str = "float32", wire: str = "engine") -> float:
-    """The probe bound for an engine of ``dtype`` fed by a trainer whose weights are ``trainer_dtype``
-    over a DDMA ``wire`` (see module docstring for where each number comes from): the coarsest of the
-    three sets it. ``wire="fp8"`` lands e4m3-rounded weights, so an fp32 engine then holds FP8 values."""
-    if quantization != "none" or wire == "fp8":
-        return 1.0
-    return 1e-3 if dtype == trainer_dtype == "float32" else 0.25
 
 
 def probe_due(sync_number: int, probe_every: int) -> bool:
@@ -121,11 +112,15 @@ class DdmaPush:
         self.trainer.finish_sync()
 
     def _metrics(self, ranks: list[dict], version: int) -> dict[str, float]:
+        from megarl.ddma.sync import verified_workers
+
         return {"sync/bytes_sent": float(sum(r["bytes_sent"] for r in ranks)),
                 "sync/sender_transfer_s": max(r["transfer_s"] for r in ranks),
                 "sync/sender_quantize_s": max(r["quantize_s"] for r in ranks),
                 "sync/sender_verify_s": max(r["verify_s"] for r in ranks),
-                "sync/verified": float(self.spec.verifies(version))}
+                # the share of generator workers whose landing matched the senders' checksums (set
+                # by each worker after its compare passed: 0 when this sync was not checksummed)
+                "sync/verified": verified_workers(self._store, self.spec, version) / len(self.spec.dst.ranks())}
 
 
 class ShmPush:
@@ -157,6 +152,7 @@ class WeightSync:
         self.cfg, self.trainer, self.generator = cfg, trainer, generator
         self.quiesce = quiesce  # controller.deterministic: weights change only when no round is in flight
         self.probe_prompt, self.pad_id = list(probe_prompt), pad_id
+        # the job resolved the bound (config/job.py resolved_sync); an unresolved config (tests) gets the default
         self.max_gap = cfg.probe_max_gap or default_probe_gap(generator_cfg.dtype, generator_cfg.quantization,
                                                               wire=cfg.wire if cfg.method == "ddma" else "engine")
         self.strategy = STRATEGIES[cfg.method](cfg, trainer, generator, dims=dims, generator_cfg=generator_cfg)
@@ -213,4 +209,4 @@ class WeightSync:
         return gap
 
 
-__all__ = ["WeightSync", "DdmaPush", "ShmPush", "STRATEGIES", "ProbeMismatch", "default_probe_gap", "probe_due"]
+__all__ = ["WeightSync", "DdmaPush", "ShmPush", "STRATEGIES", "ProbeMismatch", "probe_due"]

@@ -110,6 +110,19 @@ class SyncSpec:
         return self.verify_every > 0 and version % self.verify_every == 0
 
 
+def verified_key(version: int, rank: DstRank) -> str:
+    """The store key a generator worker sets once its landing of ``version`` matched the senders'
+    checksums (:meth:`DdmaReceiver.verify_landed`)."""
+    return key(version, f"verified_r{rank.replica}_t{rank.tp}")
+
+
+def verified_workers(store: torch.distributed.Store, spec: SyncSpec, version: int) -> int:
+    """How many generator workers of ``spec.dst`` compared their landing of ``version`` with the
+    senders' checksums and found them equal (0 when the sync was not checksummed)."""
+    keys = [verified_key(version, r) for r in spec.dst.ranks()]
+    return sum(store.check([k]) for k in keys)
+
+
 def without(plan: SyncPlan, skip: frozenset) -> SyncPlan:
     """``plan`` less every copy of the HF tensors in ``skip`` (a partial sync: the same senders and
     offsets for what is left; pairs left with no copy are dropped)."""
@@ -571,6 +584,8 @@ class DdmaReceiver(_Side):
             for hf_name, v in per_param.items():
                 sums[hf_name] = (sums[hf_name] + v) & 0xFFFFFFFFFFFFFFFF
         self._compare(sums, self.tables)
+        # What verification found, for the controller (sync/verified): set only after the compare passed
+        self.store.set(verified_key(version, self.rank), "1")
         self._verify_s += time.perf_counter() - t
         self.last_stats["verify_s"] = self._verify_s
 

@@ -1,6 +1,12 @@
 """Numerics: a NaN/inf loss or gradient skips the update (weights, Adam state and LR schedule
 untouched) with a WARNING and a counted metric; trainer.max_skipped_steps skips in a row stop the
-job. A real tiny Megatron trainer fed an inf advantage, at DP=2 so both ranks must agree."""
+job. A real tiny Megatron trainer fed an inf advantage, at DP=2 so both ranks must agree.
+
+An inf advantage on one rank reaches the other through the DP gradient average and the loss's
+reduction, so that test alone cannot tell the skip decision (one MAX over all ranks,
+trainer/optimizer.py ``all_finite``) from ordinary averaging. The second test poisons one rank's
+gradient after the reduction (MEGARL_FAULT_INJECT=nonfinite_grad on rank 0 alone): the other rank's
+loss and gradients are finite, and only the shared decision makes it skip."""
 
 from __future__ import annotations
 
@@ -21,6 +27,7 @@ def _batch(advantage: float) -> RolloutBatch:
 
 
 def _worker(rank, world, hf_dir, plan):
+    import os
     from megarl.models.layouts import ModelDims
     from megarl.trainer.config import TrainerConfig
     from megarl.trainer.convert import load_hf_into_model
@@ -44,6 +51,12 @@ def _worker(rank, world, hf_dir, plan):
     out = []
     for adv in plan:
         before = snapshot()
+        # "nan0": a finite batch, rank 0's gradient made NaN after the DP reduction (optimizer_step)
+        os.environ.pop("MEGARL_FAULT_INJECT", None)
+        if adv == "nan0":
+            adv = 1.0
+            if rank == 0:
+                os.environ["MEGARL_FAULT_INJECT"] = "nonfinite_grad"
         try:
             m = train_step(objs, _batch(adv), loss_name="aipo", loss_params={"rho": 2.0}, micro_batch_size=1,
                            current_version=0)
@@ -57,7 +70,9 @@ def _worker(rank, world, hf_dir, plan):
         out.append({"skipped": m["skipped"], "skipped_steps": m["skipped_steps"], "ok": m["update_successful"],
                     "loss": m["loss"], "grad_norm": m["grad_norm"], "same_weights": same_w, "same_adam": same_adam,
                     "sched": (before[2], after[2]),
-                    "finite_weights": all(bool(torch.isfinite(p).all()) for p in model.parameters())})
+                    "finite_weights": all(bool(torch.isfinite(p).all()) for p in model.parameters()),
+                    "weights_sum": sum(float(p.detach().double().sum()) for p in model.parameters())})
+    os.environ.pop("MEGARL_FAULT_INJECT", None)
     return out
 
 
@@ -77,5 +92,16 @@ def test_inf_advantage_skips_the_step_and_consecutive_skips_stop(tiny_llama_tied
             assert math.isnan(row["grad_norm"])
         assert "2 steps in a row had a NaN/inf loss or gradient" in stop["stopped"]
         assert "trainer.max_skipped_steps=2" in stop["stopped"]
-    # rank 1's own gradient was finite: it skipped because rank 0's was not (one decision)
     assert [r.get("skipped") for r in r0[:4]] == [r.get("skipped") for r in r1[:4]]
+
+
+def test_a_nan_on_one_rank_after_the_reduction_skips_every_rank(tiny_llama_tied_dir):
+    """Rank 1's loss and gradients stay finite; it skips because rank 0's gradient is NaN (the one
+    decision). Without it rank 1 would update alone and the DP replicas' weights would part."""
+    r0, r1 = run_multiprocess(_worker, 2, str(tiny_llama_tied_dir), [1.0, "nan0", 1.0], timeout_s=600)
+    assert [r["skipped"] for r in r0] == [r["skipped"] for r in r1] == [0.0, 1.0, 0.0]
+    assert math.isfinite(r1[1]["loss"])  # rank 1 saw nothing wrong of its own
+    assert r1[1]["same_weights"] and r1[1]["same_adam"] and r1[1]["sched"][1] == r1[1]["sched"][0]
+    assert not r1[2]["same_weights"]  # the step after it trains
+    # the replicas hold the same weights after every step (DP keeps them bit-identical)
+    assert [r["weights_sum"] for r in r0] == [r["weights_sum"] for r in r1]
