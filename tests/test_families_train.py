@@ -1,4 +1,4 @@
-"""Each family added after Llama and Qwen2 trains for real under `megarl train`: a Megatron trainer
+"""Each family beside the built-in Llama trains for real under `megarl train`: a Megatron trainer
 at TP2 or PP2, DDMA into a vLLM engine at TP2, fp32 on both sides and lag 0, so the engine samples
 from exactly the weights the trainer holds. The logprob probe runs at every sync, v0 included
 (a wrong layout stops the job there), and the trained checkpoint exports to an HF folder that
@@ -20,12 +20,13 @@ from tests.test_controller import FP32_MISMATCH_BOUND, _export, _rows, _train
 CASES = [
     ("tiny_llama32_dir", ("trainer.tp=2",)),   # Llama 3.2-style: tied, llama3 rope scaling, factor 32
     ("tiny_qwen3_dir", ("trainer.pp=2",)),     # q/k norms, head_dim 64 != hidden / heads
+    ("tiny_qwen2_dir", ("trainer.tp=2",)),     # q/k/v biases (the Qwen2.5 recipes' family), sharded by TP
     # Mistral, no sliding window; slow (CI time): its landing row in test_ddma_landing runs in every run
     pytest.param("tiny_mistral_dir", ("trainer.tp=2",), marks=pytest.mark.slow),
 ]
 
 
-@pytest.mark.parametrize("fixture,layout", CASES, ids=["llama32", "qwen3", "mistral"])
+@pytest.mark.parametrize("fixture,layout", CASES, ids=["llama32", "qwen3", "qwen2", "mistral"])
 def test_family_trains_over_ddma_into_tp2(fixture, layout, request, tmp_path):
     from safetensors.torch import load_file
     import torch
