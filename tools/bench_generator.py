@@ -34,6 +34,8 @@ from pathlib import Path
 
 import torch
 
+from megarl.utils.paths import portable_path
+
 
 QUICK = dict(prompts=2, new_tokens=8, repeats=1, hf_batch=2, hf_dtypes="float32", data="builtin:arithmetic")
 
@@ -220,7 +222,7 @@ def main() -> None:
         ex.shutdown()
 
     if not hf_runs:  # --hf-dtypes none --no-raw: a calibration constant (tok/s on --threads-bind cores)
-        result = {"model": model_dir, "prompts": a.prompts, "new_tokens": a.new_tokens, "repeats": a.repeats,
+        result = {"model": portable_path(model_dir), "prompts": a.prompts, "new_tokens": a.new_tokens, "repeats": a.repeats,
                   "dtype": a.dtype, "threads_bind": a.threads_bind, "max_model_len": cfg.max_model_len,
                   "load_avg_1m_at_end": round(os.getloadavg()[0], 2),
                   "generator_start_s": round(start_s, 1), "generator_tok_s": gen_runs, "raw_vllm_tok_s": raw_runs}
@@ -234,7 +236,7 @@ def main() -> None:
     ratio_best = max(gen_runs) / max(hf_runs[best_hf_dtype])
     ratio_median = statistics.median(gen_runs) / statistics.median(hf_runs[best_hf_dtype])
     result = {
-        "model": model_dir, "prompts": a.prompts, "new_tokens": a.new_tokens, "repeats": a.repeats,
+        "model": portable_path(model_dir), "prompts": a.prompts, "new_tokens": a.new_tokens, "repeats": a.repeats,
         "dtype": a.dtype, "threads_bind": a.threads_bind,
         "quantization": a.quantization, "compile": a.compile, "cpus": os.cpu_count(),
         "load_avg_1m_at_end": round(os.getloadavg()[0], 2), "generator_start_s": round(start_s, 1),

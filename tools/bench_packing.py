@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 from megarl.utils.dist import run_multiprocess
+from megarl.utils.paths import portable_args
 
 MODES = ("padded", "packed", "packed_budget")
 QUICK = dict(layers=1, hidden=64, heads=4, kv_heads=2, ffn=128, vocab=512, batch=8, repeats=1)
@@ -178,7 +179,7 @@ def main() -> None:
     a = p.parse_args()
     shapes = run_multiprocess(_worker, 1, a, timeout_s=a.timeout)[0]
     tail = shapes["long-tail"]["modes"]
-    result = {"bench": "packing", "config": vars(a),
+    result = {"bench": "packing", "config": portable_args(a),
               "padded_tokens_per_s": tail["padded"]["tokens_per_s"],
               "packed_tokens_per_s": tail["packed"]["tokens_per_s"],
               "packed_budget_tokens_per_s": tail["packed_budget"]["tokens_per_s"],

@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 
 from megarl.utils.dist import run_multiprocess
+from megarl.utils.paths import portable_args
 
 SHAPES = {"quickstart": dict(batch=64, samples=4, prompt=48, reply=24),
           "long": dict(batch=8, samples=2, prompt=64, reply=1024)}
@@ -178,7 +179,7 @@ def main() -> None:
         p.set_defaults(**QUICK, ffn=128)
     a = p.parse_args()
     shapes = run_multiprocess(_worker, 1, a, timeout_s=a.timeout)[0]
-    result = {"bench": "prox", "config": vars(a),
+    result = {"bench": "prox", "config": portable_args(a),
               "shapes": {n: {**r, **_summary(r)} for n, r in shapes.items()}}
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)

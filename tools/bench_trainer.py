@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from megarl.utils.dist import run_multiprocess
+from megarl.utils.paths import portable_args
 
 
 QUICK = dict(layers=2, hidden=64, heads=4, kv_heads=2, vocab=512, batch=2, seq=32, micro_batch=2,
@@ -182,7 +183,7 @@ def main() -> None:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     if a.no_bare:
-        result = {"bench": "trainer_step", "config": vars(a), "tokens_per_step": tokens, "ours_tokens_per_s": ours_tps,
+        result = {"bench": "trainer_step", "config": portable_args(a), "tokens_per_step": tokens, "ours_tokens_per_s": ours_tps,
                   "ours_tokens_per_s_median": tokens / statistics.median(times["ours"]), "times_s": times}
         (out / "bench_trainer.json").write_text(json.dumps(result, indent=1))
         print(f"train_step: megarl {ours_tps:.0f} tok/s (fastest of {a.repeats}), "
@@ -191,7 +192,7 @@ def main() -> None:
         return
     bare_tps = tokens / min(times["bare"])
     ratio_median = statistics.median(times["bare"]) / statistics.median(times["ours"])
-    result = {"bench": "trainer_step", "config": vars(a), "tokens_per_step": tokens,
+    result = {"bench": "trainer_step", "config": portable_args(a), "tokens_per_step": tokens,
               "ours_tokens_per_s": ours_tps, "bare_tokens_per_s": bare_tps,
               "ratio": ours_tps / bare_tps, "ratio_median": ratio_median, "times_s": times}
     (out / "bench_trainer.json").write_text(json.dumps(result, indent=1))

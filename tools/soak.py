@@ -29,6 +29,16 @@ import psutil
 REPO = Path(__file__).resolve().parents[1]
 
 
+def _portable_arg(arg: str) -> str:
+    """A job argument for the committed JSON: its path value (after key=) without this machine's folders."""
+    key, eq, value = arg.rpartition("=")
+    if value.startswith("/"):
+        from megarl.utils.paths import portable_path
+
+        return f"{key}{eq}{portable_path(value)}"
+    return arg
+
+
 def _rows(path: Path) -> int:
     return sum(1 for line in path.read_text().splitlines() if line.strip()) if path.is_file() else 0
 
@@ -137,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
                                "rss_late_mb": round(late["rss_mb"], 1),
                                "growth_pct": round(100 * (late["rss_mb"] / e["rss_mb"] - 1), 2),
                                "fds_early": e["fds"], "fds_late": late["fds"], **_rates(samples, pid)})
-    result = {"command": " ".join(["tools/soak.py", *(argv or sys.argv[1:])]), "job": cmd[3:], "steps": a.steps,
+    result = {"command": " ".join(["tools/soak.py", *(argv or sys.argv[1:])]), "job": [_portable_arg(x) for x in cmd[3:]], "steps": a.steps,
               "wall_s": time.monotonic() - t0, "per_process": growth, "after": after,
               "shm_during": {k: v["shm_files"] for k, v in samples.items()}}
     result["rss_by_step"] = {str(pid): [[v["step"], round(v["procs"][pid]["rss_mb"], 1)] for v in samples.values()

@@ -24,6 +24,25 @@ def data_dir() -> Path:
     return path
 
 
+def portable_path(path: str | os.PathLike) -> str:
+    """``path`` as a committed benchmark JSON should name it, without this machine's folders: relative
+    to the repository, ``$MEGARL_DATA_DIR/...`` under the data dir, ``<tmp>/...`` under the temp dir,
+    else its last part."""
+    p = Path(path).expanduser().absolute()
+    repo = Path(__file__).resolve().parents[2]
+    for root, label in ((repo, ""), (data_dir(), f"${DATA_DIR_ENV}/"), (Path(tempfile.gettempdir()), "<tmp>/")):
+        try:
+            return label + str(p.relative_to(root))
+        except ValueError:
+            continue
+    return p.name
+
+
+def portable_args(args) -> dict:
+    """A benchmark's argparse namespace for its JSON: every absolute path value through :func:`portable_path`."""
+    return {k: portable_path(v) if isinstance(v, str) and v.startswith(("/", "~")) else v for k, v in vars(args).items()}
+
+
 @contextlib.contextmanager
 def atomic_output_dir(final_dir: str | os.PathLike) -> Iterator[Path]:
     """Yield a scratch directory that becomes `final_dir` only if the block succeeds.
