@@ -61,12 +61,12 @@ def test_job_trains_a_critic_and_resumes_it_with_the_trainer(tiny_llama_dir, tmp
     # count its one update as step 1 and save step_00000001 again
     out, rows = _job(tiny_llama_dir, tmp_path, *CRITIC, "controller.steps=3", "trainer.checkpoint_interval=1")
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    assert f"resuming from {critic_dir / 'step_00000002'}" in out.stdout
     assert [r["step"] for r in rows] == [1, 2, 3] and math.isfinite(rows[2]["critic/value_loss"])
     assert sorted(p.name for p in critic_dir.glob("step_*")) == ["step_00000002", "step_00000003"]
     meta = json.loads((critic_dir / "step_00000003" / "meta.json").read_text())
     # the optimizer came back too: Adam's step count and the samples continue from step 2's (8 rows a step)
     assert (meta["step"], meta["adam_step"], meta["consumed_samples"]) == (3, 3, 24)
+    assert f"resuming from {critic_dir / 'step_00000002'}" in out.stdout
 
 
 def test_critic_death_stops_the_job_naming_it(tiny_llama_dir, tmp_path):
@@ -80,12 +80,16 @@ def test_critic_death_stops_the_job_naming_it(tiny_llama_dir, tmp_path):
     assert f"its own log: {tmp_path / 'tiny-test' / 'critic' / 'logs' / 'trainer_rank0.log'}" in last
 
 
-def test_vtrace_job_runs(tiny_llama_dir, tmp_path):
-    # V-trace asks the policy for log pi of the batch: lag 0 and fp32, so pi = mu and its targets are GAE's returns
+def test_vtrace_job_with_the_critic_at_its_own_tp(tiny_llama_dir, tmp_path):
+    # V-trace asks the policy for log pi of the batch (lag 0, fp32: pi = mu, its targets are GAE's returns);
+    # the critic runs at tp 2 beside a tp 1 trainer: its own layout, not the trainer's
     over = [c.replace("advantage=gae", "advantage=vtrace") for c in CRITIC]
-    out, rows = _job(tiny_llama_dir, tmp_path, *over, "controller.steps=1", "trainer.checkpoint_interval=0")
+    out, rows = _job(tiny_llama_dir, tmp_path, *over, "critic.tp=2", "controller.steps=1", "trainer.checkpoint_interval=0")
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "starting the critic (value model, Megatron tp=2 pp=1 dp=1" in out.stdout
+    assert "critic: 2 rank(s)" not in out.stdout and (tmp_path / "tiny-test" / "critic" / "logs" / "trainer_rank1.log").is_file()
     assert rows[0]["critic/value_loss"] > 0.0 and rows[0]["critic/advantage_abs_mean"] > 0.1
+    assert math.isfinite(rows[0]["critic/explained_var"]) and rows[0]["train/grad_norm"] > 0.0
 
 
 # ---------------------------------------------------------------- without a job
