@@ -240,6 +240,35 @@ def test_train_with_router_replay_routes_like_the_engine(tiny_qwen3_moe_dir, tmp
     assert max(m_own) > 0 and max(m_own) < 0.05, m_own
 
 
+def test_routing_survives_a_resume(tiny_qwen3_moe_dir, tmp_path):
+    """max_policy_lag=1, partial rollouts, a checkpoint every step: the step-1 checkpoint holds step 2's
+    finished samples and the step-2 one its partial rollouts, each with its routing (the controller's
+    JSON state). Resumed from step 1, step 2 trains the saved samples with their saved routing:
+    loss/mismatch bit-identical to the straight run, routing mismatch 0; resumed from step 2, the
+    partial rollouts finish and step 3 replays them (0)."""
+    from tests.test_controller import _rows
+
+    common = ("controller.max_policy_lag=1", "trainer.router_replay=true", "trainer.keep_checkpoints=5",
+              "controller.steps=3")
+    straight = _train_rows(tiny_qwen3_moe_dir, tmp_path / "a", *common)
+    ckpts = tmp_path / "a" / "tiny-test" / "checkpoints"
+    held = {}
+    for step in (1, 2):
+        rollouts = json.loads((ckpts / f"step_{step:08d}" / "controller_state.json").read_text())["rollouts"]
+        finished = [s for g in rollouts["finished"].values() for s in g]
+        held[step] = (sum(bool(s["routed_experts"]) for s in finished), len(finished),
+                      sum(bool(t["experts"]) for t in rollouts["unfinished"]), len(rollouts["unfinished"]))
+    print(f"saved (finished with routing, finished, unfinished with routing, unfinished): {held}")
+    assert held[1][0] == held[1][1] > 0 and held[2][2] == held[2][3] > 0, held
+    from_1 = _train_rows(tiny_qwen3_moe_dir, tmp_path / "b", *common, f"trainer.resume_from={ckpts / 'step_00000001'}")
+    from_2 = _train_rows(tiny_qwen3_moe_dir, tmp_path / "c", *common, f"trainer.resume_from={ckpts / 'step_00000002'}")
+    by_step = {r["step"]: r for r in straight}
+    assert [r["step"] for r in from_1] == [2, 3] and [r["step"] for r in from_2] == [3]
+    assert from_1[0]["train/loss/mismatch"] == by_step[2]["train/loss/mismatch"]
+    for r in straight + from_1 + from_2:
+        assert r["train/moe/routing_mismatch"] == 0.0, r
+
+
 def test_router_replay_is_refused_for_a_dense_model_and_pp():
     from megarl.trainer.config import TrainerConfig, router_replay_problems
 
