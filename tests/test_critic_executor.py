@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -133,6 +134,17 @@ def test_a_missing_critic_path_is_refused(tiny_llama_dir, tmp_path):
         f"critic.path={str(tmp_path)!r}: neither an HF model folder (config.json) nor a megarl checkpoint (meta.json, "
         f"or a checkpoint folder with 'latest'); point it at the value model's starting weights, or set critic.path='' "
         f"to start from model.path"]
+    # another tokenizer: the critic would value other token ids (the teacher's check, megarl/config/teacher.py)
+    other = tmp_path / "other"
+    shutil.copytree(tiny_llama_dir, other)
+    tok = json.loads((other / "tokenizer_config.json").read_text())
+    tok["eos_token"] = "<|im_start|>"
+    (other / "tokenizer_config.json").write_text(json.dumps(tok))
+    with pytest.raises(ConfigError) as info:
+        load_config("configs/tiny_test.yaml", base + [f"critic.path={other}"])
+    assert info.value.problems == [
+        f"critic.path={str(other)!r}: its tokenizer is not model.path's (special tokens: eos_token '<|im_end|>' vs "
+        f"'<|im_start|>'); the critic values the policy's token ids, so start it from a model with the policy's tokenizer"]
     # without gae/vtrace the critic: section is not read
     assert load_config("configs/tiny_test.yaml", [f"model.path={tiny_llama_dir}", f"critic.path={tmp_path}"])
 

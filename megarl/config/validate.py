@@ -15,7 +15,7 @@ from typing import Any
 from megarl.algorithms.config import OWN_BEHAVIOUR_CORRECTION, needs_critic
 from megarl.config.data_choice import eval_set_problems, eval_sets
 from megarl.utils.model_source import REPO_ROOT, hub_cache, is_hub_id, local_model_dir, shipped_config
-from megarl.config.teacher import teacher_problems
+from megarl.config.teacher import teacher_problems, tokenizer_mismatch
 from megarl.config.placement import device_plan
 from megarl.data.tasks import data_problems
 from megarl.models.dims import ModelDims, divisors, expert_parallel_problems, parallel_problems, vllm_tp_problems
@@ -228,6 +228,11 @@ def critic_problems(cfg: MegaRLConfig, *, dry_run: bool = False) -> list[str]:
                            f"weights, or set critic.path='' to start from model.path")
         elif (folder / "config.json").is_file():
             source = str(folder)
+            policy = None if cfg.model.path == BUILTIN_SMOLLM2 else local_model_dir(cfg.model.path)
+            why = tokenizer_mismatch(policy, folder) if policy is not None else None
+            if why:
+                out.append(f"critic.path={c.path!r}: its tokenizer is not model.path's ({why}); the critic values the "
+                           f"policy's token ids, so start it from a model with the policy's tokenizer")
     if out or any(getattr(c, k) < 0 for k in ("tp", "pp", "dp")):
         return out
     tp, pp, dp = c.layout(t)
