@@ -64,6 +64,13 @@ def test_train_runs_end_to_end_and_resumes(tiny_llama_dir, tmp_path):
         # the engine samples from exactly the weights the trainer trains (both fp32)
         assert r["train/loss/mismatch"] < FP32_MISMATCH_BOUND, r["train/loss/mismatch"]
     assert "step 2/2" in out.stdout and "generate" in out.stdout  # the per-step phase line
+    # the console says what matters: a step's routine waits and weight loads go to the log file only
+    # (DEBUG); the engines' start is said once
+    log = (run / "logs" / "controller.log").read_text()
+    console = out.stdout + out.stderr
+    assert "to answer: train step 2" in log and "weights version 2 loaded in" in log
+    assert "weights version" not in console
+    assert [ln for ln in console.splitlines() if "waiting up to" in ln and "to start" not in ln] == []
     assert (run / "metrics.png").is_file() and any((run / "tensorboard").iterdir())
     assert len((run / "eval_samples.jsonl").read_text().splitlines()) == 8  # 4 replies x 2 evals
 

@@ -139,9 +139,13 @@ def select_device(device: str) -> None:
 
 
 def setup_logging() -> None:
+    """The console at INFO (start, one progress line a step, waits that turned slow, warnings, the
+    summary); megarl's DEBUG (every wait, every weight load) goes to the log files only (command_log)."""
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, stream=sys.stdout,
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+        logging.getLogger().handlers[0].setLevel(logging.INFO)
+        logging.getLogger("megarl").setLevel(logging.DEBUG)  # records reach the handlers; each keeps its level
     for noisy in ("megatron", "vllm", "transformers"):  # their INFO is per-parameter detail
         logging.getLogger(noisy).setLevel(logging.WARNING)
 

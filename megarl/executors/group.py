@@ -54,7 +54,8 @@ from megarl.utils.errors import exception_line, remote_error
 log = logging.getLogger(__name__)
 
 POLL_S = 0.25        # waits re-check liveness and hangs this often
-LOG_EVERY_S = 30.0   # a long wait says it is still waiting this often
+SLOW_WAIT_S = 10.0   # a wait says on the console what it waits for once it has lasted this long (DEBUG before)
+LOG_EVERY_S = 30.0   # ... and again this often
 
 
 class Member:
@@ -191,11 +192,12 @@ class ProcessGroup:
              progress_resets: bool = False, quiet: bool = False) -> None:
         """Handle messages until ``done()``. ``check()`` runs before every look (it raises what
         stops the wait: a death, a hang); after ``timeout`` seconds (counted from the last message
-        when ``progress_resets``) ``on_timeout()`` is raised. Says what it waits for (``quiet``:
-        only in the debug log, for frequent short waits) and, every 30 s, that it still does."""
+        when ``progress_resets``) ``on_timeout()`` is raised. Says what it waits for in the debug
+        log (the files), and on the console once it has lasted SLOW_WAIT_S, then every LOG_EVERY_S
+        (``quiet``: frequent waits whose slowness the caller reports itself: debug only)."""
         start = time.monotonic()
-        deadline, last_log = start + timeout, start
-        log.log(logging.DEBUG if quiet else logging.INFO, "%s: waiting up to %.0fs for %s", self.role, timeout, what)
+        deadline, last_log = start + timeout, start - LOG_EVERY_S + SLOW_WAIT_S
+        log.debug("%s: waiting up to %.0fs for %s", self.role, timeout, what)
         while True:
             if check is not None:
                 check()
@@ -205,7 +207,8 @@ class ProcessGroup:
             if now >= deadline:
                 raise on_timeout()
             if now - last_log > LOG_EVERY_S:
-                log.info("%s: still waiting for %s (%.0fs left)", self.role, what, deadline - now)
+                log.log(logging.DEBUG if quiet else logging.INFO, "%s: still waiting for %s (%.0fs so far, %.0fs left)",
+                        self.role, what, now - start, deadline - now)
                 last_log = now
             item = self.get(min(POLL_S, max(deadline - now, 0.01)))
             if item is not None:
@@ -329,7 +332,7 @@ class ProcessGroup:
         for m in going:
             self.send(m, exit_msg)
         if going:
-            log.info("%s: waiting up to %.0fs for %d process(es) to exit", self.role, timeout_s, len(going))
+            log.debug("%s: waiting up to %.0fs for %d process(es) to exit", self.role, timeout_s, len(going))
         deadline = time.monotonic() + timeout_s
         for m in going:
             m.process.join(max(0.0, deadline - time.monotonic()))
@@ -351,5 +354,5 @@ class ProcessGroup:
         return members
 
 
-__all__ = ["LOG_EVERY_S", "Member", "POLL_S", "ProcessGroup", "log_tail", "member_cause", "member_node",
+__all__ = ["LOG_EVERY_S", "SLOW_WAIT_S", "Member", "POLL_S", "ProcessGroup", "log_tail", "member_cause", "member_node",
            "member_where"]

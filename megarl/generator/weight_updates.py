@@ -121,7 +121,7 @@ class WeightUpdater:
             return seconds
         self._host._adopt_version(version)
         seconds = time.monotonic() - t0
-        log.info("generator: weights version %d loaded in %.2fs", version, seconds)
+        log.debug("generator: weights version %d loaded in %.2fs", version, seconds)  # the step line shows sync
         return seconds
 
     def inspect_weight(self, vllm_param_name: str, replica: int = 0) -> list[torch.Tensor]:

@@ -217,7 +217,7 @@ def command_log(path: str | os.PathLike, logger: logging.Logger | None = None) -
     root = logger or logging.getLogger()
     handler = logging.FileHandler(path)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
-    handler.setLevel(logging.INFO)
+    handler.setLevel(logging.DEBUG)  # the file keeps everything megarl says (the console: INFO and up)
     root.addHandler(handler)
     _start_resource_tracker(path)
     try:
