@@ -120,7 +120,7 @@ def test_bench_step_verdict_by_hand():
     assert v["ratio"] == pytest.approx(1.3) and v["t_gen_s"] == 5.0 and v["t_ctrl_s"] == 7.0
     assert v["achieved_overlap"] == pytest.approx(1.5) and v["overlap_bound"] == pytest.approx(12 / 7)
     assert v["hidden_frac"] == pytest.approx(0.8)
-    # the README's train-bound bench (docs/bench_step.json shape): generator 11.1 s busy, controller
+    # docs/results.md's train-bound bench (docs/bench_step.json shape): generator 11.1 s busy, controller
     # 45.65 s, step 45.66 s: hidden (11.1 + 45.65 - 45.66) / 11.1 = 99.9%; with 2 s of exposed wait
     # (step 47.65 s) it drops to 9.1 / 11.1 = 82%, where the old max/step "fraction" still read 96%
     assert b.compare(_mode(27.7, 3.36, 0.0, 24.1, 0.34, 3.3),

@@ -70,8 +70,9 @@ def _full_log(line: str) -> str:
 # --------------------------------------------------------------------------- the table
 def test_the_exit_code_table_is_in_the_docs_and_the_readme():
     table = exit_table_markdown()
-    for doc in ("docs/errors.md", "README.md"):
-        assert table in (REPO / doc).read_text(), f"{doc}: paste the table of megarl.utils.errors.exit_table_markdown()"
+    assert table in (REPO / "docs/errors.md").read_text(), \
+        "docs/errors.md: paste the table of megarl.utils.errors.exit_table_markdown()"
+    assert "](docs/errors.md)" in (REPO / "README.md").read_text(), "README.md: link to docs/errors.md (the exit codes)"
     codes = [f.code for f in FAILURES]
     assert len(set(codes)) == len(codes) and errors.BUG_EXIT not in codes and 75 not in codes
     assert all(2 <= c < 64 for c in codes)  # below 75 (requeue) and 128+N (signals)

@@ -2,7 +2,7 @@
 
 Overlapping the next batch's generation with this step's training only pays when the two run on
 their own resources. Sharing every core, they compete: on the quickstart's 2 cores the async run
-took 30.2 s a step against the synchronous run's 26.1 s (README). So ``auto`` picks
+took 30.2 s a step against the synchronous run's 26.1 s (docs/quickstart_tuning.md). So ``auto`` picks
 
 - **0** (synchronous, every phase on the whole machine) when trainer and generator share every
   core or GPU: on CPU ``cluster.trainer_cpus`` empty (the trainer's ranks use every core), or

@@ -349,7 +349,7 @@ def _names(cause: str, who: str) -> bool:
 
 
 def exit_table_markdown() -> str:
-    """The table docs/errors.md (and README) carry: code | class | meaning."""
+    """The table docs/errors.md carries: code | class | meaning."""
     rows = ["| code | class | meaning |", "|---|---|---|"]
     for code, name, meaning in OTHER_EXITS[:2]:
         rows.append(f"| {code} | {name} | {meaning} |")
