@@ -13,7 +13,7 @@ from megarl.config import ConfigError
 from megarl.utils.procs import JobInterrupted
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-BENCHES = ("generator", "trainer", "sync", "step", "slurm", "checkpoint", "reward", "prox", "packing")
+BENCHES = ("generator", "trainer", "sync", "step", "slurm", "checkpoint", "reward", "prox", "packing", "lora")
 
 
 def main(argv: list[str] | None = None) -> int:

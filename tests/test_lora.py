@@ -433,3 +433,22 @@ def test_memory_plan_counts_lora(tiny_llama_tied_dir):
     q, kv = c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd
     assert lora["lora_merged"] == c["num_hidden_layers"] * (h * (q + 2 * kv) + q * h + 3 * h * f) * 2
     assert sum(lora.values()) < sum(full.values())
+
+
+def test_bench_lora_quick(tmp_path):
+    """`megarl bench lora --quick` runs both modes side by side and writes its JSON + PNG; the bytes it reports
+    are the plan's (a LoRA sync after the first sends the targets alone; the first sends everything)."""
+    import json
+    import subprocess
+    import sys
+
+    rc = subprocess.call([sys.executable, "-m", "megarl.cli", "bench", "lora", "--quick", "--out", str(tmp_path)],
+                         timeout=900)
+    assert rc == 0
+    r = json.loads((tmp_path / "bench_lora.json").read_text())
+    plan = r["plan_bytes"][0]
+    assert r["bytes_sent"]["full"][-1] == plan["full_bytes"] == r["bytes_sent"]["lora"][0]
+    assert r["bytes_sent"]["lora"][-1] == plan["lora_bytes"] < plan["full_bytes"]  # break: no skip -> equal
+    assert r["counts"]["lora"]["train/trainable_params"] < r["counts"]["full"]["train/trainable_params"]
+    assert set(r["median_s"]) == {"step_full", "step_lora", "sync_full", "sync_lora"}
+    assert (tmp_path / "bench_lora.png").stat().st_size > 1000
