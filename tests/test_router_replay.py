@@ -19,6 +19,8 @@ import torch
 
 from megarl.utils.dist import run_multiprocess
 
+REPO = Path(__file__).resolve().parents[1]
+
 from test_generator import BF16_FLOOR, BF16_NOISE_FACTOR, bf16_noise
 
 PROMPTS, PROMPT_LEN, NEW_TOKENS = 16, 8, 56  # 16 x 63 routed rows: ~2 flips expected at 3/512
@@ -275,3 +277,15 @@ def test_router_replay_is_refused_for_a_dense_model_and_pp():
     assert router_replay_problems(True, False, "llama") and not router_replay_problems(True, True, "qwen3_moe")
     assert not router_replay_problems(False, False, "llama")
     assert any("trainer.pp" in p for p in TrainerConfig(router_replay=True, pp=2).problems())
+
+
+def test_config_validation_refuses_router_replay_for_a_dense_model(tiny_llama_dir, tiny_qwen3_moe_dir):
+    """Found before anything starts (megarl/config/validate.py), naming the knob and what to set."""
+    import pytest
+
+    from megarl.config import ConfigError, load_config
+
+    cfg = REPO / "configs" / "tiny_test.yaml"
+    with pytest.raises(ConfigError, match=r"trainer.router_replay=true but the model has no experts .*'llama'"):
+        load_config(cfg, [f"model.path={tiny_llama_dir}", "trainer.router_replay=true"])
+    assert load_config(cfg, [f"model.path={tiny_qwen3_moe_dir}", "trainer.router_replay=true"]).trainer.router_replay

