@@ -458,3 +458,55 @@ def test_bench_lora_quick(tmp_path):
     assert r["counts"]["lora"]["train/trainable_params"] < r["counts"]["full"]["train/trainable_params"]
     assert set(r["median_s"]) == {"step_full", "step_lora", "sync_full", "sync_lora"}
     assert (tmp_path / "bench_lora.png").stat().st_size > 1000
+
+
+@pytest.mark.parametrize("transport", ["zero_copy", "gloo"])
+def test_partial_sync_lands_into_a_receiver_built_for_the_full_spec(transport):
+    """Senders of a partial sync (LoRA's skip: every non-target module's tensors) and workers whose receiver
+    was built for the full spec, as a vLLM worker's is: the senders' tables name the skip, the workers land
+    exactly the targets' engine parameters (Qwen2: the qkv bias with its weight), bit for bit, and nothing of
+    the skipped ones. TP2 -> TP2, gloo buckets smaller than a parameter (many groups and rounds)."""
+    import dataclasses
+    import multiprocessing as mp
+
+    from megarl.ddma.layouts import GeneratorTopology, TrainerTopology
+    from megarl.ddma.plan import plan_sync
+    from megarl.ddma.sync import SyncSpec, host_store, skipped_params
+    from megarl.trainer.config import LORA_TARGETS
+    from megarl.trainer.ddma import frozen_skip
+    from tests.test_ddma_sync import TIMEOUT_S, _dims, _expected, _receiver_main, _sender_main
+
+    dims = _dims("qwen2_kv2")
+    src, dst = TrainerTopology(2, 1, 1), GeneratorTopology(2, 1)
+    store = host_store()
+    full = SyncSpec(dims, src, dst, "127.0.0.1", store.port, transport=transport, timeout_s=TIMEOUT_S,
+                    bucket_bytes=4096)
+    part = dataclasses.replace(full, skip=frozen_skip(plan_sync(dims, src, dst), LORA_TARGETS))
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "megarl.ddma.sync", "tests.test_ddma_sync"])
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_sender_main, args=(part, r, [1], torch.float32, q)) for r in src.ranks()]
+    procs += [ctx.Process(target=_receiver_main, args=(full, r, [1], False, q)) for r in dst.ranks()]
+    for p in procs:
+        p.start()
+    got = {}
+    try:
+        for _ in procs:
+            kind, rank, a, b = q.get(timeout=TIMEOUT_S * 2)
+            assert kind in ("sent", "got"), f"{rank}: {kind}\n{a}"
+            if kind == "got":
+                import io
+
+                got[rank] = torch.load(io.BytesIO(b[0]))
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+    for rank, tensors in got.items():
+        want = _expected(dims, dst, 1, torch.float32, torch.bfloat16)[rank.tp]
+        skipped = skipped_params(part, rank)
+        assert skipped and set(tensors) == set(want) - skipped  # break: skip ignored -> every parameter lands
+        assert any("qkv_proj.bias" in n for n in tensors) and not any("norm" in n or "embed" in n for n in tensors)
+        for n, t in tensors.items():
+            assert torch.equal(t.view(torch.int16), want[n].view(torch.int16)), (rank, n)
