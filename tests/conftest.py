@@ -18,12 +18,32 @@ skip_if_no_cuda = pytest.mark.skipif(not CUDA_AVAILABLE, reason="needs a CUDA de
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests marked `gpu` skip (with a reason) on machines without CUDA, even under `-m gpu`."""
+    """Tests marked `gpu` skip (with a reason) on machines without CUDA, even under `-m gpu`. Every
+    test that starts a vLLM engine, Megatron (ranks or in-process) or a `megarl` command is marked
+    `processes` (tests/fast_tier.py), so `tools/run_tests.sh --fast` leaves it out."""
+    from tests.fast_tier import starts_processes
+
+    for item in items:
+        if starts_processes(item):
+            item.add_marker(pytest.mark.processes)
     if CUDA_AVAILABLE:
         return
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(pytest.mark.skip(reason="marked gpu: no CUDA device on this machine"))
+
+
+@pytest.fixture(autouse=True)
+def _fast_tier_guard(request):
+    """Under `tools/run_tests.sh --fast` (MEGARL_FAST_TESTS=1) a test that starts a process after all
+    fails, naming what it started: tests/fast_tier.py's STARTERS then lack its starter."""
+    if os.environ.get("MEGARL_FAST_TESTS") != "1":
+        yield
+        return
+    from tests.fast_tier import guarded
+
+    with guarded(request.node.nodeid):
+        yield
 
 
 @pytest.fixture(scope="session")
