@@ -33,7 +33,7 @@ from megarl.critic.learner import CriticUpdate
 from megarl.critic.targets import critic_targets
 from megarl.executors.base import ExecutorBase, ExecutorError, ProcessDied
 from megarl.trainer.config import TrainerConfig
-from megarl.trainer.executor import TrainerExecutor
+from megarl.trainer.executor import TrainerExecutor, said_as
 from megarl.utils.checkpoint_store import CheckpointError, list_checkpoints, step_dir_name, step_of
 
 log = logging.getLogger(__name__)
@@ -164,16 +164,7 @@ class CriticExecutor(ExecutorBase):
         try:
             return fn(*args)
         except ExecutorError as e:
-            raise _named(e) from e
-
-
-def _named(e: ExecutorError) -> CriticFailed:
-    """The trainer machinery's error, said as the critic's."""
-    text = str(e).replace("every trainer rank", "every critic rank").replace("trainer rank", "critic rank")
-    exc = CriticFailed(f"critic: {text[len('trainer: '):] if text.startswith('trainer: ') else text}")
-    exc.component = (e.component or "critic").replace("trainer rank", "critic rank")
-    exc.log_path, exc.remote_error = e.log_path, getattr(e, "remote_error", None)
-    return exc
+            raise said_as(e, "critic", CriticFailed) from e
 
 
 def critic_checkpoints(trainer_cfg: TrainerConfig, critic_cfg: CriticConfig, run_dir: str | os.PathLike) -> Path:

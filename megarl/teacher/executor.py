@@ -88,16 +88,9 @@ class TeacherExecutor(ExecutorBase):
         try:
             return fn(*args)
         except ExecutorError as e:
-            raise _named(e) from e
+            from megarl.trainer.executor import said_as
 
-
-def _named(e: ExecutorError) -> TeacherFailed:
-    """The trainer machinery's error, said as the teacher's."""
-    text = str(e).replace("trainer rank", "teacher rank").replace("every trainer rank", "every teacher rank")
-    exc = TeacherFailed(f"teacher: {text[len('trainer: '):] if text.startswith('trainer: ') else text}")
-    exc.component = (e.component or "teacher").replace("trainer rank", "teacher rank")
-    exc.log_path, exc.remote_error = e.log_path, getattr(e, "remote_error", None)
-    return exc
+            raise said_as(e, "teacher", TeacherFailed) from e
 
 
 def distill_metrics(train_metrics: dict) -> dict:

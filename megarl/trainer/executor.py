@@ -83,6 +83,16 @@ class TrainerTimeout(TrainerError, ExecutorTimeout):
         self.ranks = ranks
 
 
+def said_as(e: ExecutorError, role: str, cls: type) -> ExecutorError:
+    """``e`` (this executor's error) said as ``role``'s, raised as ``cls``: a role that runs on the
+    trainer's machinery (the distillation teacher, the critic) names itself, not "trainer rank"."""
+    text = str(e).replace("trainer rank", f"{role} rank")
+    exc = cls(f"{role}: {text[len('trainer: '):] if text.startswith('trainer: ') else text}")
+    exc.component = (e.component or role).replace("trainer rank", f"{role} rank")
+    exc.log_path, exc.remote_error = e.log_path, getattr(e, "remote_error", None)
+    return exc
+
+
 def rank_coords(rank: int, tp: int, pp: int, dp: int) -> dict:
     """tp/pp/dp coordinates of a global trainer rank (megatron's tp-cp-ep-dp-pp order)."""
     if not 0 <= rank < tp * pp * dp:
