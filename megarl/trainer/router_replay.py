@@ -26,9 +26,6 @@ of the policy model and reports the mismatch of each step's training passes.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-
 import torch
 
 UNKNOWN = -1  # an expert id the engine did not report (see module docstring)
@@ -81,25 +78,6 @@ class RouterReplayer:
                 return own_vals, own_idx
             return scores.gather(1, idx), idx
         return get_replay_topk
-
-    @contextlib.contextmanager
-    def replaying(self, expert_ids: torch.Tensor, replay: bool = True) -> Iterator[None]:
-        """Inside, each forward's router ``i`` takes ``expert_ids[:, i]`` (``[tokens, layers, k]`` in
-        megatron's order, :func:`model_order`) when ``replay``, else its own top-k; either way the
-        mismatch against them is counted. Set for one forward (and its backward, a recompute included)."""
-        if expert_ids.shape[1] != len(self.replays):
-            raise ValueError(f"router replay: expert ids for {expert_ids.shape[1]} MoE layers, the model has "
-                             f"{len(self.replays)}")
-        ids = expert_ids.long()
-        for i, rr in enumerate(self.replays):
-            rr.target_topk_idx = ids[:, i]
-        self._replay = replay
-        try:
-            yield
-        finally:
-            for rr in self.replays:
-                rr.target_topk_idx = None
-            self._replay = False
 
     def set_targets(self, expert_ids: torch.Tensor | None) -> None:
         """The engine's ids for the next forward(s), ``[tokens, layers, k]`` in megatron's order
