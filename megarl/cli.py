@@ -13,7 +13,6 @@ from megarl.config import ConfigError
 from megarl.utils.procs import JobInterrupted
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-BENCHES = ("generator", "trainer", "sync", "step", "slurm", "checkpoint", "reward", "prox", "packing", "lora")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -122,9 +121,18 @@ def _parser() -> argparse.ArgumentParser:
     rc.add_argument("--strict", action="store_true", help="the reward's strict answer format (reward.strict)")
     rc.set_defaults(func=_cmd_reward_check)
 
-    b = sub.add_parser("bench", help="benchmarks (ratios measured side by side; JSON + PNG)")
-    b.add_argument("which", choices=BENCHES)
-    b.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to tools/bench_<which>.py")
+    from megarl.bench import BENCHES, CHECKOUT_ONLY  # names and one line each; no bench module is imported
+
+    listing = [f"  {name:<11} {line}" for name, line in BENCHES.items()]
+    listing += [f"  {name:<11} a source checkout's {path} (not in an installed megarl)"
+                for name, path in CHECKOUT_ONLY.items()]
+    b = sub.add_parser("bench", help="benchmarks (ratios measured side by side; JSON + PNG)",
+                       formatter_class=argparse.RawDescriptionHelpFormatter,
+                       description="Run a benchmark: `megarl bench <which> [args]` runs `python -m megarl.bench.<which> "
+                                   "[args]`\n(its exit code is the command's). Benchmarks:\n" + "\n".join(listing),
+                       epilog="Run `megarl bench <which> --help` for a benchmark's options.")
+    b.add_argument("which", choices=[*BENCHES, *CHECKOUT_ONLY], metavar="<which>", help="the benchmark (listed above)")
+    b.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the benchmark")
     b.set_defaults(func=_cmd_bench)
 
     s = sub.add_parser("plan-sync", help="project the DDMA weight sync for a trainer/generator layout",
@@ -345,12 +353,24 @@ def _cmd_reward_check(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    script = REPO_ROOT / "tools" / f"bench_{args.which}.py"
-    if not script.is_file():
-        print(f"megarl: {script} not found; benchmarks run from a source checkout", file=sys.stderr)
-        return 2
-    env = dict(os.environ, PYTHONPATH=f"{REPO_ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    return subprocess.call([sys.executable, str(script), *args.args], env=env)
+    """Run ``python -m megarl.bench.<which>`` (a checkout-only bench: its script under the checkout) with
+    the folder holding this megarl on the child's path, so that it and the jobs it starts import this one."""
+    import site
+
+    from megarl.bench import CHECKOUT_ONLY
+
+    package_root = str(REPO_ROOT)  # the folder holding megarl/: a checkout, or site-packages when installed
+    env = dict(os.environ)
+    if package_root not in {*site.getsitepackages(), site.getusersitepackages()}:  # a site dir is on the path already
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p)
+    if args.which in CHECKOUT_ONLY:
+        script = REPO_ROOT / CHECKOUT_ONLY[args.which]
+        if not script.is_file():
+            print(f"megarl bench {args.which}: needs a source checkout ({CHECKOUT_ONLY[args.which]} drives the test "
+                  f"harness's Slurm cluster); this megarl ({package_root}) has none", file=sys.stderr)
+            return 2
+        return subprocess.call([sys.executable, str(script), *args.args], env=env)
+    return subprocess.call([sys.executable, "-m", f"megarl.bench.{args.which}", *args.args], env=env)
 
 
 def _parse_topology(flag: str, text: str, names: tuple[str, ...]) -> tuple[int, ...]:

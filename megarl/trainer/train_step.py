@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from megarl.batch import RolloutBatch
-from megarl.trainer.logprobs import aligned_logprobs, dp_rows, dp_share, micro_batch_rows, run_pipeline  # noqa: F401 (dp_share: tools/bench_trainer.py)
+from megarl.trainer.logprobs import aligned_logprobs, dp_rows, dp_share, micro_batch_rows, run_pipeline  # noqa: F401 (dp_share: megarl/bench/trainer.py)
 
 # How a step's updates reduce to the step's metrics: every loss metric is the mean over the step's
 # updates weighted by each update's loss tokens; "tokens" counts one pass over the batch; the

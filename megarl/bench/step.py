@@ -29,8 +29,11 @@ step time until a step's mean reward reaches it). Then (``compare``):
 
 Writes bench_step.json and a PNG.
 
-    .venv/bin/python tools/bench_step.py configs/bench_step.yaml [--trials 2] [--out runs/bench]
-    megarl bench step configs/bench_step.yaml
+    megarl bench step configs/bench_step.yaml [--trials 2] [--out runs/bench]
+
+The config is the first argument (default ``configs/bench_step.yaml``, a source checkout's, relative
+to the folder the bench runs in; an installed megarl has no ``configs/``: pass one). The jobs run in
+that same folder, so a relative ``--out`` is the same folder for the bench and its jobs.
 
 ``--quick`` checks the bench end to end in about a minute (pass ``--model`` a tiny HF folder).
 """
@@ -46,7 +49,7 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+DEFAULT_CONFIG = "configs/bench_step.yaml"
 QUICK = ["controller.steps=3", "controller.prompts_per_step=4", "generator.n_samples=2", "generator.max_new_tokens=8",
          "generator.dtype=float32", "data.eval_size=4", "trainer.micro_batch_size=4"]
 
@@ -75,8 +78,7 @@ def run_train_job(cmd: list[str], out: Path, name: str, what: str) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     with open(log_path, "w") as fh:
-        code = subprocess.call(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=REPO,
-                               env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        code = subprocess.call(cmd, stdout=fh, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
     if code != 0:
         tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-30:])
         raise SystemExit(f"{what} failed (exit {code}); last lines of {log_path}:\n{tail}")
@@ -144,9 +146,23 @@ def report_lines(result: dict) -> list[str]:
     ]
 
 
+def config_arg(p: argparse.ArgumentParser) -> None:
+    """The positional config of the benches that run ``megarl train`` jobs (step, checkpoint)."""
+    p.add_argument("config", nargs="?", default=DEFAULT_CONFIG,
+                   help=f"the jobs' YAML config (default {DEFAULT_CONFIG}, a source checkout's, relative to this folder)")
+
+
+def check_config(p: argparse.ArgumentParser, config: str) -> None:
+    """A config that is not a file ends the bench before any job starts, naming the argument."""
+    if not Path(config).is_file():
+        default = " (the default, a source checkout's configs/)" if config == DEFAULT_CONFIG else ""
+        p.error(f"config {config}{default} not found from {Path.cwd()}: pass the config YAML as the first "
+                f"argument")
+
+
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("config", nargs="?", default=str(REPO / "configs" / "bench_step.yaml"))
+    p = argparse.ArgumentParser(prog="megarl bench step", description=__doc__.split("\n")[0])
+    config_arg(p)
     p.add_argument("overrides", nargs="*", help="dotted overrides for both modes (section.key=value)")
     p.add_argument("--trials", type=int, default=2, help="sync+async rounds (default 2)")
     p.add_argument("--lag", type=int, default=1, help="max_policy_lag of the async mode (default 1)")
@@ -161,6 +177,7 @@ def main() -> int:
     p.add_argument("--out", default="runs/bench")
     p.add_argument("--quick", action="store_true", help="smoke run: 1 trial of 3 tiny steps per mode")
     a = p.parse_args()
+    check_config(p, a.config)
     extra = [f"model.path={a.model}"] if a.model else []
     if a.quick:
         extra += QUICK

@@ -66,7 +66,7 @@ import torch
 from megarl.ddma.layouts import GeneratorTopology, TrainerTopology, source_rank_layouts, vllm_param_layouts
 from megarl.ddma.sync import DdmaReceiver, DdmaSender, SyncSpec, gloo_group, host_store
 from megarl.models.layouts import ModelDims, hf_tensor_shapes, hf_to_local
-from sync_landing import landing_figures, print_landing  # noqa: F401 - the landing figure (tools/sync_landing.py)
+from megarl.bench.sync_landing import landing_figures, print_landing  # noqa: F401 - the landing figure
 
 DDMA_METHODS = {"ddma_zero_copy": "zero_copy", "ddma_gloo": "gloo", "ddma_nccl_gloo": "nccl"}
 METHODS = (*DDMA_METHODS, "gather_broadcast", "shm_push")
@@ -514,7 +514,7 @@ def _buffers(text: str) -> tuple[str, ...]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="megarl bench sync", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--trainer", type=lambda t: _topology(t, 3), default=(2, 1, 1), help="tp,pp,dp (default 2,1,1)")
     p.add_argument("--generator", type=lambda t: _topology(t, 2), default=(1, 1), help="tp,replicas (default 1,1)")
     p.add_argument("--trials", type=int, default=3, help="timed rounds (each variant once per round; best and median)")

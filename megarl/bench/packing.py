@@ -156,7 +156,7 @@ def _plot(result: dict, path: Path) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="megarl bench packing", description=__doc__.split("\n")[0])
     p.add_argument("--layers", type=int, default=2, help="transformer layers of the tiny model")
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--ffn", type=int, default=688)

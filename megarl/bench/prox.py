@@ -160,7 +160,7 @@ def _plot(result: dict, path: Path) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="megarl bench prox", description=__doc__.split("\n")[0])
     p.add_argument("--layers", type=int, default=2, help="transformer layers (SmolLM2-135M has 30)")
     p.add_argument("--hidden", type=int, default=576)
     p.add_argument("--ffn", type=int, default=1536)

@@ -4,7 +4,7 @@ Plans shaped like DDMA's: row-by-row copies of a weight shard, where some consec
 contiguous on both sides (they merge) and some are not. Both run side by side in one process;
 the script prints the ratio and writes a JSON (and a PNG when matplotlib is installed).
 
-    .venv/bin/python tools/bench_merge_runs.py [--out runs/bench] [--sizes 1000 10000 100000]
+    megarl bench merge_runs [--out runs/bench] [--sizes 1000 10000 100000]
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def best_time(fn, repeats: int) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="megarl bench merge_runs", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="runs/bench", help="output folder for the JSON and PNG")
     parser.add_argument("--sizes", type=int, nargs="+", default=[1_000, 10_000, 100_000], help="copies per plan")
     parser.add_argument("--repeats", type=int, default=5, help="timed repeats per size (best is kept)")

@@ -16,8 +16,10 @@ gain of not waiting for the write); ``save_ratio`` = sync's median save / async'
 
 Writes bench_checkpoint.json and bench_checkpoint.png under ``--out``.
 
-    .venv/bin/python tools/bench_checkpoint.py configs/bench_step.yaml trainer.params_dtype=float32 [--trials 1]
-    megarl bench checkpoint configs/bench_step.yaml controller.steps=4
+    megarl bench checkpoint configs/bench_step.yaml trainer.params_dtype=float32 controller.steps=4 [--trials 1]
+
+The config is the first argument, as for ``megarl bench step`` (default ``configs/bench_step.yaml``,
+relative to the folder the bench runs in).
 """
 
 from __future__ import annotations
@@ -30,9 +32,7 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_step import run_train_job  # noqa: E402 - one job runner for both benches (a sibling script)
+from megarl.bench.step import check_config, config_arg, run_train_job  # one job runner for both benches
 
 
 def run_once(a: argparse.Namespace, mode: str, trial: int) -> dict:
@@ -82,13 +82,14 @@ def plot(result: dict, path: Path) -> None:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("config", nargs="?", default=str(REPO / "configs" / "bench_step.yaml"))
+    p = argparse.ArgumentParser(prog="megarl bench checkpoint", description=__doc__.split("\n")[0])
+    config_arg(p)
     p.add_argument("overrides", nargs="*", help="dotted overrides for both modes (section.key=value)")
     p.add_argument("--trials", type=int, default=1, help="sync+async rounds (default 1)")
     p.add_argument("--interval", type=int, default=1, help="trainer.checkpoint_interval of both modes (steps, default 1)")
     p.add_argument("--out", default="runs/bench")
     a = p.parse_args()
+    check_config(p, a.config)
     t0 = time.monotonic()
     runs: dict[str, list[dict]] = {"sync": [], "async": []}
     for trial in range(a.trials):

@@ -14,7 +14,7 @@ dtype counted) in this process on all cores. Runs alternate (generator, transfor
 side's fastest repeat is the headline (target >= 3), the median-based ratio is printed beside it.
 Writes a JSON and, when matplotlib is installed, a PNG.
 
-    .venv/bin/python tools/bench_generator.py [--prompts 32] [--new-tokens 128] [--repeats 2] \\
+    megarl bench generator [--prompts 32] [--new-tokens 128] [--repeats 2] \\
         [--quantization none] [--hf-batch 32] [--compile] [--out runs/bench]
 
 ``--quick`` is a smoke run (2 prompts x 8 tokens, 1 repeat, transformers fp32 only, the built-in
@@ -134,7 +134,7 @@ class _RawVllm:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="megarl bench generator", description=__doc__.split("\n")[0])
     p.add_argument("--model", default="builtin:smollm2", help="HF folder or builtin:smollm2")
     gsm8k = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k" / "train.jsonl"  # ../shared beside the checkout
     p.add_argument("--data", default=str(gsm8k) if gsm8k.exists() else "builtin:arithmetic",

@@ -6,7 +6,7 @@ share of replies that never finish (an infinite loop: each costs the sandbox's w
 reply's latency is the sandbox run's own wall time (slot, fork, interpreter start, tests, kill,
 sweep). Writes bench_reward.json and bench_reward.png.
 
-    .venv/bin/python tools/bench_reward.py [--replies 96] [--workers 2] [--hang-frac 0.05] [--out runs/bench]
+    megarl bench reward [--replies 96] [--workers 2] [--hang-frac 0.05] [--out runs/bench]
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def replies(n: int, hang_frac: float, seed: int = 0) -> tuple[list[str], list[st
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="megarl bench reward", description=__doc__.split("\n")[0])
     p.add_argument("--replies", type=int, default=96)
     p.add_argument("--workers", type=int, default=2, help="scoring processes (reward.workers)")
     p.add_argument("--timeout-s", type=float, default=5.0, help="reward.timeout_s (the sandbox's wall: 0.8x - 0.5)")

@@ -1,5 +1,5 @@
 """``megarl bench sync``'s landing figure: index memory and landing time of one worker's sync, the per-element
-path of before issue 46 against the block tables of after, side by side in one process (tools/bench_sync.py
+path of before issue 46 against the block tables of after, side by side in one process (megarl/bench/sync.py
 prints it after its table; ``--landing-only`` writes it alone)."""
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ nothing on an idle one. What those tests used to bound is timed here, each case 
 - ``config_validation_cli``: ``megarl train`` on a config with a bad key, to its exit 2, a fresh
   process; budget 5 s (validation imports no engine, far below the ~40 s vLLM start on 2 cores).
 
-    .venv/bin/python tools/bench_fast_paths.py [--trials 3] [--out runs/bench]
+    megarl bench fast_paths [--trials 3] [--out runs/bench]
 
 Writes ``fast_paths.json`` under ``--out``; exit 0 whatever the timings (it reports, it does not gate).
 """
@@ -28,7 +28,10 @@ import time
 from pathlib import Path
 from typing import Callable
 
-REPO = Path(__file__).resolve().parents[1]
+# Llama 3.1 8B's shape (configs/models/llama-3.1-8b.json's dims), written to a temporary file for the CLI case
+LLAMA_8B = dict(architectures=["LlamaForCausalLM"], model_type="llama", num_hidden_layers=32, hidden_size=4096,
+                num_attention_heads=32, num_key_value_heads=8, intermediate_size=14336, vocab_size=128256,
+                rms_norm_eps=1e-5, tie_word_embeddings=False, torch_dtype="bfloat16")
 LLAMA_405B = dict(model_type="llama", num_hidden_layers=126, hidden_size=16384, num_attention_heads=128,
                   num_key_value_heads=8, head_dim=128, intermediate_size=53248, vocab_size=128256,
                   rms_norm_eps=1e-5, tie_word_embeddings=False)
@@ -53,8 +56,7 @@ def _plan_405b() -> None:
 
 def _cli(*args: str, want_rc: int) -> Callable[[], None]:
     def go() -> None:
-        done = subprocess.run([sys.executable, "-m", "megarl", *args], cwd=REPO, capture_output=True, text=True,
-                              timeout=600)
+        done = subprocess.run([sys.executable, "-m", "megarl", *args], capture_output=True, text=True, timeout=600)
         if done.returncode != want_rc:
             raise RuntimeError(f"megarl {' '.join(args)}: exit {done.returncode}, expected {want_rc}: "
                                f"{done.stderr[-500:]}")
@@ -82,15 +84,17 @@ def time_best(fn: Callable[[], None], trials: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="megarl bench fast_paths", description=__doc__.splitlines()[0])
     ap.add_argument("--trials", type=int, default=3)
     ap.add_argument("--out", default="runs/bench")
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
+        llama_8b = Path(tmp) / "llama-3.1-8b.json"
+        llama_8b.write_text(json.dumps(LLAMA_8B))
         cases: list[tuple[str, Callable[[], None], float]] = [
             ("layouts_405b", _layouts_405b, 2.0),
             ("plan_405b_matching_tp", _plan_405b, 30.0),
-            ("plan_sync_cli_8b", _cli("plan-sync", "--model", "configs/models/llama-3.1-8b.json", "--trainer",
+            ("plan_sync_cli_8b", _cli("plan-sync", "--model", str(llama_8b), "--trainer",
                                       "2x1x2", "--generator", "2x2", want_rc=0), 20.0),
             ("config_validation_cli", _config_validation(Path(tmp)), 5.0),
         ]

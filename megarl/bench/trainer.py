@@ -9,7 +9,7 @@ ratio of tokens/s at each kind's fastest repeat (target >= 0.9; on a shared mach
 repeat is the least disturbed one) is printed with the median-based ratio beside it, and written
 to a JSON (and a PNG when matplotlib is installed).
 
-    .venv/bin/python tools/bench_trainer.py [--world 1] [--tp 1] [--pp 1] [--threads 1] \\
+    megarl bench trainer [--world 1] [--tp 1] [--pp 1] [--threads 1] \\
         [--layers 4 --hidden 256 --heads 4 --kv-heads 2 --vocab 8192] [--batch 8 --seq 256] \\
         [--micro-batch 4] [--repeats 5] [--out runs/bench]
 
@@ -145,7 +145,7 @@ def _plot(result: dict, path: Path) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="megarl bench trainer", description=__doc__.split("\n")[0])
     p.add_argument("--world", type=int, default=1, help="trainer ranks (processes)")
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
