@@ -191,7 +191,9 @@ def _add_launch_commands(sub) -> None:
             lp.add_argument("--log-dir", default=None, help="one output file per task here (default: inherit)")
         lp.set_defaults(func=_cmd_launch, launcher=name)
     rk = sub.add_parser("rank", help="one task of a launched job (what each srun task runs)")
-    rk.add_argument("--role", required=True, choices=("controller", "trainer", "generator"))
+    from megarl.cluster.rank import ROLES  # torch-free
+
+    rk.add_argument("--role", required=True, choices=ROLES)
     rk.add_argument("config")
     rk.add_argument("overrides", nargs="*")
     rk.set_defaults(func=_cmd_rank)

@@ -74,11 +74,12 @@ def task_overrides(overrides: Sequence[str], *, resume: bool) -> list[str]:
     return out
 
 
-def _role_map(config: str, overrides: list[str], env: Mapping[str, str]):
+def _role_map(config: str, overrides: list[str], env: Mapping[str, str], *, dry_run: bool = False):
     from megarl.cluster.slurm import AllocationError, SlurmEnv, build_role_map
     from megarl.config import load_config
 
-    cfg = load_config(config, overrides)  # every config problem before an allocation second is spent
+    # every config problem before an allocation second is spent; a dry run plans without the weights or data here
+    cfg = load_config(config, overrides, dry_run=dry_run)
     try:
         return cfg, build_role_map(SlurmEnv.from_env(env), cfg)
     except AllocationError as e:
@@ -94,7 +95,7 @@ def launch_slurm(config: str, overrides: Sequence[str], *, dry_run: bool = False
 
     env = dict(os.environ if env is None else env)
     over = task_overrides(overrides, resume=True)
-    cfg, rmap = _role_map(config, over, env)
+    cfg, rmap = _role_map(config, over, env, dry_run=dry_run)
     lines = rmap.srun_lines(megarl_command(), config, over)
     print(rmap.format())
     print("srun lines:\n" + format_srun(lines), flush=True)
@@ -104,7 +105,7 @@ def launch_slurm(config: str, overrides: Sequence[str], *, dry_run: bool = False
     log.info("job %d: SLURM_RESTART_COUNT=%d%s", rmap.job_id, rmap.restart_count,
              " (requeued: the trainer resumes from its latest checkpoint)" if rmap.restart_count else "")
     job_env = {**env, **rmap.job_env(), "MEGARL_AUTHKEY": secrets.token_hex(16)}
-    tasks = [Task(f"{key} srun", lines[key], job_env) for key in ("controller", "trainer", "generator")]
+    tasks = [Task(f"{key} srun", cmd, job_env) for key, cmd in lines.items()]  # the controller's first
     return supervise(tasks, cfg.cluster.teardown_timeout_s, preempt_grace_s=cfg.cluster.preempt_grace_s,
                      on_preempted=lambda: requeue(rmap.job_id, env), controller_log=controller_log_path(cfg))
 
@@ -155,8 +156,9 @@ def free_port_base(count: int = 3, tries: int = 50) -> int:
 def launch_local(config: str, overrides: Sequence[str], *, trainer_nodes: int = 1, dry_run: bool = False,
                  log_dir: str | os.PathLike | None = None) -> int:
     """The Slurm job's tasks as local processes: the controller + one process per trainer rank,
-    spread over ``trainer_nodes`` simulated nodes, same role map, same ``megarl rank`` command."""
-    from megarl.cluster.slurm import format_srun
+    spread over ``trainer_nodes`` simulated nodes (a teacher's or critic's ranks over one node each,
+    unless cluster.teacher_nodes / critic_nodes say), same role map, same ``megarl rank`` command."""
+    from megarl.cluster.slurm import PORTS_PER_JOB, format_srun, rank_pools_needed
     from megarl.controller.startup import controller_log_path
     from megarl.config import load_config
 
@@ -164,15 +166,19 @@ def launch_local(config: str, overrides: Sequence[str], *, trainer_nodes: int = 
     t, g = cfg0.trainer, cfg0.generator
     n_train = t.tp * t.pp * t.dp
     gen_nodes = cfg0.cluster.generator_nodes or 1
+    # the teacher's and the critic's rank pools: (role, ranks, simulated nodes: one unless sized)
+    pools = [(role, n, nodes or 1) for role, n, nodes, _ in rank_pools_needed(cfg0)]
     given = {o.split("=", 1)[0] for o in overrides}
-    extra = [f"cluster.trainer_nodes={trainer_nodes}", f"cluster.generator_nodes={gen_nodes}"]
+    extra = [f"cluster.trainer_nodes={trainer_nodes}", f"cluster.generator_nodes={gen_nodes}",
+             *(f"cluster.{role}_nodes={nodes}" for role, _, nodes in pools)]
     if "cluster.ranks_per_node" not in given:
-        extra.append(f"cluster.ranks_per_node="
-                     f"{max(math.ceil(n_train / trainer_nodes), g.tp * math.ceil(g.replicas / gen_nodes))}")
+        per_node = max(math.ceil(n_train / trainer_nodes), g.tp * math.ceil(g.replicas / gen_nodes),
+                       *(math.ceil(n / nodes) for _, n, nodes in pools))
+        extra.append(f"cluster.ranks_per_node={per_node}")
     if "cluster.port_base" not in given:
-        extra.append(f"cluster.port_base={free_port_base(3)}")
+        extra.append(f"cluster.port_base={free_port_base(PORTS_PER_JOB)}")
     over = task_overrides([*overrides, *extra], resume=False)
-    env = local_env(os.getpid(), trainer_nodes + gen_nodes)
+    env = local_env(os.getpid(), trainer_nodes + sum(nodes for *_, nodes in pools) + gen_nodes)
     cfg, rmap = _role_map(config, over, env)
     lines = rmap.srun_lines(megarl_command(), config, over)
     print(rmap.format())
@@ -191,10 +197,10 @@ def launch_local(config: str, overrides: Sequence[str], *, trainer_nodes: int = 
         return Task(label, rmap.task_command(megarl_command(), role, config, over), task_env,
                     logs / f"{label.replace(' ', '_')}.log" if logs else None)
 
-    nodes = [*rmap.trainer_pool.nodes, *rmap.generator_pool.nodes]
+    nodes = [*rmap.trainer_pool.nodes, *(n for p in rmap.rank_pools for n in p.pool.nodes), *rmap.generator_pool.nodes]
     tasks = [task("controller", "controller", rmap.controller_node, 0, 0, nodes.index(rmap.controller_node))]
-    tasks += [task(f"trainer rank {r.rank}", "trainer", r.node, r.rank, r.local_rank, nodes.index(r.node))
-              for r in rmap.ranks if r.role == "trainer"]
+    tasks += [task(f"{r.role} rank {r.rank}", r.role, r.node, r.rank, r.local_rank, nodes.index(r.node))
+              for r in (*(r for r in rmap.ranks if r.role == "trainer"), *(r for p in rmap.rank_pools for r in p.ranks))]
     for replica in range(g.replicas):
         node, local = rmap.replica_node(replica)
         tasks.append(task(f"generator replica {replica}", "generator", node, replica, local, nodes.index(node)))

@@ -1,4 +1,4 @@
-"""`megarl rank --role controller|trainer|generator CONFIG [overrides]`: what every task of a launched job runs.
+"""`megarl rank --role controller|trainer|generator|teacher|critic CONFIG [overrides]`: what every task of a launched job runs.
 
 Each task recomputes the job's role map from the Slurm environment (``megarl.cluster.slurm``), so
 the batch step and every task agree without passing the map around, checks that srun put it
@@ -10,7 +10,10 @@ where the map says, exports the job's variables (MEGARL_WORLD_SIZE, ports, temp 
   that connects to the controller (``megarl.trainer.worker.attached_rank_main``);
 * ``generator`` (one task per vLLM replica, ``SLURM_PROCID`` = replica index): a replica that
   connects to the controller (``megarl.generator.engine.attached_replica_main``) and runs its
-  engine (its ``generator.tp`` workers are its own processes on this node).
+  engine (its ``generator.tp`` workers are its own processes on this node);
+* ``teacher`` / ``critic`` (one task per rank of that pool, ``SLURM_PROCID`` = its rank there): a
+  Megatron rank, as a trainer rank, that joins its own pool's process group and attaches to the
+  controller's teacher or critic executor at that role's channel port.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from megarl.config import ConfigError
 
 log = logging.getLogger("megarl.cluster")
 
-ROLES = ("controller", "trainer", "generator")
+ROLES = ("controller", "trainer", "generator", "teacher", "critic")
 
 
 def run_task(role: str, config: str, overrides: list[str], env: Mapping[str, str] | None = None) -> int:
@@ -59,6 +62,15 @@ def run_task(role: str, config: str, overrides: list[str], env: Mapping[str, str
             raise ConfigError([f"SLURM_PROCID={procid}: the generator pool has {cfg.generator.replicas} replica(s) "
                                "(generator.replicas); the srun line's --ntasks must match"], config)
         expect_node, expect_local = rmap.replica_node(procid)
+    elif role in ("teacher", "critic"):
+        pool = rmap.rank_pool(role)
+        if pool is None:
+            raise ConfigError([f"--role {role}: this job has no {role} (algorithm.teacher with distill_coef > 0, "
+                               "algorithm.advantage gae|vtrace); run the srun lines of `megarl launch slurm`"], config)
+        if procid >= pool.world:
+            raise ConfigError([f"SLURM_PROCID={procid}: the {role} pool has {pool.world} rank(s); the srun line's "
+                               "--ntasks must match"], config)
+        expect_node, expect_local = pool.ranks[procid].node, pool.ranks[procid].local_rank
     else:
         if procid >= rmap.trainer_world:
             raise ConfigError([f"SLURM_PROCID={procid}: the trainer pool has {rmap.trainer_world} rank(s) "
@@ -92,17 +104,23 @@ def run_task(role: str, config: str, overrides: list[str], env: Mapping[str, str
                            "(it exports the job's key to every srun task)"], config)
     if role == "generator":
         return _generator_task(cfg, rmap, procid, local, node, key, env, cleanup)
-    device = None if cfg.cluster.device == "cpu" else pick_device(env.get("CUDA_VISIBLE_DEVICES"), local,
-                                                                  rmap.trainer_pool.gpus_per_node)
-    log.info("trainer rank %d of %d on %s (local %d, device %s); controller %s:%d, rendezvous %s:%d",
-             procid, rmap.trainer_world, node, local, device, rmap.controller_addr, rmap.controller_port,
-             rmap.master_addr, rmap.master_port)
+    pool = rmap.rank_pool(role)
+    # (world, gpus a node, controller's port for this role, rendezvous address and port, connect timeout): a
+    # teacher's or critic's executor starts after the trainer's and the generator's, so its ranks wait that long
+    world, gpus, channel, master_addr, master_port, connect_s = (
+        (rmap.trainer_world, rmap.trainer_pool.gpus_per_node, rmap.controller_port, rmap.master_addr,
+         rmap.master_port, cfg.trainer.start_timeout_s) if pool is None else
+        (pool.world, pool.pool.gpus_per_node, pool.channel_port, pool.master_addr, pool.master_port,
+         cfg.trainer.start_timeout_s + cfg.generator.start_timeout_s))
+    device = None if cfg.cluster.device == "cpu" else pick_device(env.get("CUDA_VISIBLE_DEVICES"), local, gpus)
+    log.info("%s rank %d of %d on %s (local %d, device %s); controller %s:%d, rendezvous %s:%d", role,
+             procid, world, node, local, device, rmap.controller_addr, channel, master_addr, master_port)
     from megarl.trainer.worker import attached_rank_main
 
     try:
-        attached_rank_main(procid, rmap.trainer_world, controller=(rmap.controller_addr, rmap.controller_port),
-                           authkey=key.encode(), job_id=str(rmap.job_id), master_addr=rmap.master_addr,
-                           master_port=rmap.master_port, connect_timeout_s=cfg.trainer.start_timeout_s,
+        attached_rank_main(procid, world, controller=(rmap.controller_addr, channel),
+                           authkey=key.encode(), job_id=str(rmap.job_id), master_addr=master_addr,
+                           master_port=master_port, connect_timeout_s=connect_s,
                            cuda_devices=device, cleanup=cleanup)
     finally:  # reached only when it failed before serving (attached_rank_main exits the process)
         cleanup()

@@ -5,7 +5,10 @@ are the **trainer pool** (one srun task per trainer rank, ``--ntasks-per-node`` 
 block distribution, so global trainer rank ``r`` = ``SLURM_PROCID``), the rest the **generator
 pool** (one srun task per vLLM replica, ``generator.replicas`` spread evenly over its nodes, so
 replica ``i`` = ``SLURM_PROCID`` of that step; each replica's ``generator.tp`` workers are its
-own processes on its node). The controller runs as one more task on the first generator node;
+own processes on its node). A job with a distillation teacher or a critic has a **rank pool** for
+each between the two (``cluster.teacher_nodes``, ``cluster.critic_nodes``): Megatron ranks like the
+trainer's, one srun task each, in a process group of their own (their own rendezvous and channel
+ports), attaching to the controller's teacher or critic executor. The controller runs as one more task on the first generator node;
 trainer ranks and replicas attach to it over TCP. A heterogeneous job (``#SBATCH hetjob``) gives
 the pools as het group 0 (trainer) and 1 (generator) instead.
 
@@ -33,13 +36,16 @@ import shlex
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from megarl.algorithms.config import needs_critic, needs_teacher
 from megarl.config.job import JOB_DEVICE_ENV, job_device, resolved_sync
 from megarl.config.loader import ConfigError
 from megarl.ddma.transport.choice import job_nccl_env
+from megarl.executors.attach import channel_port_var, rendezvous_vars
 
 PORT_FLOOR = 15000   # job ports live in [15000, 31000): below Linux's ephemeral range (32768+)
-PORT_SLOTS = 4000    # jobs whose ids differ by a multiple of this share ports (only a problem on a shared node)
-PORTS_PER_JOB = 4    # base: trainer rendezvous (MASTER_PORT), base+1: trainer channel, base+2: generator channel
+PORT_SLOTS = 2000    # jobs whose ids differ by a multiple of this share ports (only a problem on a shared node)
+PORTS_PER_JOB = 7    # base: trainer rendezvous (MASTER_PORT), base+1: trainer channel, base+2: generator channel,
+ROLE_PORTS = {"teacher": 3, "critic": 5}  # base+k: that rank pool's rendezvous, base+k+1: its channel
 
 
 class AllocationError(ValueError):
@@ -207,6 +213,25 @@ def job_ports(job_id: int, port_base: int = 0) -> tuple[int, int, int]:
     return base, base + 1, base + 2
 
 
+def role_ports(job_id: int, role: str, port_base: int = 0) -> tuple[int, int]:
+    """(rendezvous port, channel port) of a rank pool ``role`` (teacher, critic): its slot of the job's ports."""
+    base = job_ports(job_id, port_base)[0] + ROLE_PORTS[role]
+    return base, base + 1
+
+
+def rank_pools_needed(cfg) -> list[tuple[str, int, int, tuple[int, int, int]]]:
+    """(role, ranks, cluster.<role>_nodes, (tp, pp, dp)) of each rank pool the job has besides the trainer's:
+    the distillation teacher (the trainer's layout: megarl/trainer/forward_only.py) and the critic (its own)."""
+    out = []
+    t = cfg.trainer
+    if needs_teacher(cfg.algorithm):
+        out.append(("teacher", t.tp * t.pp * t.dp, cfg.cluster.teacher_nodes, (t.tp, t.pp, t.dp)))
+    if needs_critic(cfg.algorithm):
+        tp, pp, dp = cfg.critic.layout(t)
+        out.append(("critic", tp * pp * dp, cfg.cluster.critic_nodes, (tp, pp, dp)))
+    return out
+
+
 # ----------------------------------------------------------------------------------- the map
 @dataclass(frozen=True)
 class RankRole:
@@ -230,6 +255,25 @@ class Pool:
 
 
 @dataclass(frozen=True)
+class RankPool:
+    """A pool of Megatron ranks beside the trainer's (the teacher's, the critic's): where its ranks run and
+    where they meet (their own rendezvous, and the controller's channel for that role)."""
+    pool: Pool
+    ranks: tuple[RankRole, ...]      # RankRole.rank: the rank within this pool (its SLURM_PROCID)
+    master_addr: str
+    master_port: int
+    channel_port: int
+
+    @property
+    def role(self) -> str:
+        return self.pool.name
+
+    @property
+    def world(self) -> int:
+        return len(self.ranks)
+
+
+@dataclass(frozen=True)
 class RoleMap:
     job_id: int
     restart_count: int
@@ -248,10 +292,14 @@ class RoleMap:
     controller_cpus: int = 0     # --cpus-per-task of the controller (0 = unknown node CPUs)
     transport: str = ""          # the DDMA transport the placement picked ("" = leave sync.transport alone)
     device: str = "cpu"          # where the executors' weights live: 'cpu' | 'cuda' (config/job.py job_device)
+    rank_pools: tuple[RankPool, ...] = ()  # the teacher's, the critic's (not in MEGARL_WORLD_SIZE: not DDMA's)
 
     @property
     def world_size(self) -> int:
         return len(self.ranks)
+
+    def rank_pool(self, role: str) -> RankPool | None:
+        return next((p for p in self.rank_pools if p.role == role), None)
 
     def trainer_rank(self, rank: int) -> RankRole:
         if not 0 <= rank < self.trainer_world:
@@ -265,6 +313,9 @@ class RoleMap:
                 "MEGARL_CONTROLLER_ADDR": self.controller_addr, "MEGARL_CONTROLLER_PORT": str(self.controller_port),
                 "MEGARL_GENERATOR_PORT": str(self.generator_port), "MEGARL_TMPDIR": self.tmp_dir,
                 JOB_DEVICE_ENV: self.device,  # the controller's resolved job takes it (megarl/config/job.py)
+                **{k: v for p in self.rank_pools for k, v in zip(
+                    (channel_port_var(p.role), *rendezvous_vars(p.role)),
+                    (str(p.channel_port), p.master_addr, str(p.master_port)))},
                 **job_nccl_env(os.environ)}  # one NCCL setting on every node (megarl/ddma/transport/choice.py)
 
     @property
@@ -277,19 +328,22 @@ class RoleMap:
         return g.nodes[replica // g.tasks_per_node], replica % g.tasks_per_node
 
     def task_command(self, megarl: Sequence[str], role: str, config: str, overrides: Sequence[str]) -> list[str]:
-        """What one task of ``role`` ("controller" | "trainer" | "generator") runs."""
+        """What one task of ``role`` ("controller" | "trainer" | "generator" | "teacher" | "critic") runs."""
         return [*megarl, "rank", "--role", role, config, *overrides]
 
     def srun_lines(self, megarl: Sequence[str], config: str, overrides: Sequence[str]) -> dict[str, list[str]]:
         """One srun per part: ``controller`` (one task on the first generator node, no GPU, sharing
         the node with the replicas), ``trainer`` (every trainer rank) and ``generator`` (every
-        vLLM replica, spread over the generator nodes)."""
+        vLLM replica, spread over the generator nodes), and one per rank pool (``teacher``, ``critic``: every
+        rank of it, on its nodes)."""
         t, g = self.trainer_pool, self.generator_pool
         n_replicas = len(g.nodes) * g.tasks_per_node
         lines = {}
         for key, pool, nodes, ntasks, per_node, cpus, gpus in (
                 ("controller", g, (self.controller_node,), 1, 1, self.controller_cpus, 0),
                 ("trainer", t, t.nodes, self.trainer_world, t.tasks_per_node, t.cpus_per_task, t.gpus_per_node),
+                *((p.role, p.pool, p.pool.nodes, p.world, p.pool.tasks_per_node, p.pool.cpus_per_task,
+                   p.pool.gpus_per_node) for p in self.rank_pools),
                 ("generator", g, g.nodes, n_replicas, g.tasks_per_node, g.cpus_per_task,
                  g.gpus_per_task * g.tasks_per_node if g.gpus_per_node else 0)):
             cmd = ["srun", f"--job-name=megarl-{key}", f"--nodes={len(nodes)}", f"--ntasks={ntasks}",
@@ -311,10 +365,16 @@ class RoleMap:
         t, g = self.trainer_pool, self.generator_pool
         gen = [r for r in self.ranks if r.role == "generator"]
         het = " (heterogeneous job: het groups 0 and 1)" if t.het_group is not None else ""
-        out = [f"job {self.job_id} (restart {self.restart_count}): {len(t.nodes) + len(g.nodes)} node(s){het}; "
-               f"MEGARL_WORLD_SIZE={self.world_size} (trainer {self.trainer_world} + generator {len(gen)})",
+        pools = "".join(f" + {p.role} pool {p.world} rank(s)" for p in self.rank_pools)
+        n_nodes = len(t.nodes) + len(g.nodes) + sum(len(p.pool.nodes) for p in self.rank_pools)
+        gpus = sum(x.gpus_per_node * len(x.nodes) for x in (t, g, *(p.pool for p in self.rank_pools)))
+        out = [f"job {self.job_id} (restart {self.restart_count}): {n_nodes} node(s){het}, {gpus or 'no'} GPU(s); "
+               f"MEGARL_WORLD_SIZE={self.world_size} (trainer {self.trainer_world} + generator {len(gen)}){pools}",
                f"trainer pool:   {compress_nodelist(t.nodes)}  ({t.tasks_per_node} rank(s) per node, "
                f"{t.gpus_per_node or 'no'} GPU(s) per node)",
+               *(f"{p.role + ' pool:':<15} {compress_nodelist(p.pool.nodes)}  ({p.pool.tasks_per_node} rank(s) per "
+                 f"node, {p.pool.gpus_per_node or 'no'} GPU(s) per node; its own process group, rendezvous "
+                 f"{p.master_addr}:{p.master_port}, channel {p.channel_port})" for p in self.rank_pools),
                f"generator pool: {compress_nodelist(g.nodes)}  ({g.tasks_per_node} replica(s) per node, "
                f"{len(gen)} vLLM worker(s); controller on {self.controller_node})",
                f"MASTER_ADDR={self.master_addr} MASTER_PORT={self.master_port}  controller "
@@ -325,7 +385,8 @@ class RoleMap:
                                                       if self.transport else ""),
                f"{'rank':>5}  {'role':<10} {'node':<12} {'local':>5} {'device':>6}  detail"]
         out += [f"{r.rank:>5}  {r.role:<10} {r.node:<12} {r.local_rank:>5} "
-                f"{'-' if r.device is None else r.device:>6}  {r.detail}" for r in self.ranks]
+                f"{'-' if r.device is None else r.device:>6}  {r.detail}"
+                for r in (*self.ranks, *(r for p in self.rank_pools for r in p.ranks))]
         out.append(f"{'-':>5}  {'controller':<10} {self.controller_node:<12} {'-':>5} {'-':>6}  "
                    f"megarl train (cluster.launcher=slurm): runs the loop; ranks and replicas attach to it")
         out += [f"note: {n}" for n in self.notes]
@@ -338,6 +399,13 @@ def build_role_map(env: SlurmEnv, cfg) -> RoleMap:
     c, t, g = cfg.cluster, cfg.trainer, cfg.generator
     n_train, n_gen = t.tp * t.pp * t.dp, g.tp * g.replicas
     problems: list[str] = []
+    extra = rank_pools_needed(cfg)  # the teacher's and the critic's rank pools, when the job has them
+    aux_nodes: dict[str, tuple[str, ...]] = {}
+    if env.het_groups and extra:
+        raise AllocationError([f"a heterogeneous job has no node pool for the {' and the '.join(r for r, *_ in extra)}: "
+                               "submit one homogeneous allocation (#SBATCH --nodes, no hetjob) and size the pools "
+                               "with cluster.trainer_nodes, cluster.teacher_nodes / cluster.critic_nodes and "
+                               "cluster.generator_nodes"])
     if env.het_groups:
         if len(env.het_groups) != 2:
             raise AllocationError([f"a heterogeneous job with {len(env.het_groups)} het group(s): megarl needs "
@@ -357,17 +425,24 @@ def build_role_map(env: SlurmEnv, cfg) -> RoleMap:
                                    "(SLURM_GPUS_ON_NODE / SLURM_GPUS_PER_NODE unset); request them "
                                    "(#SBATCH --gpus-per-node=8) or set cluster.ranks_per_node"])
         want_t = c.trainer_nodes or math.ceil(n_train / per)
-        want_g = c.generator_nodes or max(1, len(env.nodes) - want_t)
-        if c.generator_nodes < 0:
-            problems.append(f"cluster.generator_nodes={c.generator_nodes}: must be >= 0 (0 = the nodes after "
-                            "the trainer pool)")
-        if want_t + want_g != len(env.nodes):
+        want_x = {role: given or math.ceil(n / per) for role, n, given, _ in extra}
+        before_g = want_t + sum(want_x.values())
+        want_g = c.generator_nodes or max(1, len(env.nodes) - before_g)
+        for key in ("generator_nodes", *(f"{role}_nodes" for role in want_x)):
+            if getattr(c, key) < 0:
+                problems.append(f"cluster.{key}={getattr(c, key)}: must be >= 0 (0 = derived)")
+        if before_g + want_g != len(env.nodes):
+            sizes = [("trainer", want_t, c.trainer_nodes), *((r, want_x[r], given) for r, _, given, _ in extra),
+                     ("generator", want_g, c.generator_nodes)]
             problems.append(
                 f"the allocation has {len(env.nodes)} node(s) ({compress_nodelist(env.nodes)}) but the job needs "
-                f"cluster.trainer_nodes={want_t}{' (derived)' if not c.trainer_nodes else ''} + "
-                f"cluster.generator_nodes={want_g} = {want_t + want_g}; submit with "
-                f"--nodes={want_t + want_g} or change cluster.trainer_nodes / cluster.generator_nodes")
-        t_nodes, g_nodes = env.nodes[:want_t], env.nodes[want_t:want_t + want_g]
+                + " + ".join(f"cluster.{r}_nodes={n}{' (derived)' if not given else ''}" for r, n, given in sizes)
+                + f" = {before_g + want_g}; submit with --nodes={before_g + want_g} or change "
+                + " / ".join(f"cluster.{r}_nodes" for r, _, _ in sizes))
+        t_nodes, at = env.nodes[:want_t], want_t
+        for role, n in want_x.items():  # the rank pools sit between the trainer's and the generator's nodes
+            aux_nodes[role], at = env.nodes[at:at + n], at + n
+        g_nodes = env.nodes[at:at + want_g]
     per_t = c.ranks_per_node or t_gpus
     per_g = c.ranks_per_node or g_gpus
     if not t_nodes:
@@ -379,6 +454,17 @@ def build_role_map(env: SlurmEnv, cfg) -> RoleMap:
         problems.append(f"trainer tp*pp*dp={n_train} rank(s) need {n_train // len(t_nodes)} per node on "
                         f"{len(t_nodes)} node(s), but a node holds {per_t}; raise cluster.trainer_nodes to "
                         f"{math.ceil(n_train / per_t)} or lower trainer.dp")
+    for role, n, _, _ in extra:  # each rank pool spreads like the trainer's
+        nodes = aux_nodes.get(role, ())
+        what = f"the {role}'s {n} rank(s) ({'the trainer' if role == 'teacher' else role}'s tp*pp*dp)"
+        if not nodes:
+            problems.append(f"the {role} pool is empty: give it nodes (cluster.{role}_nodes, or more --nodes)")
+        elif n % len(nodes) or n < len(nodes):
+            problems.append(f"{what} do not spread evenly over {len(nodes)} {role} node(s); change "
+                            f"cluster.{role}_nodes")
+        elif per_t and n // len(nodes) > per_t:
+            problems.append(f"{what} need {n // len(nodes)} per node on {len(nodes)} node(s), but a node holds {per_t}; "
+                            f"raise cluster.{role}_nodes to {math.ceil(n / per_t)}")
     if not g_nodes:
         problems.append("the generator pool is empty: give it nodes (cluster.generator_nodes, or more --nodes)")
     elif g.replicas % len(g_nodes) or g.replicas < len(g_nodes):
@@ -434,13 +520,23 @@ def build_role_map(env: SlurmEnv, cfg) -> RoleMap:
     notes += placement_lines(cfg, g_gpus, controller)
     master_port, ctrl_port, gen_port = job_ports(env.job_id, c.port_base)
     het = bool(env.het_groups)
+    rank_pools = []
+    for role, n, _, (tp, pp, dp) in extra:
+        nodes, per = aux_nodes[role], n // len(aux_nodes[role])
+        cpus = env.node_cpus(nodes)
+        pool_ranks = tuple(RankRole(r, role, nodes[r // per], r % per, r % per if t_gpus else None,
+                                    f"{role} rank {r}: tp {r % tp} pp {r // (tp * dp)} dp {(r // tp) % dp}")
+                           for r in range(n))
+        rendezvous, channel = role_ports(env.job_id, role, c.port_base)
+        rank_pools.append(RankPool(Pool(role, tuple(nodes), per, t_gpus, None, cpus // per if cpus else 0, 1),
+                                   pool_ranks, env.addr(nodes[0]), rendezvous, channel))
     return RoleMap(env.job_id, env.restart_count,
                    Pool("trainer", tuple(t_nodes), per_node, t_gpus, 0 if het else None,
                         cpus_t // per_node if cpus_t else 0, 1),
                    Pool("generator", tuple(g_nodes), rpn, g_gpus, 1 if het else None, replica_cpus, g.tp),
                    tuple(ranks), n_train, env.addr(t_nodes[0]), master_port, controller, env.addr(controller),
                    ctrl_port, f"{env.tmp_root.rstrip('/')}/megarl-{env.job_id}.{env.restart_count}", tuple(notes),
-                   gen_port, ctrl_cpus, transport, device)
+                   gen_port, ctrl_cpus, transport, device, tuple(rank_pools))
 
 
 def placement_lines(cfg, gpus: int, node: str) -> list[str]:
@@ -490,5 +586,6 @@ def format_srun(lines: Mapping[str, Sequence[str]]) -> str:
     return "\n".join(f"{key}: {shlex.join(cmd)}" for key, cmd in lines.items())
 
 
-__all__ = ["AllocationError", "SlurmEnv", "RankRole", "Pool", "RoleMap", "build_role_map", "compress_nodelist",
-           "format_srun", "job_ports", "parse_nodelist", "pick_device", "placement_lines"]
+__all__ = ["AllocationError", "SlurmEnv", "RankPool", "RankRole", "Pool", "RoleMap", "build_role_map",
+           "compress_nodelist", "format_srun", "job_ports", "parse_nodelist", "pick_device", "placement_lines",
+           "rank_pools_needed", "role_ports"]

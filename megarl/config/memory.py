@@ -474,6 +474,20 @@ def plan_for(cfg) -> Optional[MemoryPlan]:
     return plan_memory(cfg, ModelDims.from_hf_config(shape))
 
 
+def _local_device_line(cfg, per_node: int) -> str:
+    """The dry run's device plan of a local job (the controller spawns every executor on its own node): the
+    GPUs each role gets on a node of ``per_node`` GPUs (config/placement.py ``device_plan``, the rule the job
+    itself applies to the GPUs it sees), or why it cannot be placed there. A Slurm job's is the launcher's."""
+    from megarl.config.placement import device_plan
+
+    where = (f"one node of {per_node} GPUs (cluster.ranks_per_node"
+             f"{'' if cfg.cluster.ranks_per_node else ' 0: 8 assumed'})")
+    try:
+        return f"device plan on {where}: {device_plan(cfg, per_node).note}"
+    except ValueError as e:
+        return f"device plan: not placeable on {where}: {e}"
+
+
 def dry_run_report(cfg) -> tuple[list[str], list[str]]:
     """(lines to print, problems) for ``megarl train CONFIG --dry-run``: ranks and nodes, what was
     not on this machine, the data choice, and on GPUs the memory plan."""
@@ -482,15 +496,22 @@ def dry_run_report(cfg) -> tuple[list[str], list[str]]:
     counts = rank_counts(cfg)
     t, g = cfg.trainer, cfg.generator
     per_node = cfg.cluster.ranks_per_node or 8
-    if cfg.cluster.launcher == "slurm":  # separate node pools (docs/slurm.md)
-        nodes = (f"{cfg.cluster.trainer_nodes or math.ceil(counts['trainer'] / per_node)} trainer + "
-                 f"{cfg.cluster.generator_nodes or math.ceil(counts['generator'] / per_node)} generator node(s)")
-    else:  # the controller spawns both executors on its own node
-        nodes = f"{math.ceil(counts['total'] / per_node)} node(s), trainer and generator side by side"
+    c = cfg.cluster
+    roles = [role for role in ("teacher", "critic", "judge") if counts[role]]  # the job's optional roles
+    if c.launcher == "slurm":  # separate node pools (docs/slurm.md); the judge runs on the controller's node
+        pools = [("trainer", counts["trainer"]), *((r, counts[r]) for r in roles if r != "judge"),
+                 ("generator", counts["generator"])]
+        nodes = " + ".join(f"{getattr(c, f'{r}_nodes') or math.ceil(n / per_node)} {r}" for r, n in pools) + " node(s)"
+    else:  # the controller spawns every executor on its own node
+        nodes = f"{math.ceil(counts['gpus'] / per_node)} node(s), {' and '.join(['trainer', 'generator', *roles])} side by side"
+    names = {"teacher": "distillation teacher", "critic": "critic", "judge": "reward judge"}
+    extra = "".join(f", {names[r]} {counts[r]}" for r in roles)
     lines = [f"ranks: trainer tp{t.tp} x pp{t.pp} x dp{t.dp} = {counts['trainer']}, generator tp{g.tp} x "
-             f"{g.replicas} replica(s) = {counts['generator']}; {counts['total']} GPUs: {nodes} (launcher "
-             f"{cfg.cluster.launcher}), {per_node} GPUs a node (cluster.ranks_per_node"
-             f"{'' if cfg.cluster.ranks_per_node else ' 0: 8 assumed'})"]
+             f"{g.replicas} replica(s) = {counts['generator']}{extra}; {counts['gpus']} GPUs: {nodes} (launcher "
+             f"{c.launcher}), {per_node} GPUs a node (cluster.ranks_per_node"
+             f"{'' if c.ranks_per_node else ' 0: 8 assumed'})"]
+    if cfg.cluster.launcher != "slurm" and cuda_expected(cfg.cluster.device):
+        lines.append(_local_device_line(cfg, per_node))
     lines += [f"not here: {line}" for line in absent_paths(cfg)]
     if cfg.data.choice:
         lines.append(f"data: {cfg.data.choice}")

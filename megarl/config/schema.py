@@ -157,9 +157,17 @@ class ClusterConfig:
         "Nodes of the Slurm allocation in the trainer pool (nodes; the first ones of SLURM_JOB_NODELIST). "
         "0 = just enough for trainer tp*pp*dp ranks at cluster.ranks_per_node each. Default 0."))
     generator_nodes: int = knob(0, help=(
-        "Nodes in the generator pool (nodes; the ones after the trainer pool). generator.replicas spread "
-        "evenly over them, one srun task per replica; the controller runs on the first. 0 = every node after "
-        "the trainer pool. Default 0."))
+        "Nodes in the generator pool (nodes; the ones after the trainer pool, and the teacher's and critic's "
+        "when the job has them). generator.replicas spread evenly over them, one srun task per replica; the "
+        "controller runs on the first. 0 = every node after those pools. Default 0."))
+    teacher_nodes: int = knob(0, help=(
+        "Nodes in the distillation teacher's pool under cluster.launcher=slurm (nodes; after the trainer pool): "
+        "one srun task per teacher rank (the trainer's tp*pp*dp), its own process group. 0 = just enough at "
+        "cluster.ranks_per_node each. Only with algorithm.teacher and distill_coef > 0. Default 0."))
+    critic_nodes: int = knob(0, help=(
+        "Nodes in the critic's pool under cluster.launcher=slurm (nodes; after the teacher's, else the trainer's "
+        "pool): one srun task per critic rank (critic.tp*pp*dp). 0 = just enough at cluster.ranks_per_node each. "
+        "Only with algorithm.advantage gae or vtrace. Default 0."))
     controller_cpus: int = knob(4, help=(
         "CPUs the controller task asks for on the first generator node (--cpus-per-task; CPUs): its loop, the "
         "reward pool's workers and the DDMA store. The node's other CPUs are split over its replicas. "
@@ -177,7 +185,8 @@ class ClusterConfig:
         "Rank slots per node (ranks, one GPU each): 0 = the node's GPU count from Slurm "
         "(SLURM_GPUS_ON_NODE / SLURM_GPUS_PER_NODE); set it on CPU-only clusters. Default 0."))
     port_base: int = knob(0, help=(
-        "First of the job's TCP ports (trainer rendezvous = port_base, controller channel = port_base+1). "
+        "First of the job's TCP ports (trainer rendezvous = port_base, controller channel = port_base+1, "
+        "generator channel +2, teacher rendezvous/channel +3/+4, critic +5/+6). "
         "0 = derived from SLURM_JOB_ID, so two jobs sharing a node use different ports. Default 0."))
     teardown_timeout_s: float = knob(60.0, help=(
         "Seconds the launcher waits, after any pool or task exits, for the others to exit on their own "

@@ -53,10 +53,17 @@ def model_shape(path: str, *, shipped_ok: bool = False) -> dict[str, Any] | None
 
 
 def rank_counts(cfg: MegaRLConfig) -> dict[str, int]:
-    """Ranks each executor occupies (the reward pool is processes on the controller's node, not ranks)."""
+    """Ranks (one GPU each on GPUs) each executor occupies: ``total`` is the job's DDMA world (trainer +
+    generator workers, MEGARL_WORLD_SIZE); the optional roles' (distillation teacher, critic, reward judge;
+    0 when the job has none) are beside it, and ``gpus`` counts every role's. The rule-reward pool is
+    processes on the controller's node, not ranks."""
+    from megarl.config.placement import critic_needed, judge_needed, teacher_needed
+
     trainer = cfg.trainer.tp * cfg.trainer.pp * cfg.trainer.dp
     generator = cfg.generator.tp * cfg.generator.replicas
-    return {"trainer": trainer, "generator": generator, "total": trainer + generator}
+    roles = {"teacher": teacher_needed(cfg), "critic": critic_needed(cfg), "judge": judge_needed(cfg)}
+    return {"trainer": trainer, "generator": generator, "total": trainer + generator, **roles,
+            "gpus": trainer + generator + sum(roles.values())}
 
 
 def check(cfg: MegaRLConfig, *, dry_run: bool = False, scan_data: bool = True) -> list[str]:
@@ -170,9 +177,6 @@ def check(cfg: MegaRLConfig, *, dry_run: bool = False, scan_data: bool = True) -
             problems.append(f"model.path={cfg.model.path!r}: has no config.json; is it an HF model folder?")
     problems += teacher_problems(cfg.algorithm, None if cfg.model.path == BUILTIN_SMOLLM2 else
                                  local_model_dir(cfg.model.path), dry_run=dry_run)  # algorithm.teacher's tokenizer
-    if cfg.algorithm.teacher and cfg.algorithm.distill_coef > 0 and cfg.cluster.launcher != "local":
-        problems.append(f"algorithm.teacher: cluster.launcher={cfg.cluster.launcher!r} has no teacher pool yet; run "
-                        f"a distillation job with cluster.launcher=local")
     # Data: every file named is read through (a stream) so a bad row stops the job here, naming file:line.
     problems += eval_set_problems(cfg.data)
     sets = {f"data.eval_paths {name}": path for name, path in eval_sets(cfg.data)}
@@ -214,23 +218,24 @@ def check(cfg: MegaRLConfig, *, dry_run: bool = False, scan_data: bool = True) -
 def critic_problems(cfg: MegaRLConfig, *, dry_run: bool = False) -> list[str]:
     """The critic's section when algorithm.advantage is gae or vtrace (megarl/critic/): its knobs, its
     layout against the value model's shape (critic.path's, else the policy's), a step's batch and each
-    minibatch over critic.dp, critic.path there (``dry_run``: a path not here is no problem), local launch."""
+    minibatch over critic.dp, critic.path there (``dry_run``: a path not here is no problem)."""
     if not needs_critic(cfg.algorithm):
         return []
     c, t = cfg.critic, cfg.trainer
     out = list(c.problems())
-    if cfg.cluster.launcher != "local":
-        out.append(f"algorithm.advantage={cfg.algorithm.advantage}: cluster.launcher={cfg.cluster.launcher!r} has no "
-                   f"critic pool yet; run the critic's job with cluster.launcher=local")
     source = cfg.model.path
     if c.path:
         folder = local_model_dir(c.path) or Path(c.path)
-        if not ((folder / "config.json").is_file() or (folder / "meta.json").is_file()
-                or (folder / "latest").is_file()):
+        # what megarl/trainer/convert.py weights_source loads (read here without torch): an HF folder, an
+        # hf_to_mcore checkpoint (megarl_model.json), a training step folder (meta.json), a checkpoint dir
+        # ('latest') or a run folder (checkpoints/latest)
+        marks = ("config.json", "megarl_model.json", "meta.json", "latest", "checkpoints/latest")
+        if not any((folder / m).is_file() for m in marks):
             if not (dry_run and not folder.exists()):
                 out.append(f"critic.path={c.path!r}: neither an HF model folder (config.json) nor a megarl checkpoint "
-                           f"(meta.json, or a checkpoint folder with 'latest'); point it at the value model's starting "
-                           f"weights, or set critic.path='' to start from model.path")
+                           f"(`megarl convert hf-to-mcore`'s, a training step folder, a checkpoint folder with "
+                           f"'latest', or a run folder); point it at the value model's starting weights, or set "
+                           f"critic.path='' to start from model.path")
         elif (folder / "config.json").is_file():
             source = str(folder)
             policy = None if cfg.model.path == BUILTIN_SMOLLM2 else local_model_dir(cfg.model.path)

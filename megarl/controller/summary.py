@@ -63,7 +63,8 @@ class ExecutorActivity:
                 "exec/generator_idle_s": max(0.0, wall - gen_busy - gen_load)}
 
 
-SUMMARY_KEYS = ("time/step", "time/generate", "time/reward", "time/train", "time/sync", "time/idle",
+ROLE_PHASES = ("time/teacher", "time/critic")  # the optional roles' phases (loop.py), controller-side work
+SUMMARY_KEYS = ("time/step", "time/generate", "time/reward", "time/train", "time/sync", "time/idle", *ROLE_PHASES,
                 "exec/trainer_busy_s", "exec/trainer_idle_s", "exec/generator_busy_s", "exec/generator_load_s",
                 "exec/generator_idle_s")  # every key summarize reads
 
@@ -102,7 +103,7 @@ def summarize(rows: list[dict[str, float]], max_policy_lag: int, lag_choice: str
     for key in SUMMARY_KEYS[1:]:
         out[key.replace("/", "_")] = med(key)
     gen = [r.get("exec/generator_busy_s", r.get("time/generate", 0.0)) for r in rows]
-    ctrl = [r.get("time/reward", 0.0) + r.get("time/train", 0.0) + r.get("time/sync", 0.0) for r in rows]
+    ctrl = [sum(r.get(k, 0.0) for k in ("time/reward", "time/train", "time/sync", *ROLE_PHASES)) for r in rows]
     step = [r["time/step"] for r in rows]
     out["t_gen_s"], out["t_ctrl_s"] = statistics.median(gen), statistics.median(ctrl)
     out["serial_step_s"] = statistics.median(g + c for g, c in zip(gen, ctrl))
@@ -130,11 +131,14 @@ def summary_lines(s: dict[str, Any]) -> list[str]:
     pct = lambda key: 100.0 * s[key] / max(s["step_s"], 1e-9)  # noqa: E731
     lag = int(s["max_policy_lag"])
     mode = s.get("lag_choice") or f"{s['mode']}, max_policy_lag {lag}"
+    # a job's own roles' phases (a teacher's scoring, a critic's values and update) stand before idle
+    roles = "".join(f" + {k[5:]} {s[k.replace('/', '_')]:.2f}" for k in ROLE_PHASES if s.get(k.replace("/", "_")))
+    work = "reward + train + sync" + "".join(f" + {k[5:]}" for k in ROLE_PHASES if s.get(k.replace("/", "_")))
     lines = [
         f"summary: mode {mode}",
         f"summary: {s['steps']:.0f} steps; median step {s['step_s']:.2f}s = generate-wait "
         f"{s['time_generate']:.2f} + reward {s['time_reward']:.2f} + train {s['time_train']:.2f} + sync "
-        f"{s['time_sync']:.2f} + idle {s['time_idle']:.2f}",
+        f"{s['time_sync']:.2f}{roles} + idle {s['time_idle']:.2f}",
         f"summary: trainer busy {pct('exec_trainer_busy_s'):.0f}% (idle {s['exec_trainer_idle_s']:.2f}s waiting "
         f"for rollouts); generator busy {pct('exec_generator_busy_s'):.0f}%, loading weights "
         f"{s['exec_generator_load_s']:.2f}s, idle {s['exec_generator_idle_s']:.2f}s",
@@ -142,17 +146,17 @@ def summary_lines(s: dict[str, Any]) -> list[str]:
     if lag == 0:
         lines.append(
             f"summary: sync/async step-time ratio at most {s['sync_over_async_at_most']:.2f}x, from this run's "
-            f"phases measured uncontended (generator {s['t_gen_s']:.2f}s, reward + train + sync {s['t_ctrl_s']:.2f}s) "
+            f"phases measured uncontended (generator {s['t_gen_s']:.2f}s, {work} {s['t_ctrl_s']:.2f}s) "
             f"fully overlapped; an async run reaches it only if each executor keeps this speed beside the other "
             f"(not on shared cores): `megarl bench step` measures both modes side by side")
     else:
         lines.append(
             f"summary: overlap achieved {s['overlap_achieved']:.2f}x of a bound {s['overlap_bound']:.2f}x "
-            f"(generator {s['t_gen_s']:.2f}s + reward + train + sync {s['t_ctrl_s']:.2f}s of work in a "
+            f"(generator {s['t_gen_s']:.2f}s + {work} {s['t_ctrl_s']:.2f}s of work in a "
             f"{s['step_s']:.2f}s step; {100 * s['hidden_frac']:.0f}% of the shorter side hidden). No sync/async "
             f"ratio: these busy times were measured beside each other, not as a synchronous run uses the machine; "
             f"the speedup needs `megarl bench step`")
     return lines
 
 
-__all__ = ["ExecutorActivity", "StepTimings", "SUMMARY_KEYS", "hidden_fraction", "summarize", "summary_lines"]
+__all__ = ["ExecutorActivity", "ROLE_PHASES", "StepTimings", "SUMMARY_KEYS", "hidden_fraction", "summarize", "summary_lines"]

@@ -86,9 +86,6 @@ class CriticExecutor(ExecutorBase):
                  launcher: str = "local"):
         if not needs_critic(algo):
             raise ValueError(f"CriticExecutor needs algorithm.advantage gae or vtrace, got {algo.advantage!r}")
-        if launcher != "local":
-            raise ValueError(f"algorithm.advantage={algo.advantage}: cluster.launcher={launcher!r} has no critic pool "
-                             f"yet; the critic runs with cluster.launcher=local")
         problems = critic_cfg.problems()
         if problems:
             raise ValueError("; ".join(problems))
@@ -101,7 +98,8 @@ class CriticExecutor(ExecutorBase):
         self.source = critic_cfg.path or str(policy_dir)
         # kl_coef/needs_ref are the policy's business: the critic's ranks build no reference model
         self._ranks = _CriticRanks(self.cfg, dataclasses.replace(algo, kl_coef=0.0), policy_dir, total_steps=total_steps,
-                                   run_dir=Path(run_dir) / "critic", cpus=cpus, devices=devices, launcher=launcher)
+                                   run_dir=Path(run_dir) / "critic", cpus=cpus, devices=devices, launcher=launcher,
+                                   role="critic")  # slurm: its pool's ranks attach
 
     def start(self) -> "CriticExecutor":
         log.info("starting the critic (value model, Megatron tp=%d pp=%d dp=%d, lr %g, value clip %g) from %s%s",

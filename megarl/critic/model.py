@@ -39,23 +39,23 @@ class ValueHead(torch.nn.Module):
 def build_value_model(path, *, params_dtype: torch.dtype = torch.float32, head_init_std: float = 0.0,
                       seed: int = 0):
     """The value model for this rank (call after ``init_model_parallel``): the GPTModel of the
-    checkpoint at ``path`` with a :class:`ValueHead` (weights N(0, head_init_std); 0: every value
+    weights at ``path`` (an HF folder, an ``hf_to_mcore`` checkpoint, or a training checkpoint: a step
+    folder, a checkpoint dir's ``latest``, a run folder; megarl/trainer/convert.py weights_source), its LM
+    head dropped, with a :class:`ValueHead` (weights N(0, head_init_std); 0: every value
     starts at 0). Carries ``megarl_value_model = True``."""
     from megatron.core import parallel_state as ps
 
     from megarl.models.layouts import ModelDims
-    from megarl.trainer.convert import load_pretrained, read_meta
+    from megarl.trainer.convert import weights_source
     from megarl.trainer.local import set_tp_attributes
-    from megarl.trainer.model import build_gpt_model, read_hf_config
+    from megarl.trainer.model import build_gpt_model
 
-    try:
-        hf = read_hf_config(path)
-    except (FileNotFoundError, OSError):
-        hf = read_meta(path)["hf_config"]
-    dims = ModelDims.from_hf_config(hf)
-    model = build_gpt_model(dims, params_dtype=params_dtype, init_weights=False)
+    source = weights_source(path)  # an HF folder, an hf_to_mcore checkpoint or a training checkpoint
+    dims = ModelDims.from_hf_config(source.hf_config)
+    model = build_gpt_model(dims, params_dtype=params_dtype, init_weights=False,
+                            vocab_divisible_by=source.vocab_divisible_by)
     set_tp_attributes(model)
-    load_pretrained(model, path)
+    source.load_into(model)  # the body; its LM head is replaced below
     if ps.is_pipeline_last_stage():
         model.output_layer = ValueHead(dims.hidden_size, params_dtype, head_init_std, seed)
     model.megarl_value_model = True

@@ -32,6 +32,20 @@ class AttachError(RuntimeError):
     """Ranks did not attach (missing, duplicate, or a bad environment); the message says which."""
 
 
+def channel_port_var(role: str) -> str:
+    """The job variable holding the port ``role``'s ranks attach to: the trainer's is the controller
+    port, the generator's its own; a rank pool of another role (teacher, critic) ``MEGARL_<ROLE>_PORT``."""
+    return {"trainer": "MEGARL_CONTROLLER_PORT", "generator": "MEGARL_GENERATOR_PORT"}.get(
+        role, f"MEGARL_{role.upper()}_PORT")
+
+
+def rendezvous_vars(role: str) -> tuple[str, str]:
+    """(address, port) variables of ``role``'s torch.distributed rendezvous: the trainer's is the job's
+    MASTER; a rank pool of another role has its own (its ranks form a process group of their own)."""
+    return ("MEGARL_MASTER_ADDR", "MEGARL_MASTER_PORT") if role == "trainer" else \
+        (f"MEGARL_{role.upper()}_MASTER_ADDR", f"MEGARL_{role.upper()}_MASTER_PORT")
+
+
 @dataclass(frozen=True)
 class AttachSpec:
     port: int
@@ -41,8 +55,8 @@ class AttachSpec:
 
     @classmethod
     def from_env(cls, env=os.environ, port_var: str = "MEGARL_CONTROLLER_PORT") -> "AttachSpec":
-        """The trainer's listener (``MEGARL_CONTROLLER_PORT``) or, with ``port_var=
-        "MEGARL_GENERATOR_PORT"``, the generator's (replicas attach there)."""
+        """The trainer's listener (``MEGARL_CONTROLLER_PORT``) or another role's (``port_var``:
+        :func:`channel_port_var`; the generator's replicas attach at ``MEGARL_GENERATOR_PORT``)."""
         port, key = env.get(port_var, ""), env.get("MEGARL_AUTHKEY", "")
         if not port.isdigit() or not key:
             raise AttachError(f"cluster.launcher=slurm: {port_var} / MEGARL_AUTHKEY are not set; start the "
@@ -207,4 +221,5 @@ def _where(hello: dict) -> str:
     return f"pid {hello.get('pid')} on {hello.get('node') or hello.get('host')}"
 
 
-__all__ = ["AttachError", "AttachSpec", "RemoteProcess", "accept_ranks", "connect", "join_controller", "shutdown"]
+__all__ = ["AttachError", "AttachSpec", "RemoteProcess", "accept_ranks", "channel_port_var", "connect", "join_controller",
+           "rendezvous_vars", "shutdown"]

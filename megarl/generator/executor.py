@@ -135,11 +135,11 @@ class GeneratorExecutor(ReplicaSupervision, ExecutorBase):
     def _attach(self) -> "GeneratorExecutor":
         """Attach mode: accept the replicas srun started on the generator nodes, send each its start
         arguments (what a spawned replica gets as its arguments), wait until every one is ready."""
-        from megarl.executors.attach import AttachError, AttachSpec, accept_ranks
+        from megarl.executors.attach import AttachError, AttachSpec, accept_ranks, channel_port_var
 
         cfg = self.cfg
         try:
-            conns = accept_ranks(AttachSpec.from_env(port_var="MEGARL_GENERATOR_PORT"), cfg.replicas,
+            conns = accept_ranks(AttachSpec.from_env(port_var=channel_port_var("generator")), cfg.replicas,
                                  cfg.start_timeout_s, role="generator", unit="replica",
                                  timeout_knob="generator.start_timeout_s")
         except AttachError as e:

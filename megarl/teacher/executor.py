@@ -47,9 +47,6 @@ class TeacherExecutor(ExecutorBase):
 
         if not needs_teacher(algo):
             raise ValueError("TeacherExecutor needs algorithm.teacher and algorithm.distill_coef > 0")
-        if launcher != "local":
-            raise ValueError(f"algorithm.teacher: cluster.launcher={launcher!r} has no teacher pool yet; the teacher "
-                             f"runs with cluster.launcher=local")
         self.teacher_dir = teacher_dir(algo.teacher)  # a folder, or an HF id in the local HF cache
         why = tokenizer_mismatch(Path(policy_dir), self.teacher_dir)  # also checked by `megarl check` (validate)
         if why:
@@ -58,7 +55,7 @@ class TeacherExecutor(ExecutorBase):
         # kl_coef/needs_ref are the policy's business: the teacher's ranks build no reference model
         self._ranks = TrainerExecutor(self.cfg, dataclasses.replace(algo, kl_coef=0.0), self.teacher_dir,
                                       total_steps=0, run_dir=Path(run_dir) / "teacher", cpus=cpus, devices=devices,
-                                      launcher=launcher)
+                                      launcher=launcher, role="teacher")  # slurm: its pool's ranks attach
 
     def start(self) -> "TeacherExecutor":
         log.info("starting the teacher (forward-only Megatron, tp=%d pp=%d dp=%d) from %s", self.cfg.tp, self.cfg.pp,
@@ -107,7 +104,7 @@ def start_teacher(cfg, job, stack, run) -> TeacherExecutor | None:
         return None
     from megarl.utils.procs import parse_cpu_list
 
-    devices = getattr(job.devices, "teacher", None)
+    devices = getattr(job.devices, "teacher", None)  # None under slurm: its pool's ranks take their node's GPUs
     return stack.enter_context(TeacherExecutor(cfg.trainer, cfg.algorithm, job.model_dir, run_dir=run.path,
                                                cpus=parse_cpu_list(cfg.cluster.trainer_cpus) or None,
                                                devices=devices, launcher=cfg.cluster.launcher))

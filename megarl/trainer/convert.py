@@ -299,6 +299,46 @@ def check_model_checkpoint(mcore_dir: str | Path) -> dict:
     return meta
 
 
+@dataclasses.dataclass(frozen=True)
+class WeightsSource:
+    """Starting weights a model can be built from (:func:`weights_source`): an HF folder, an ``hf_to_mcore``
+    checkpoint or a training checkpoint, with the HF config of the model it holds and how to build it."""
+    kind: str                 # "hf" | "model" | "train"
+    path: Path                # the folder to load (a training checkpoint's step folder)
+    hf_config: dict
+    vocab_divisible_by: int = DEFAULT_VOCAB_DIVISIBLE_BY
+
+    def load_into(self, model) -> None:
+        """Fill ``model`` (built from :attr:`hf_config` at any TP/PP) with these weights; collective on a
+        Megatron checkpoint. A training checkpoint gives its model part only (no optimizer, no RNG)."""
+        if self.kind == "train":
+            load_checkpoint(self.path, model=[model], optimizer=None, load_rng=False)
+        else:
+            load_pretrained(model, self.path)
+
+
+def weights_source(path: str | Path, hf_dir: str | Path | None = None) -> WeightsSource:
+    """What ``path`` holds as starting weights: an HF folder (config.json), an ``hf_to_mcore`` checkpoint, or
+    a training checkpoint (a step folder, a checkpoint dir's ``latest``, a run folder); ``hf_dir``: the HF
+    folder a training checkpoint that does not record its config trained from. Raises CheckpointError
+    saying what to pass."""
+    p = Path(path)
+    if (p / "config.json").is_file():
+        return WeightsSource("hf", p, read_hf_config(p))
+    kind, src = find_mcore_source(p)
+    if kind == "model":
+        meta = read_meta(src)
+        return WeightsSource("model", src, meta["hf_config"],
+                             meta.get("vocab_divisible_by", DEFAULT_VOCAB_DIVISIBLE_BY))
+    meta = check_checkpoint(src)
+    if meta.get("lora") is not None:  # its model part is adapters over a base it names: export it merged first
+        raise CheckpointError(f"{src} is a LoRA training checkpoint: write it merged with `megarl convert mcore-to-hf "
+                              f"{src} --out <folder>` and start from that folder")
+    hf_config, _ = _train_export_sources(src, meta, hf_dir)
+    export = meta.get("export") or {}
+    return WeightsSource("train", src, hf_config, export.get("vocab_divisible_by") or DEFAULT_VOCAB_DIVISIBLE_BY)
+
+
 def find_mcore_source(path: str | Path) -> tuple[str, Path]:
     """What ``--mcore`` names: ("model", dir) for an ``hf_to_mcore`` checkpoint, ("train", step
     folder) for a training checkpoint (a step folder, a checkpoint dir's ``latest``, or a run folder's

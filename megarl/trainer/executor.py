@@ -45,7 +45,7 @@ from typing import Any
 import torch
 
 from megarl.algorithms.config import AlgorithmConfig
-from megarl.executors.attach import AttachError, AttachSpec, accept_ranks
+from megarl.executors.attach import AttachError, AttachSpec, accept_ranks, channel_port_var, rendezvous_vars
 from megarl.executors.base import ExecutorBase, ExecutorError, ExecutorTimeout, ProcessDied
 from megarl.executors.group import Member, ProcessGroup, member_cause, member_node, member_where
 from megarl.batch import RolloutBatch
@@ -148,7 +148,7 @@ class TrainerExecutor(ExecutorBase):
 
     def __init__(self, cfg: TrainerConfig, algo: AlgorithmConfig, model_dir: str | os.PathLike, *,
                  total_steps: int, run_dir: str | os.PathLike, cpus: list[int] | None = None,
-                 devices: Sequence[int] | None = None, launcher: str = "local"):
+                 devices: Sequence[int] | None = None, launcher: str = "local", role: str = "trainer"):
         problems = cfg.problems()
         if problems:
             raise ValueError("invalid trainer config:\n  " + "\n  ".join(problems))
@@ -167,6 +167,7 @@ class TrainerExecutor(ExecutorBase):
         if launcher not in ("local", "slurm"):
             raise ValueError(f"launcher={launcher!r}: one of 'local' (spawn the ranks here) or 'slurm' (they attach)")
         self.launcher = launcher
+        self.role = role  # whose ranks these are: a teacher's or a critic's attach at their own port (Slurm)
         self.log_dir = self.run_dir / "logs"
         # the rank processes, their pipes and reader threads, waits, heartbeats, kill-all
         self._group = ProcessGroup("trainer", beats=("beat",))
@@ -231,8 +232,8 @@ class TrainerExecutor(ExecutorBase):
         """Attach mode: accept the ranks started elsewhere, send each its start arguments (the
         same as a spawned rank's), wait until every one is ready."""
         try:
-            spec = AttachSpec.from_env()
-            conns = accept_ranks(spec, self.world, self.cfg.start_timeout_s)
+            spec = AttachSpec.from_env(port_var=channel_port_var(self.role))
+            conns = accept_ranks(spec, self.world, self.cfg.start_timeout_s, role=self.role)
         except AttachError as e:
             raise TrainerError(str(e)) from None
         for r, (conn, hello) in enumerate(conns):
@@ -244,8 +245,8 @@ class TrainerExecutor(ExecutorBase):
                           "log_path": str(log_path)})))
         if not self._await_ready():
             host = self._ranks[0].process.host
-            port = os.environ.get("MEGARL_MASTER_PORT", "?")
-            self._raise(TrainerError(f"trainer: rank 0 on {host} could not bind the rendezvous port {port} (in use: "
+            port = os.environ.get(rendezvous_vars(self.role)[1], "?")
+            self._raise(TrainerError(f"{self.role}: rank 0 on {host} could not bind the rendezvous port {port} (in use: "
                                      f"another job on that node?); set cluster.port_base to a free range"))
 
     def _await_ready(self) -> bool:
