@@ -5,7 +5,7 @@
 //   q[r, c]  = e4m3(clamp(float(x[r, c]) / scale[r], -448, 448))        (round to nearest even)
 // Bit-exact with the pure-torch reference megarl/ddma/quantize.py:quantize_per_channel_ref, i.e.
 // `(x.float() / scale[:, None]).clamp(-448, 448).to(torch.float8_e4m3fn)` (torch's CPU division by
-// a tensor and by a Python float are both IEEE true division; tests/test_fp8_quantize.py checks).
+// a tensor and by a Python float are both IEEE true division; tests/e2e/test_fp8_quantize.py checks).
 // The element step divides rather than multiplying by 1/scale: x * fl(1/s) can land one float32
 // ulp away from x / s, which flips the e4m3 rounding of a quotient sitting on a midpoint; vLLM's
 // own per-channel weight quantizer divides too (see megarl/ddma/quantize.py). The CUDA kernel

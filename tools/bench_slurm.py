@@ -1,4 +1,4 @@
-"""Benchmark: the tiny job on a real Slurm cluster (tools/slurm_cluster.py, 4 nodes on this host) vs the
+"""Benchmark: the tiny job on a real Slurm cluster (tests/harness/slurm_cluster.py, 4 nodes on this host) vs the
 same job under `megarl launch local`, and what a preemption costs. One run, side by side:
 
 - **sbatch -> first step**: seconds from ``sbatch launch/slurm/train.sbatch`` to the first row of
@@ -32,7 +32,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from tools.slurm_cluster import SlurmCluster, ensure_installed  # noqa: E402
+from tests.harness.slurm_cluster import SlurmCluster, ensure_installed  # noqa: E402
 
 PROMPTS, SAMPLES = 4, 2  # configs/tiny_test.yaml
 

@@ -2,11 +2,11 @@
 (docs/moe.md, "Routing mismatch")
 
 Loads an HF MoE folder in an in-process vLLM engine (``--dtype``) and in transformers (fp32: the
-reference the Megatron trainer matches within ~1e-6 nats, tests/test_moe.py), runs the same random
+reference the Megatron trainer matches within ~1e-6 nats, tests/e2e/test_moe.py), runs the same random
 prompts through both, and compares, token by token and MoE layer by MoE layer, the set of top-k
 experts each router picks (engine: a forward hook on every ``mlp.gate``; transformers: its router
 logits). The engine's weights after a DDMA sync are bit for bit those of a fresh load
-(tests/test_ddma_landing.py), so a fresh load stands for a synced engine. Also prints the smallest
+(tests/e2e/test_ddma_landing.py), so a fresh load stands for a synced engine. Also prints the smallest
 gap between the k-th and (k+1)-th router logit (how close a token came to another expert). JSON
 with ``--json``.
 

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 
 from megarl.config import ConfigError
 from megarl.config.job import ResolvedJob, describe_sync, resolve_job
-from megarl.config.job import resolved_sync  # noqa: F401 (named here for tests/test_weight_sync.py)
+from megarl.config.job import resolved_sync  # noqa: F401 (named here for tests/e2e/test_weight_sync.py)
 from megarl.config.schema import MegaRLConfig
 from megarl.controller.checkpointing import checkpoint, checkpoint_on_preemption, resume_controller
 from megarl.controller.dynamic_sampling import DynamicSampling

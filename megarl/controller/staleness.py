@@ -15,7 +15,7 @@ problems are not systematically discarded.
 
 The loop (``megarl.controller.rollouts.RolloutQueue``) admits whole batches: ``fill`` submits the
 next batch while ``admission_capacity`` leaves room for one, and ``take`` re-checks ``policy_lag``
-on every sample before training, regenerating a group that is too old. tests/test_staleness.py
+on every sample before training, regenerating a group that is too old. tests/unit/test_staleness.py
 keeps the rule per sample (a gate with its counters, as a streaming loop would admit) and checks
 that the batch loop admits exactly what it admits.
 

@@ -13,7 +13,7 @@ generates greedily from a fixed prompt and compares the engine's logprobs with t
 same tokens. The default bound (``sync.probe_max_gap=0``) follows the coarsest of the trainer's
 weights, the DDMA wire (``sync.wire``) and the engine:
 
-- float32: 1e-3 nats. Measured engine-vs-trainer mismatch is < 1e-4 (tests/test_controller.py); 10x margin.
+- float32: 1e-3 nats. Measured engine-vs-trainer mismatch is < 1e-4 (tests/e2e/test_controller.py); 10x margin.
 - bfloat16 / float16 (engine or trainer weights): 0.25 nats. The largest bf16 engine-vs-reference gap
   measured is 0.062, on an AMX CPU (DESIGN.md "Numerics"); 4x margin. A bf16 trainer (bf16 matmuls, fp32
   master weights) against an fp32 engine holding the same bf16-valued weights: 0.124 measured on
@@ -21,7 +21,7 @@ weights, the DDMA wire (``sync.wire``) and the engine:
 - FP8 weights (the engine's quantization, or ``sync.wire=fp8``: the engine then holds e4m3-rounded values,
   even an fp32 one): 1.0 nats. e4m3 keeps 3 mantissa bits, so each weight errs by up to 2^-4 relative, and
   this bound only catches gross errors. Measured with wire fp8 into an fp32 engine at v0: 0.42 nats on the
-  tiny test model (tests/test_weight_sync.py), 0.30 in the run that the fp32 bound stopped; 2.4x margin.
+  tiny test model (tests/e2e/test_weight_sync.py), 0.30 in the run that the fp32 bound stopped; 2.4x margin.
 
 A wrong layout scrambles the weights, and a real model's logprobs then move by many nats. (A random
 tiny test model's logits are nearly uniform, so use perturbed weights to test the probe.)

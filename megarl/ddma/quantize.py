@@ -58,7 +58,7 @@ on the device). It is bit-identical to ``quantize_per_channel_ref`` run on the s
 and scales: both divide truly in float32 (the kernel's ``x / scale`` and ``absmax / 448`` compile
 to IEEE division; the reference divides by a tensor, never by a Python float, which torch's CUDA
 kernel would turn into a multiply by the reciprocal) and round to nearest even, saturating at
-448. ``tests/test_fp8_quantize.py::test_cuda_kernel_matches_torch_reference_bit_for_bit`` (``gpu``)
+448. ``tests/e2e/test_fp8_quantize.py::test_cuda_kernel_matches_torch_reference_bit_for_bit`` (``gpu``)
 and ``tools/gpu_fp8_check.py`` check it. Without the CUDA build, CUDA tensors go through the torch
 reference, which runs on any device.
 

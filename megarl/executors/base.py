@@ -19,7 +19,7 @@ Beside the lifecycle, each role has one interface (:class:`Trainer`, :class:`Gen
 :class:`RewardScorer`): what the controller calls on it, and all it may call. The controller is
 typed against these, never against an implementation, so a trainer in this process
 (``LocalTrainer``) and one of many ranks (``TrainerExecutor``) are interchangeable, as NeMo-RL's
-``PolicyInterface`` / ``GenerationInterface`` make theirs. tests/test_role_protocols.py calls
+``PolicyInterface`` / ``GenerationInterface`` make theirs. tests/e2e/test_role_protocols.py calls
 every method of each on every implementation.
 """
 

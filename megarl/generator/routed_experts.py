@@ -12,7 +12,7 @@ any expert-placement mapping. The worker functions below run on every TP worker 
 Two captures:
 
 * :func:`install_capture` / :func:`take_captured` keep each forward's rows in order (one request at
-  a time: the test's engine, tests/test_router_replay.py).
+  a time: the test's engine, tests/e2e/test_router_replay.py).
 * :func:`install_request_capture` / :func:`take_request_experts` (what a megarl replica runs, through
   ``MegarlWorkerExtension``) file every row under its request and token position as the model
   runner laid out the step: request i of ``input_batch.req_ids`` owns rows

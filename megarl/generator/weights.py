@@ -188,7 +188,7 @@ def _refresh_tied_lm_head(model: torch.nn.Module) -> None:
 
     With tied embeddings the layerwise reload refreshes ``embed_tokens`` only; on CPU the lm_head's
     GEMM runs on a packed copy made when the model first loaded, so without this the engine would
-    keep sampling from the old output layer (caught by tests/test_weight_sync.py)."""
+    keep sampling from the old output layer (caught by tests/e2e/test_weight_sync.py)."""
     lm_head = getattr(model, "lm_head", None)
     embed = getattr(getattr(model, "model", None), "embed_tokens", None)
     if lm_head is None or embed is None or getattr(lm_head, "weight", None) is not getattr(embed, "weight", None):

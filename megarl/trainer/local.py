@@ -35,7 +35,7 @@ def set_tp_attributes(model) -> int:
     weight only inside its random init, so with ``perform_initialization=False`` every weight looks
     TP-replicated: the grad norm then counts the shards of tp rank 0 only (measured: TP2 grad_norm
     36.3 vs 48.3 at TP1 on the tiny model) and clipping scales by the wrong norm. Values as that
-    init sets them (tests/test_trainer_executor.py compares them). TODO: move into build_gpt_model.
+    init sets them (tests/e2e/test_trainer_executor.py compares them). TODO: move into build_gpt_model.
     """
     from megatron.core.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear,
                                                       VocabParallelEmbedding, set_tensor_model_parallel_attributes)

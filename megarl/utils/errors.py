@@ -19,7 +19,7 @@ A built-in ``TimeoutError`` or ``FileNotFoundError`` counts as megarl's own only
 raised it itself (a ``raise`` in megarl, no OS errno); from a library it is a bug like any other. An
 ``OSError`` with the errno of a refused write (a full or read-only disk) is the environment's.
 
-docs/errors.md prints the table; tests/test_errors_cli.py checks that the two agree.
+docs/errors.md prints the table; tests/e2e/test_errors_cli.py checks that the two agree.
 """
 
 from __future__ import annotations

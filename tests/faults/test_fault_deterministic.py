@@ -30,7 +30,7 @@ COMMON = ("controller.deterministic=true", "controller.max_policy_lag=2", f"cont
           "algorithm.entropy_coef=0.01", "trainer.async_save=true")
 # trainer.async_save: every run here writes its checkpoints in the background, so this test also shows
 # that async checkpoints resume exactly (bit for bit) like synchronous ones; the synchronous save keeps
-# its own resume tests (tests/test_checkpoint.py, tests/test_interrupt_resume.py, the kill matrix).
+# its own resume tests (tests/e2e/test_checkpoint.py, tests/e2e/test_interrupt_resume.py, the kill matrix).
 LATEST_S = 120.0  # for the step-2 background write to commit after step 2 is logged (s)
 
 

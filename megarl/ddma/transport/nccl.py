@@ -5,8 +5,8 @@ its own.
 The group: trainer ranks first (sorted ``SrcRank``), then generator workers (sorted ``DstRank``),
 built once per sync spec directly on the rendezvous store (``ProcessGroupNCCL`` on CUDA; never the
 trainer's WORLD nor vLLM's). On CPU the very same code runs over a gloo group, which is how the test
-suite checks its logic (tests/test_ddma_transport.py): over gloo as it is (no coalescing: one Work per
-op), and over ``CoalescingGlooDouble`` (tests/test_ddma_sync.py), a stand-in with the signatures and
+suite checks its logic (tests/e2e/test_ddma_transport.py): over gloo as it is (no coalescing: one Work per
+op), and over ``CoalescingGlooDouble`` (tests/e2e/test_ddma_sync.py), a stand-in with the signatures and
 the coalescing contract of NCCL's c10d ``Backend``, so the branch NCCL takes runs on CPU as well.
 """
 
@@ -20,7 +20,7 @@ from megarl.ddma.transport.base import gloo_group, group_prefix
 from megarl.ddma.transport.buckets import BucketedTransport, Seg, chunk_segments, pair_streams, param_groups
 
 # Builds the group for host tensors: (store, rank, size, timeout_s, prefix=...) -> a c10d Backend. gloo;
-# the tests swap in a coalescing stand-in for NCCL's Backend (tests/test_ddma_sync.py CoalescingGlooDouble).
+# the tests swap in a coalescing stand-in for NCCL's Backend (tests/e2e/test_ddma_sync.py CoalescingGlooDouble).
 HOST_GROUP = gloo_group
 
 

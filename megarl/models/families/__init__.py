@@ -2,7 +2,7 @@
 
 A family is supported only when every path is proven on it: HF <-> Megatron conversion against
 HF logits, a training step, and DDMA landing bit for bit against vLLM's own loader
-(tests/test_ddma_landing.py). Adding one is a new ``<family>.py`` with a ``SPEC`` listed below, plus
+(tests/e2e/test_ddma_landing.py). Adding one is a new ``<family>.py`` with a ``SPEC`` listed below, plus
 its tests. Anything else is refused before a process starts, in one line naming the family and what
 is supported. Pure Python (no torch import): config validation calls it.
 """

@@ -1,0 +1,111 @@
+"""tools/gpu_check.sh's control flow, on CPU (MEGARL_GPU_CHECK_DRY=1: the same steps against CPU
+stand-ins; nothing here proves anything about a GPU): a planted failure exits non-zero without
+skipping the other steps, the JSON is written after every step and when the script is killed, and the
+overall deadline turns a step that cannot fit into a recorded failure."""
+
+from __future__ import annotations
+
+import json
+import re
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _env(tmp_path, **extra):
+    return dict(os.environ, OUT=str(tmp_path), PYTHON=sys.executable, MEGARL_GPU_CHECK_DRY="1", **extra)
+
+
+def _run(tmp_path, timeout=300, **extra):
+    p = subprocess.run(["bash", str(REPO / "tools" / "gpu_check.sh")], cwd=REPO, env=_env(tmp_path, **extra),
+                       capture_output=True, text=True, timeout=timeout)
+    return p, json.loads((tmp_path / "gpu_check.json").read_text())
+
+
+def test_planted_failure_fails_the_check_and_the_other_steps_still_run(tmp_path):
+    p, doc = _run(tmp_path, MEGARL_GPU_CHECK_STEPS="fp8,nccl", MEGARL_GPU_CHECK_PLANT="fp8")
+    assert p.returncode != 0, p.stdout + p.stderr
+    steps = {s["step"]: s for s in doc["steps"]}
+    assert doc["state"] == "done" and doc["ok"] is False
+    assert steps["fp8"]["ok"] is False and "1 codes" in json.dumps(steps["fp8"]["result"])
+    assert steps["nccl"]["ok"] is True  # ran after the failure
+    p, doc = _run(tmp_path, MEGARL_GPU_CHECK_STEPS="nccl")  # nothing planted: exit 0
+    assert p.returncode == 0 and doc["ok"] is True, p.stdout + p.stderr
+
+
+def test_json_written_when_killed_and_the_deadline_is_kept(tmp_path):
+    proc = subprocess.Popen(["bash", str(REPO / "tools" / "gpu_check.sh")], cwd=REPO,
+                            env=_env(tmp_path, MEGARL_GPU_CHECK_STEPS="ipc"), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 60
+    while time.time() < deadline and not (tmp_path / "gpu_check.ipc.log").exists():
+        time.sleep(0.5)
+    time.sleep(2)
+    proc.send_signal(signal.SIGTERM)
+    proc.communicate(timeout=60)
+    assert proc.returncode != 0
+    doc = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert doc["state"] == "killed" and doc["killed_during"] == "ipc" and doc["ok"] is False
+    # a deadline too short for a step: recorded as skipped, the check fails
+    p, doc = _run(tmp_path, MEGARL_GPU_CHECK_STEPS="fp8,ipc", MEGARL_GPU_CHECK_DEADLINE_S="20")
+    steps = {s["step"]: s for s in doc["steps"]}
+    assert p.returncode != 0 and doc["ok"] is False and doc["seconds"] <= 40
+    assert steps["ipc"]["ok"] is False and "deadline" in (steps["ipc"]["note"] or "")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("plant", ["ipc", "trainer", "megatron"])
+def test_planted_failure_in_each_step_kind(tmp_path, plant):
+    """The transport (ipc) and the trainer (trainer, megatron) kinds; the kernel kind (fp8) is in the
+    default suite."""
+    p, doc = _run(tmp_path, timeout=600, MEGARL_GPU_CHECK_STEPS=plant, MEGARL_GPU_CHECK_PLANT=plant,
+                  MEGARL_GPU_CHECK_IPC_CASES="bf16")
+    assert p.returncode != 0, p.stdout + p.stderr
+    step, = [s for s in doc["steps"] if s["step"] == plant]
+    assert step["ok"] is False
+    if plant == "ipc":  # the planted wrong byte, caught by the checksums and the exact comparison
+        assert "differs from the plan" in json.dumps(step["result"])
+    else:  # the planted logprob offset (10x the bound), not a crash
+        key = "megatron_tp1" if plant == "megatron" else "megarl_trainer"
+        assert step["result"][key]["logprobs_before_worst_ratio"] > 9
+
+
+def test_megatron_check_runs_its_cpu_reference_with_cuda_hidden(monkeypatch):
+    """With a GPU visible, the CPU reference child kept CUDA on, so megarl's CPU compat layer stayed off
+    and it died on a device mismatch before comparing anything."""
+    import importlib.util
+    import types
+
+    spec = importlib.util.spec_from_file_location("gpu_megatron_check", REPO / "tools" / "gpu_megatron_check.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    calls = []
+
+    def fake_run(cmd, **kw):
+        calls.append((cmd[cmd.index("--child") + 1], kw.get("env")))
+        return types.SimpleNamespace(returncode=1, stderr="stopped by the test", stdout="")
+
+    monkeypatch.setattr(tool.subprocess, "run", fake_run)
+    monkeypatch.setattr(sys, "argv", ["gpu_megatron_check.py"])
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    assert tool.main() == 1
+    dev, env = calls[0]
+    assert dev == "cpu" and env is not None and env["CUDA_VISIBLE_DEVICES"] == ""
+
+
+def test_the_gpu_marked_tests_are_a_step_of_the_one_call(tmp_path):
+    """The gpu-marked tests (they skip themselves on CPU: this checks the step's command and its record; the
+    trainer_scale step's own flow is tests/e2e/test_gpu_trainer_check.py's)."""
+    p, doc = _run(tmp_path, timeout=600, MEGARL_GPU_CHECK_STEPS="gpu_tests")
+    steps = {s["step"]: s for s in doc["steps"]}
+    assert p.returncode == 0 and doc["ok"], p.stdout + p.stderr
+    assert list(steps) == ["gpu_tests"] and steps["gpu_tests"]["ok"] is True, steps
+    log = (tmp_path / "gpu_check.gpu_tests.log").read_text()
+    assert re.search(r"\d+ skipped", log), log[-2000:]  # collected and skipped here, run on a GPU

@@ -1,0 +1,1 @@
+"""Shared test machinery: helpers more than one test file uses, and the real-Slurm cluster fixture."""
