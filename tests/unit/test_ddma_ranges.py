@@ -201,15 +201,12 @@ def test_cuda_ipc_tables_of_llama_8b_are_o_runs(gen_tp):
 
 
 def test_bench_landing_figure_before_and_after():
-    """``megarl bench sync``'s landing figure (tools/bench_sync.py ``landing_figures``) on the --quick model,
+    """``megarl bench sync``'s landing figure (megarl/bench/sync.py ``landing_figures``) on the --quick model,
     trainer TP2 -> one worker (dim-1 pieces: one run per row): both paths land the same bits (it raises
     otherwise), the index bytes drop from 16 B/element to the block tables, bounded by the runs.
     Break caught: blocks that land other bits than the per-element path (e.g. a dequantized row one
     element off: the bench refuses to report a speed)."""
-    import sys
-
-    sys.path.insert(0, os.path.join(REPO, "tools"))
-    import bench_sync
+    from megarl.bench import sync as bench_sync
     from megarl.ddma.layouts import GeneratorTopology, TrainerTopology
     from megarl.models.layouts import ModelDims
 
