@@ -118,8 +118,7 @@ def test_validation_says_what_to_change():
         "trainer.minibatches=4) do not split over 3 data-parallel critic ranks; set critic.dp=2 (0 = trainer.dp)"]
     assert _problems("critic.pp=-1") == ["critic.pp=-1: must be >= 0 (0 = the trainer's)"]
     assert _problems("critic.lr=0") == ["critic.lr=0.0: must be > 0 (the critic's learning rate)"]
-    assert _problems("cluster.launcher=slurm")[0].startswith("algorithm.advantage=gae: cluster.launcher='slurm' has no "
-                                                           "critic pool yet")
+    assert _load("cluster.launcher=slurm").critic.lr == 1.0e-5  # under Slurm: a rank pool of its own, no refusal
 
 
 def test_a_missing_critic_path_is_refused(tiny_llama_dir, tmp_path):
@@ -131,9 +130,9 @@ def test_a_missing_critic_path_is_refused(tiny_llama_dir, tmp_path):
     with pytest.raises(ConfigError) as info:
         load_config("configs/tiny_test.yaml", base + [f"critic.path={tmp_path}"])
     assert info.value.problems == [
-        f"critic.path={str(tmp_path)!r}: neither an HF model folder (config.json) nor a megarl checkpoint (meta.json, "
-        f"or a checkpoint folder with 'latest'); point it at the value model's starting weights, or set critic.path='' "
-        f"to start from model.path"]
+        f"critic.path={str(tmp_path)!r}: neither an HF model folder (config.json) nor a megarl checkpoint "
+        f"(`megarl convert hf-to-mcore`'s, a training step folder, a checkpoint folder with 'latest', or a run "
+        f"folder); point it at the value model's starting weights, or set critic.path='' to start from model.path"]
     # another tokenizer: the critic would value other token ids (the teacher's check, megarl/config/teacher.py)
     other = tmp_path / "other"
     shutil.copytree(tiny_llama_dir, other)
@@ -194,9 +193,6 @@ def test_the_executor_refuses_what_it_cannot_run(tiny_llama_dir, tmp_path):
     gae = AlgorithmConfig(advantage="gae")
     with pytest.raises(ValueError, match="needs algorithm.advantage gae or vtrace"):
         CriticExecutor(TrainerConfig(), CriticConfig(), AlgorithmConfig(), tiny_llama_dir, run_dir=tmp_path, total_steps=1)
-    with pytest.raises(ValueError, match="cluster.launcher='slurm' has no critic pool"):
-        CriticExecutor(TrainerConfig(), CriticConfig(), gae, tiny_llama_dir, run_dir=tmp_path, total_steps=1,
-                       launcher="slurm")
     # resume: a run that never had a critic starts it fresh; a critic folder without the trainer's step is refused
     assert critic_resume(tmp_path / "none", 4) is None and critic_resume(tmp_path, 0) is None
     step = tmp_path / "critic" / "step_00000002"

@@ -127,3 +127,17 @@ def test_a_task_of_a_role_the_job_lacks_is_refused(tiny_llama_dir):
     with pytest.raises(ConfigError, match="srun placed teacher task 0 on node03 as local task 0, but the role map "
                                           "expects node02 local 0"):
         run_task("teacher", quickstart, over, env={**env, "SLURMD_NODENAME": "node03"})
+
+
+def test_the_dry_run_counts_every_role_and_their_pools():
+    from megarl.config.memory import dry_run_report
+
+    local = load_config(DISTILL, ["algorithm.advantage=gae"], dry_run=True)
+    line = dry_run_report(local)[0][0]
+    # 1 trainer + 1 generator + 1 teacher (the trainer's layout) + 1 critic (its own: the trainer's) GPUs
+    assert line.startswith("ranks: trainer tp1 x pp1 x dp1 = 1, generator tp1 x 1 replica(s) = 1, distillation "
+                           "teacher 1, critic 1; 4 GPUs: 1 node(s), trainer and generator and teacher and critic "
+                           "side by side (launcher local)"), line
+    line = dry_run_report(_both())[0][0]  # trainer dp 8, 8 replicas, teacher 8, critic dp 4, 8 GPUs a node
+    assert ("distillation teacher 8, critic 4; 28 GPUs: 1 trainer + 1 teacher + 1 critic + 1 generator node(s) "
+            "(launcher slurm)") in line, line

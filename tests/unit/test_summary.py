@@ -125,3 +125,25 @@ def test_step_timings_keep_what_summarize_reads_and_nothing_else():
     assert all(set(r) <= set(SUMMARY_KEYS) for r in rows)
     assert summarize(rows, 0) == summarize(full, 0)
     assert summarize(rows, 0)["t_gen_s"] == 3.0  # the median of 2, 3, 2 (the fallback), 5, 6
+
+
+def test_a_teacher_and_a_critic_are_phases_of_the_step_and_of_the_controller_side():
+    """Lag 0 with a distillation teacher (1 s scoring) and a critic (1.5 s values + update): generation 6 s,
+    then reward 0.5 + train 3 + sync 0.5 + teacher 1 + critic 1.5 = 6.5 s in turn: a 12.5 s step. The roles'
+    work is the controller side's (it waits for them), so t_ctrl = 6.5 and the bound (6 + 6.5) / 6.5 = 1.92x;
+    the step line adds up with them (without them it would read 10.5 s of an unexplained 12.5 s step)."""
+    rows = []
+    for s in range(3):
+        r = _row(s, 6.0, 0.5, 3.0, 0.5, 6.0)
+        r.update({"time/teacher": 1.0, "time/critic": 1.5, "time/step": r["time/step"] + 2.5})
+        rows.append(r)
+    s = summarize(rows, max_policy_lag=0)
+    assert s["step_s"] == 12.5 and s["time_teacher"] == 1.0 and s["time_critic"] == 1.5 and s["t_ctrl_s"] == 6.5
+    assert s["sync_over_async_at_most"] == pytest.approx(12.5 / 6.5)
+    lines = summary_lines(s)
+    assert ("median step 12.50s = generate-wait 6.00 + reward 0.50 + train 3.00 + sync 0.50 + teacher 1.00 + "
+            "critic 1.50 + idle 0.00") in lines[1]
+    assert "reward + train + sync + teacher + critic 6.50s" in lines[3]
+    # a job without them: neither in the line (the earlier tests' steps)
+    plain = summary_lines(summarize([_row(0, 6.0, 0.5, 3.0, 0.5, 6.0)], max_policy_lag=0))
+    assert "teacher" not in plain[1] and "reward + train + sync 4.00s" in plain[3]
