@@ -224,7 +224,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
         overrides.append("logging.overwrite=true")
     cfg = load_config(args.config, overrides, dry_run=args.dry_run)
     if args.dry_run:  # validated on a machine that may lack the weights and the data; then the plan
-        from megarl.config.memory import dry_run_report
+        from megarl.config.dry_run import dry_run_report
 
         lines, problems = dry_run_report(cfg)
         if problems:

@@ -166,7 +166,7 @@ def test_placement_gives_the_critic_its_own_gpus():
 
 
 def test_memory_plan_has_a_critic_block_against_hand_figures():
-    from megarl.config.memory import dry_run_report
+    from megarl.config.dry_run import dry_run_report
 
     lines, problems = dry_run_report(_load())
     text = "\n".join(lines)

@@ -177,7 +177,7 @@ def test_placement_gives_the_teacher_its_own_gpus():
 
 def test_memory_plan_has_a_teacher_line_against_hand_figures():
     from megarl.config import load_config
-    from megarl.config.memory import dry_run_report
+    from megarl.config.dry_run import dry_run_report
 
     cfg = load_config(RECIPE, [], dry_run=True)
     lines, problems = dry_run_report(cfg)

@@ -274,7 +274,8 @@ def test_the_judge_gets_its_own_gpus():
 
 
 def test_the_dry_run_plans_the_judges_memory():
-    from megarl.config.memory import GB, OVERHEAD_GB, dry_run_report, generator_weight_bytes, kv_bytes_per_token
+    from megarl.config.dry_run import dry_run_report
+    from megarl.config.memory import GB, OVERHEAD_GB, generator_weight_bytes, kv_bytes_per_token
     from megarl.config.validate import model_shape
     from megarl.models.dims import ModelDims
 

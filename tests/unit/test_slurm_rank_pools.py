@@ -130,7 +130,7 @@ def test_a_task_of_a_role_the_job_lacks_is_refused(tiny_llama_dir):
 
 
 def test_the_dry_run_counts_every_role_and_their_pools():
-    from megarl.config.memory import dry_run_report
+    from megarl.config.dry_run import dry_run_report
 
     local = load_config(DISTILL, ["algorithm.advantage=gae"], dry_run=True)
     line = dry_run_report(local)[0][0]
