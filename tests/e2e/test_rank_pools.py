@@ -1,7 +1,8 @@
 """The teacher's and the critic's rank pools under the Slurm launcher (issue 43), run as local processes by
 `megarl launch local` (the same role map and `megarl rank` commands srun runs): one job with a distillation
 teacher and a GAE critic, each rank its own OS process that attached to the controller over TCP from its own
-simulated node, in a process group of its own. About 60-90 s each on 2 cores."""
+simulated node, in a process group of its own. About 60-90 s each on 2 cores. And `megarl rank --role
+teacher|critic` refuses a task the job's map does not have or srun placed elsewhere."""
 
 from __future__ import annotations
 
@@ -16,6 +17,9 @@ import time
 from pathlib import Path
 
 import psutil
+import pytest
+
+from megarl.config import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
 # Bounds: test_rendezvous's tiny 2-step job (trainer + generator) took 43 s end to end on 2 shared cores;
@@ -114,3 +118,22 @@ def test_a_killed_critic_rank_stops_the_job_naming_it(tiny_llama_dir, tmp_path):
     last = launcher.strip().splitlines()[-1]  # the job's last line names the critic, as a local job's does
     assert last.startswith("megarl: critic: critic rank 0 (tp 0, pp 0, dp 0;") and "CriticFailed" in last, last
     assert not _alive(family | {proc.pid}), "processes left behind"
+
+
+def test_a_task_of_a_role_the_job_lacks_is_refused(tiny_llama_dir):
+    from megarl.cluster.rank import run_task
+
+    env = {"SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "node[01-03]", "SLURM_GPUS_ON_NODE": "8",
+           "SLURMD_NODENAME": "node02", "SLURM_PROCID": "0", "SLURM_LOCALID": "0"}
+    # a task validates the config for real: the tiny checkpoint is student and teacher (test_slurm's GPU cluster
+    # simulated on this host: cluster.device=cuda, DDMA over p2p between the nodes)
+    over = ["cluster.launcher=slurm", "cluster.device=cuda", "sync.transport=p2p", f"model.path={tiny_llama_dir}",
+            f"algorithm.teacher={tiny_llama_dir}", "algorithm.distill_coef=1.0", "trainer.dp=8",
+            "generator.replicas=8", "data.train_path=builtin:arithmetic", "data.eval_path=builtin:arithmetic"]
+    quickstart = str(REPO / "configs" / "quickstart.yaml")
+    with pytest.raises(ConfigError, match="--role critic: this job has no critic"):
+        run_task("critic", quickstart, over, env=env)
+    # a teacher task placed where the map says another goes (the teacher's rank 0 is node02's local 0)
+    with pytest.raises(ConfigError, match="srun placed teacher task 0 on node03 as local task 0, but the role map "
+                                          "expects node02 local 0"):
+        run_task("teacher", quickstart, over, env={**env, "SLURMD_NODENAME": "node03"})
