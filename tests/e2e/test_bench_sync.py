@@ -13,11 +13,10 @@ from pathlib import Path
 
 import pytest
 
+from megarl.bench import sync as bench_sync
+
 REPO = Path(__file__).resolve().parents[2]
 ENV = dict(os.environ, PYTHONWARNINGS="ignore", PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-sys.path.insert(0, str(REPO / "tools"))
-
-import bench_sync  # noqa: E402
 
 
 @pytest.fixture(scope="module")

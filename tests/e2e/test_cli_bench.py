@@ -95,12 +95,9 @@ def test_bench_step_quick(tiny_llama_dir, tmp_path):
 
 
 def _bench_step_module():
-    import importlib.util
+    from megarl.bench import step
 
-    spec = importlib.util.spec_from_file_location("bench_step", REPO / "tools" / "bench_step.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return step
 
 
 def _mode(step, gen, reward, train, sync, gen_busy):

@@ -178,7 +178,7 @@ def test_cli_bad_config_fails_fast_naming_key(tmp_path, model_dir, override, key
     assert key in out.stderr
     # That validation imports no engine is checked directly by test_validation_does_not_import_engines
     # (a wall-clock bound here would fail on a loaded machine and pass a slow import on a fast one);
-    # its speed is measured by tools/bench_fast_paths.py.
+    # its speed is measured by megarl/bench/fast_paths.py.
 
 
 def test_validation_does_not_import_engines(tmp_path, model_dir):

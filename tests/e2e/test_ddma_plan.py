@@ -119,7 +119,7 @@ _LLAMA_405B = dict(model_type="llama", num_hidden_layers=126, hidden_size=16384,
 
 
 def test_layouts_405b():
-    # How fast this is (layouts only, no copy plan) is measured by tools/bench_fast_paths.py, not
+    # How fast this is (layouts only, no copy plan) is measured by megarl/bench/fast_paths.py, not
     # asserted here: a wall-clock bound fails on a loaded machine and proves nothing on an idle one.
     d = ModelDims.from_hf_config(_LLAMA_405B)
     src = source_layouts(d, TrainerTopology(8, 9, 4))
@@ -134,7 +134,7 @@ def test_layouts_405b():
 
 def test_plan_405b_matching_tp():
     d = ModelDims.from_hf_config(_LLAMA_405B)
-    plan = plan_sync(d, TrainerTopology(8, 2, 2), GeneratorTopology(8, 1))  # timed in tools/bench_fast_paths.py
+    plan = plan_sync(d, TrainerTopology(8, 2, 2), GeneratorTopology(8, 1))  # timed in megarl/bench/fast_paths.py
     sent = plan.elements_sent()
     shapes = hf_tensor_shapes(d)
     n_params = sum(torch.Size(s).numel() for s in shapes.values())

@@ -93,7 +93,7 @@ def test_model_folder_is_accepted(tiny, tmp_path):
 
 
 def test_llama_8b_projection():
-    # its speed is measured by tools/bench_fast_paths.py (no wall-clock bound in a test)
+    # its speed is measured by megarl/bench/fast_paths.py (no wall-clock bound in a test)
     proc = run("--model", "configs/models/llama-3.1-8b.json", "--trainer", "2x1x2", "--generator", "2x2")
     assert proc.returncode == 0, proc.stderr
     assert "projected sync (DDMA)" in proc.stdout and "8,030,261,248 params" in proc.stdout
