@@ -18,12 +18,14 @@
 #              caught; its GB/s beside a d2d copy, reported               (tools/gpu_checksum_check.py);
 #   nccl       the nccl transport's calls on a 1-rank ProcessGroupNCCL     (tools/gpu_nccl_check.py);
 #   bench      CUDA IPC sync GB/s vs a device-to-device copy of the same bytes; goal >= 50%, enforced;
+#   ipc_8b     the fp8 CUDA IPC sync at an 8B layer's width, TP2 -> TP2, exact, each worker's landing tables
+#              (index memory) under 16 MiB, vs 16 B per element before (tools/gpu_ddma_ipc.py --width 8b);
 #   gpu_tests  the test suite's `gpu`-marked tests (pytest from the carried wheels).
 # Env: PYTHON (default python3); MEGARL_MCORE_WHEEL (default: wheels/ or shared/wheels/
 #   megatron_core-0.16.1-*.whl: tools/gpu_check_wheels.sh puts it there, hash-checked, before the call);
 #   MEGARL_GPU_CHECK_DEADLINE_S (default 470); MEGARL_GPU_CHECK_STEPS (comma list, default all);
 #   MEGARL_GPU_CHECK_IPC_CASES (tools/gpu_ddma_ipc.py --cases, default all four);
-#   MEGARL_GPU_CHECK_PLANT=build|fp8|checksum|ipc|trainer|scale|megatron|nccl|bench plants a failure in that step (the script must exit
+#   MEGARL_GPU_CHECK_PLANT=build|fp8|checksum|ipc|trainer|scale|megatron|nccl|bench|ipc_8b plants a failure in that step (the script must exit
 #   non-zero); MEGARL_GPU_CHECK_DRY=1 runs the same control flow on CPU (no CUDA build, no wheel).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -34,7 +36,7 @@ py="${PYTHON:-python3}"
 dry="${MEGARL_GPU_CHECK_DRY:-0}"
 plant="${MEGARL_GPU_CHECK_PLANT:-}"
 deadline_s="${MEGARL_GPU_CHECK_DEADLINE_S:-470}"
-only="${MEGARL_GPU_CHECK_STEPS:-ipc,trainer,trainer_scale,megatron,build,fp8,checksum,nccl,bench,gpu_tests}"
+only="${MEGARL_GPU_CHECK_STEPS:-ipc,trainer,trainer_scale,megatron,build,fp8,checksum,nccl,bench,ipc_8b,gpu_tests}"
 dryflag=""; [[ "$dry" == 1 ]] && dryflag="--cpu-dry"
 export MEGARL_GPU_CHECK_PLANT="$plant" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PIP_NO_INDEX=1
 results="$out/gpu_check.steps.jsonl"
@@ -172,6 +174,9 @@ wants fp8 && step fp8 90 "$py" tools/gpu_fp8_check.py $dryflag
 wants checksum && step checksum 90 "$py" tools/gpu_checksum_check.py $dryflag
 wants nccl && step nccl 60 "$py" tools/gpu_nccl_check.py $dryflag
 wants bench && step bench 90 "$py" tools/gpu_ddma_ipc.py --bench --trials 3 $dryflag
+# two syncs on a GPU (the second lands through the tables built at the first); one in the CPU dry run, whose
+# CPU reference of a 4096 x 14336 layer takes minutes on a small host
+wants ipc_8b && step ipc_8b 150 "$py" tools/gpu_ddma_ipc.py --width 8b --syncs "$([[ $dry == 1 ]] && echo 1 || echo 2)" $dryflag
 if wants gpu_tests; then
   if [[ "$dry" != 1 ]] && ! "$py" -c "import pytest" 2> /dev/null && [[ -n "$wheels" ]]; then
     test_site="$(mktemp -d)"  # pytest and its dependencies from the carried wheels (tools/gpu_check_wheels.txt)

@@ -49,6 +49,15 @@ BENCH = dict(model_type="llama", hidden_size=768, intermediate_size=3072, num_at
 BENCH_MODELS = {"small": BENCH, "1b": dict(BENCH, hidden_size=2048, intermediate_size=8192, num_attention_heads=32,
                                           num_key_value_heads=8, num_hidden_layers=16, vocab_size=128256)}
 
+# --width 8b: one layer at Llama-3.1-8B's width (4096 hidden, 14336 FFN, 32 heads, 8 KV heads; vocab cut to
+# 32000 so the CPU reference stays small): the FP8 wire at TP2 -> TP2 (o_proj and down_proj split along dim 1:
+# one run per row), where per-element landing indices cost 16 B per element (issue 46 items 1-2). Each
+# worker's landing tables (its index_bytes) must stay under INDEX_BOUND_8B, the bound tests/unit/
+# test_ddma_ranges.py derives for the whole 8B model at vLLM TP2.
+WIDTH_8B = dict(SMALL, hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
+                num_hidden_layers=1, vocab_size=32000)
+INDEX_BOUND_8B = 16 << 20
+
 
 class HostIpcStandIn:
     """--cpu-dry only: the transport's four CUDA calls on host memory (shared-memory files)."""
@@ -330,6 +339,23 @@ def bench(dry: bool, trials: int, model: str = "small") -> dict:
             "digest_on_device": bool(native_function("weighted_checksum_segments_cuda")), "model": model}
 
 
+def width_8b(syncs: int, dry: bool, plant: bool) -> int:
+    """The fp8 case at an 8B layer's width, TP2 -> TP2: exact against the plan run on CPU, checksums on, and
+    each worker's landing tables under INDEX_BOUND_8B (reported beside the 16 B per element of before)."""
+    res = run_sync(ModelDims.from_hf_config(WIDTH_8B), 2, syncs, dry, plant, True, timeout=300, case=CASES["fp8"],
+                   bucket_bytes=32 << 20)
+    bad = [b for _, _, p in res["got"] for b in p["bad"]] + res["errors"]
+    tables = {f"{r} v{v}": {"index_bytes": p.get("index_bytes"), "elements": p.get("elements_received"),
+                            "per_element_bytes_before": 16 * (p.get("elements_received") or 0)}
+              for r, v, p in res["got"]}
+    over = [k for k, t in tables.items() if t["index_bytes"] is None or not 0 < t["index_bytes"] < INDEX_BOUND_8B]
+    bad += [f"{k}: landing tables of {tables[k]['index_bytes']} bytes, not under {INDEX_BOUND_8B}" for k in over]
+    ok = not bad and len(res["got"]) == 2 * syncs
+    print(json.dumps({"cuda_ipc_width_8b": {"ok": ok, "syncs": syncs, "landed": len(res["got"]), "problems": bad[:5],
+                                            "index_bound": INDEX_BOUND_8B, "tables": tables}, "ok": ok}))
+    return 0 if ok else 1
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--syncs", type=int, default=5)
@@ -339,6 +365,9 @@ def main() -> int:
     ap.add_argument("--trials", type=int, default=3)
     ap.add_argument("--cpu-dry", action="store_true")
     ap.add_argument("--cases", default=",".join(CASES), help=f"comma list of {list(CASES)}")
+    ap.add_argument("--width", default="small", choices=("small", "8b"),
+                    help="small: the cases above at a 256-wide model; 8b: the fp8 case at an 8B layer's width, "
+                         "TP2 -> TP2, with each worker's landing-table bytes bounded")
     args = ap.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # killed (gpu_check.sh's deadline): end the children
     plant = os.environ.get("MEGARL_GPU_CHECK_PLANT") == "ipc"
@@ -351,6 +380,10 @@ def main() -> int:
         print(json.dumps({"bench_cuda_ipc": result}))
         return 0 if result["ok"] and (result["meets_goal"] or args.cpu_dry) and not (
             os.environ.get("MEGARL_GPU_CHECK_PLANT") == "bench") else 1
+    if args.width == "8b":
+        # planted (ipc or ipc_8b): one wrong value lands at the last sync, which the checksums and the exact
+        # comparison must catch
+        return width_8b(args.syncs, args.cpu_dry, os.environ.get("MEGARL_GPU_CHECK_PLANT") in ("ipc", "ipc_8b"))
     dims = ModelDims.from_hf_config(SMALL)
     report, ok = {}, True
     for name in args.cases.split(","):

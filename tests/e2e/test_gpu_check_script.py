@@ -61,7 +61,7 @@ def test_json_written_when_killed_and_the_deadline_is_kept(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("plant", ["ipc", "trainer", "megatron"])
+@pytest.mark.parametrize("plant", ["ipc", "trainer", "megatron", "ipc_8b"])
 def test_planted_failure_in_each_step_kind(tmp_path, plant):
     """The transport (ipc) and the trainer (trainer, megatron) kinds; the kernel kind (fp8) is in the
     default suite."""
@@ -70,11 +70,27 @@ def test_planted_failure_in_each_step_kind(tmp_path, plant):
     assert p.returncode != 0, p.stdout + p.stderr
     step, = [s for s in doc["steps"] if s["step"] == plant]
     assert step["ok"] is False
-    if plant == "ipc":  # the planted wrong byte, caught by the checksums and the exact comparison
+    if plant in ("ipc", "ipc_8b"):  # the planted wrong byte, caught by the checksums and the exact comparison
         assert "differs from the plan" in json.dumps(step["result"])
     else:  # the planted logprob offset (10x the bound), not a crash
         key = "megatron_tp1" if plant == "megatron" else "megarl_trainer"
         assert step["result"][key]["logprobs_before_worst_ratio"] > 9
+
+
+@pytest.mark.slow
+def test_the_8b_width_ipc_step_bounds_each_workers_landing_tables(tmp_path):
+    """ipc_8b (issue 46): the fp8 sync at Llama-3.1-8B's layer width, TP2 -> TP2, lands exactly with each
+    worker's landing tables (index_bytes) under 16 MiB, where per-element indices took 16 B an element."""
+    p, doc = _run(tmp_path, timeout=600, MEGARL_GPU_CHECK_STEPS="ipc_8b")
+    assert p.returncode == 0 and doc["ok"], p.stdout + p.stderr
+    step, = doc["steps"]
+    res = step["result"]["cuda_ipc_width_8b"]
+    assert res["ok"] and res["landed"] == 2 and res["problems"] == []  # one sync in the dry run, two workers
+    for t in res["tables"].values():
+        # a TP2 worker of a 4096 x 14336 layer + 32000-row vocab: 1 layer's and the embeddings' halves
+        assert t["elements"] > 200_000_000
+        assert 0 < t["index_bytes"] < res["index_bound"] == 16 << 20
+        assert t["per_element_bytes_before"] == 16 * t["elements"] > 1000 * t["index_bytes"]
 
 
 def test_megatron_check_runs_its_cpu_reference_with_cuda_hidden(monkeypatch):
