@@ -165,7 +165,7 @@ if wants build; then
   if [[ "$dry" != 1 ]]; then
     # the extension with its CUDA kernels, built in place against this python's torch (no pip, no network)
     step build 240 env MEGARL_CUDA=1 MAX_JOBS=16 "$py" setup.py -q build_ext --inplace
-    step build_has_cuda_kernels 30 "$py" -c "import json, megarl.native as n; ok = all(n.native_function(f) is not None for f in ('fp8_e4m3_quantize_rows_cuda', 'weighted_checksum_segments_cuda')); print(json.dumps({'cuda_kernels_bound': ok})); raise SystemExit(0 if ok else 1)"
+    step build_has_cuda_kernels 30 "$py" -c "import json, megarl.native as n; ok = all(n.native_function(f) is not None for f in ('fp8_e4m3_quantize_rows_cuda', 'weighted_checksum_segments_cuda', 'weighted_checksum_segments_cuda_add')); print(json.dumps({'cuda_kernels_bound': ok})); raise SystemExit(0 if ok else 1)"
   else
     step build 30 "$py" -c "import json; print(json.dumps({'dry': 'no CUDA build on CPU'}))"
   fi

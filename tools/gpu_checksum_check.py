@@ -3,6 +3,9 @@ against the CPU kernel (weighted_checksum_segments) and the torch reference (meg
 checksum_segments_torch on CPU), equal to the bit: 1-, 2- and 4-byte dtypes; one segment of millions
 of elements, thousands of short rows, empty segments, odd offsets, HF starts past 2**32 (the weight
 keeps only its low 32 bits); a flipped bit, a swapped chunk and a zeroed chunk must each change it.
+The batched form a sync uses (``weighted_checksum_segments_cuda_add`` through verify.py's DigestBatch:
+device tables, digests added on the device, one readback) gives the same sums, and its time for 146
+digests of 4 MiB each (the count on one side of the 1B bench's sync) is reported beside 146 unbatched calls.
 Then its speed alone over 1 GiB of bf16 beside a device-to-device copy of the same bytes (reported, not
 enforced: the sync's own figure is the bench step's). Prints one JSON line; exit 1 on any difference.
 ``MEGARL_GPU_CHECK_PLANT=checksum`` adds 1 to one digest (the check must fail). ``--cpu-dry``: the torch
@@ -20,7 +23,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from megarl import native  # noqa: E402
-from megarl.ddma.verify import checksum_segments_torch  # noqa: E402
+from megarl.ddma import verify  # noqa: E402
+from megarl.ddma.verify import DigestBatch, checksum_segments_torch  # noqa: E402
 
 MASK64 = (1 << 64) - 1
 
@@ -56,6 +60,7 @@ def main() -> int:
     dev = "cpu" if dry else "cuda"
     g = torch.Generator().manual_seed(0)
     bad, cases = [], 0
+    batch, batch_want = DigestBatch(deferred=True), {}  # every case again, batched: one key per dtype
     for dtype in (torch.uint8, torch.bfloat16, torch.float32):
         for numel in (3 * 1024 * 1024 + 5, 100_003):
             raw = torch.randint(0, 256, (numel * torch.tensor([], dtype=dtype).element_size(),), generator=g,
@@ -71,7 +76,16 @@ def main() -> int:
                     got = (got + 1) & MASK64
                 if not (got == want == ref):
                     bad.append(f"{dtype} {numel} {kind}: kernel {got:#x} cpu {want:#x} torch {ref:#x}")
+                batch.add(str(dtype), flat, (o, n, h), table_key=cases)
+                batch_want[str(dtype)] = (batch_want.get(str(dtype), 0) + want) & MASK64
                 cases += 1
+    if not dry and verify._cuda_add_kernel(flat) is None:
+        bad.append("megarl._C lacks weighted_checksum_segments_cuda_add (the batched digest): built from old csrc?")
+    batched = batch.values()
+    if plant:
+        batched = {k: (v + 1) & MASK64 for k, v in batched.items()}
+    if batched != batch_want or batch.readbacks != 1:
+        bad.append(f"batched digests {batched} != {batch_want} (readbacks {batch.readbacks})")
     # planted corruptions, on the device: each must change the digest
     x = torch.randn(1 << 20, generator=g).to(torch.bfloat16).to(dev)
     segs = (torch.tensor([0]), torch.tensor([x.numel()]), torch.tensor([0]))
@@ -105,7 +119,25 @@ def main() -> int:
         torch.cuda.synchronize()
         t_copy = (time.perf_counter() - t) / 5
         nbytes = big.numel() * 2
-        speed = {"bytes": nbytes, "checksum_GBps": nbytes / t_sum / 1e9, "d2d_copy_GBps": nbytes / t_copy / 1e9,
+        # one side of a sync: 146 digests of 4 MiB each (the 1B bench's count), unbatched vs batched
+        parts = big[:146 * (1 << 21)].view(146, -1)
+        one = (torch.tensor([0]), torch.tensor([1 << 21]), torch.tensor([0]))
+        times = {}
+        for how in ("single", "batched", "single", "batched"):  # the second round is the one kept (warm)
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            if how == "single":
+                for i in range(146):
+                    gpu_fn(parts[i], *one)
+            else:
+                b = DigestBatch()
+                for i in range(146):
+                    b.add(i % 8, parts[i], one, table_key=0)
+                b.values()
+            times[how] = time.perf_counter() - t
+        speed = {"digests_146x4MiB_single_ms": times["single"] * 1e3,
+                 "digests_146x4MiB_batched_ms": times["batched"] * 1e3, "bytes": nbytes,
+                 "checksum_GBps": nbytes / t_sum / 1e9, "d2d_copy_GBps": nbytes / t_copy / 1e9,
                  "checksum_vs_copy": t_copy / t_sum}
     print(json.dumps({"checksum_kernel": {"ok": not bad, "cases": cases, "problems": bad[:10],
                                           "corruptions_caught": caught, **speed}}))

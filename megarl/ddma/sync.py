@@ -51,7 +51,7 @@ from megarl.ddma.transport import TRANSPORTS, get_transport
 from megarl.ddma.transport.base import (FP8, DdmaTransportError, dequant, engine_dtype, gloo_group, is_fp8, key,
                                         outgoing_by_param, plan_buckets, wait_keys)
 from megarl.ddma.transport.choice import ALIASES
-from megarl.ddma.verify import DdmaVerifyError, Segments, checksum_segments, hf_segments
+from megarl.ddma.verify import DdmaVerifyError, DigestBatch, Segments, hf_segments
 from megarl.models.layouts import ModelDims
 from megarl.utils.faults import pause_point
 
@@ -169,8 +169,12 @@ def _connect(spec: SyncSpec) -> torch.distributed.TCPStore:
 
 
 class _Side:
+    digests_deferred: bool | None = None  # DigestBatch(deferred=): None = on a device only; the tests force it
+
     def __init__(self, spec: SyncSpec):
         self.spec = spec
+        self._digest_tables: dict = {}  # the digests' segment tables on the device, built once per plan
+        self.digest_readbacks = 0  # device-to-host copies of digests, all syncs (one a side per checked sync)
         self.plan: SyncPlan = without(plan_sync(spec.dims, spec.src, spec.dst), spec.skip)
         self.src_ranks = sorted(self.plan.src_shapes)
         self.dst_ranks = sorted(self.plan.dst_shapes)
@@ -319,15 +323,18 @@ class DdmaSender(_Side):
         return self._segs
 
     def _checksums(self, wire, scales) -> dict[tuple[int, str], int]:
-        sums: dict[tuple[int, str], int] = collections.defaultdict(int)
+        """Per (destination, HF tensor): the digest of what this rank sends there, queued on the device
+        and read back once (:class:`DigestBatch`)."""
+        batch = DigestBatch(self._digest_tables, self.digests_deferred)
         landed_cache: dict[str, torch.Tensor] = {}
         for (j, hf_name, sparam), segs in sorted(self._segments().items(), key=lambda kv: kv[0][2]):
             if sparam not in landed_cache:
-                landed_cache.clear()  # one dequantized parameter at a time
+                landed_cache.clear()  # one dequantized parameter at a time (freed in stream order)
                 landed_cache[sparam] = self._landed(sparam, wire[sparam], scales)
-            s = checksum_segments(landed_cache[sparam], segs)
-            sums[(j, hf_name)] = (sums[(j, hf_name)] + s) & 0xFFFFFFFFFFFFFFFF
-        return dict(sums)
+            batch.add((j, hf_name), landed_cache[sparam], segs, table_key=(j, hf_name, sparam))
+        sums = batch.values()
+        self.digest_readbacks += batch.readbacks
+        return sums
 
 
 class DdmaReceiver(_Side):
@@ -430,8 +437,10 @@ class DdmaReceiver(_Side):
                 peak = max(peak, scratch)
                 sums = None if got is None or sums is None else sums + [got]
             if sums is not None:
-                total = [sum(int(g[i]) for g in sums) & 0xFFFFFFFFFFFFFFFF for i in range(len(self._hf_names(dparam)))]
-                self._landed[dparam] = dict(zip(self._hf_names(dparam), total))
+                for i, name in enumerate(self._hf_names(dparam)):
+                    self._digests.reset((dparam, name))
+                    self._digests.set((dparam, name), sum(int(g[i]) for g in sums) & 0xFFFFFFFFFFFFFFFF)
+                self._landed.add(dparam)
             elif checks:
                 self.check_landed(dparam, params[dparam])
         self.transport.ack(version)
@@ -533,7 +542,8 @@ class DdmaReceiver(_Side):
     def begin_landing(self, tables: Mapping[SrcRank, dict]) -> None:
         """Start checking one sync's landing against the senders' published ``tables``."""
         self.tables = dict(tables)
-        self._landed: dict[str, dict[str, int]] = {}  # engine parameter -> its HF tensors' checksums
+        self._landed: set[str] = set()  # engine parameters reported; their digests are in _digests
+        self._digests = DigestBatch(self._digest_tables, self.digests_deferred)  # (param, HF tensor) -> sum
         self._unsent: set[str] = set()  # engine weights no layout covers
         self._verify_s = 0.0
 
@@ -553,9 +563,8 @@ class DdmaReceiver(_Side):
         if flat.dtype != engine_dtype(self.spec) or flat.numel() != math.prod(layout.local_shape):
             raise DdmaVerifyError(f"ddma: engine parameter {name} landed as {landed.dtype} {tuple(landed.shape)}; "
                                   f"the sync sent {self.spec.engine_dtype} {tuple(layout.local_shape)}")
-        sums: dict[str, int] = collections.defaultdict(int)
-        self._checksum(flat, name, layout, sums)
-        self._landed[name] = sums  # a parameter reported again replaces its earlier report
+        self._checksum(flat, name, layout)  # a parameter reported again replaces its earlier report
+        self._landed.add(name)
         self._verify_s += time.perf_counter() - t
 
     def verify_landed(self, version: int) -> None:
@@ -580,9 +589,9 @@ class DdmaReceiver(_Side):
                 f"ddma verification failed on generator replica {self.rank.replica} tp {self.rank.tp}: "
                 f"{len(missing)} parameter(s) never landed in the engine after weights v{version}: {missing[:4]}")
         sums: dict[str, int] = collections.defaultdict(int)
-        for per_param in self._landed.values():
-            for hf_name, v in per_param.items():
-                sums[hf_name] = (sums[hf_name] + v) & 0xFFFFFFFFFFFFFFFF
+        for (_, hf_name), v in self._digests.values().items():  # the one readback of this sync's digests
+            sums[hf_name] = (sums[hf_name] + v) & 0xFFFFFFFFFFFFFFFF
+        self.digest_readbacks += self._digests.readbacks
         self._compare(sums, self.tables)
         # What verification found, for the controller (sync/verified): set only after the compare passed
         self.store.set(verified_key(version, self.rank), "1")
@@ -599,7 +608,9 @@ class DdmaReceiver(_Side):
         for s, k in zip(late, keys):
             self.tables[s]["sums"] = pickle.loads(self.store.get(k))
 
-    def _checksum(self, flat: torch.Tensor, dparam: str, layout, sums: dict[str, int]) -> None:
+    def _checksum(self, flat: torch.Tensor, dparam: str, layout) -> None:
+        """Queue the digests of engine parameter ``dparam`` as landed (``flat``, its local layout), one per
+        HF tensor, replacing any earlier report of it."""
         cache = self.__dict__.setdefault("_segs", {})
         if dparam not in cache:  # every element each HF tensor has in this parameter (vLLM layout)
             shape, segs = layout.local_shape, {}
@@ -610,7 +621,8 @@ class DdmaReceiver(_Side):
                 segs[name] = hf_segments(layout, name, [a for a, _ in runs], [n for _, n in runs])
             cache[dparam] = segs
         for name, segs in cache[dparam].items():
-            sums[name] = (sums[name] + checksum_segments(flat, segs)) & 0xFFFFFFFFFFFFFFFF
+            self._digests.reset((dparam, name))
+            self._digests.add((dparam, name), flat, segs)
 
     def _compare(self, sums: Mapping[str, int], tables: Mapping[SrcRank, dict]) -> None:
         me = self.group_rank(self.rank)

@@ -85,8 +85,8 @@ def test_same_dtype_views_share_their_storage_handle(monkeypatch):
 
 def test_a_sync_sets_two_store_keys_per_rank_whatever_the_tensors(monkeypatch):
     """The rank's table (addresses, one handle per bucket and worker) and its digests (every (worker, HF tensor)
-    sum) are one store value each per sync: two round trips, not one per tensor. Computing the digests is
-    still one checksum per (worker, HF tensor, source parameter) on the device (docs/gpu.md: what remains)."""
+    sum) are one store value each per sync: two round trips, not one per tensor. The digests themselves are
+    one launch per (worker, HF tensor, source parameter), read back once (tests/unit/test_ddma_digest_batch.py)."""
     sender, store = _sender(monkeypatch, torch.float32, "engine")
     for worker in (1, 2):  # both workers acknowledged: the sender returns after publishing
         store.set(f"ddma/v1/done{worker}", b"1")
