@@ -73,7 +73,7 @@ class LoraMergedSender(DdmaSender):
     tensors cannot have changed (requires_grad False, checked here; no optimizer holds them), and the
     engine keeps what it holds for a layer no tensor of which arrives (vLLM's layerwise reload puts its
     kernel tensors back). The senders' tables name the skip, so the workers' receivers follow
-    (megarl/ddma/sync.py ``DdmaReceiver._for``). ``bytes_sent`` is what this sync moved."""
+    (megarl/ddma/receiver.py ``DdmaReceiver._for``). ``bytes_sent`` is what this sync moved."""
 
     def __init__(self, model, spec: SyncSpec, params: dict):
         from megarl.trainer.lora import lora_modules

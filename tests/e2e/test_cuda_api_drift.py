@@ -26,7 +26,7 @@ import torch._C._distributed_c10d as c10d
 
 REPO = Path(__file__).resolve().parents[2]
 CUDA_PATHS = ["megarl/ddma/transport/nccl.py", "megarl/ddma/transport/cuda_ipc.py", "megarl/ddma/verify.py",
-              "megarl/ddma/sync.py", "megarl/trainer/worker.py",
+              "megarl/ddma/sender.py", "megarl/ddma/receiver.py", "megarl/ddma/sync_spec.py", "megarl/trainer/worker.py",
               "megarl/ddma/transport/buckets.py"]  # where the NCCL rounds are coalesced (BucketedTransport._post)
 NCCL_ONLY = {"ProcessGroupNCCL"}  # in torch._C._distributed_c10d only when torch was built with NCCL
 
