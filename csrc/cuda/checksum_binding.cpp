@@ -30,6 +30,32 @@ void check_table(const at::Tensor& t, const char* name, int64_t n) {
   TORCH_CHECK_VALUE(t.numel() == n, name, " has ", t.numel(), " entries, expected ", n);
 }
 
+void weighted_checksum_segments_cuda_add(const at::Tensor& flat, const at::Tensor& table, int64_t total,
+                                         const at::Tensor& out) {
+  TORCH_CHECK_VALUE(flat.is_cuda() && flat.is_contiguous(), "flat must be a contiguous CUDA tensor, got ",
+                    flat.device());
+  const int64_t elem = flat.element_size();
+  TORCH_CHECK_VALUE(elem == 1 || elem == 2 || elem == 4, "checksums take 1/2/4-byte dtypes, got ",
+                    flat.scalar_type());
+  TORCH_CHECK_VALUE(table.dim() == 1 && table.scalar_type() == at::kLong && table.is_contiguous() &&
+                        table.device() == flat.device() && table.numel() % 4 == 0,
+                    "table must be a contiguous 1-D int64 tensor [offsets | lengths | hf_starts | ends] on ",
+                    flat.device(), ", got ", table.scalar_type(), " ", table.sizes(), " on ", table.device());
+  TORCH_CHECK_VALUE(out.scalar_type() == at::kLong && out.numel() >= 1 && out.is_contiguous() &&
+                        out.device() == flat.device(),
+                    "out must be a contiguous int64 tensor of at least one element on ", flat.device());
+  TORCH_CHECK_VALUE(total >= 0, "total must be >= 0, got ", total);
+  const int64_t n = table.numel() / 4;
+  if (n == 0 || total == 0) return;
+  const c10::cuda::CUDAGuard guard(flat.device());
+  const int64_t* d = table.const_data_ptr<int64_t>();
+  const cudaError_t rc = megarl_weighted_checksum_segments(
+      flat.const_data_ptr(), static_cast<int>(elem), d, d + n, d + 2 * n, d + 3 * n, n, total,
+      reinterpret_cast<unsigned long long*>(out.data_ptr<int64_t>()),
+      c10::cuda::getCurrentCUDAStream().stream());
+  TORCH_CHECK(rc == cudaSuccess, "megarl_weighted_checksum_segments failed: ", cudaGetErrorString(rc));
+}
+
 uint64_t weighted_checksum_segments_cuda(const at::Tensor& flat, const at::Tensor& offsets,
                                          const at::Tensor& lengths, const at::Tensor& hf_starts) {
   TORCH_CHECK_VALUE(flat.is_cuda() && flat.is_contiguous(), "flat must be a contiguous CUDA tensor, got ",
@@ -59,42 +85,9 @@ uint64_t weighted_checksum_segments_cuda(const at::Tensor& flat, const at::Tenso
     t[3 * n + i] = total;
   }
   if (total == 0) return 0;
-  const c10::cuda::CUDAGuard guard(flat.device());
-  const at::Tensor dev = table.to(flat.device());
-  at::Tensor out = at::zeros({1}, flat.options().dtype(at::kLong));
-  const int64_t* d = dev.const_data_ptr<int64_t>();
-  const cudaError_t rc = megarl_weighted_checksum_segments(
-      flat.const_data_ptr(), static_cast<int>(elem), d, d + n, d + 2 * n, d + 3 * n, n, total,
-      reinterpret_cast<unsigned long long*>(out.data_ptr<int64_t>()),
-      c10::cuda::getCurrentCUDAStream().stream());
-  TORCH_CHECK(rc == cudaSuccess, "megarl_weighted_checksum_segments failed: ", cudaGetErrorString(rc));
+  const at::Tensor out = at::zeros({1}, flat.options().dtype(at::kLong));
+  weighted_checksum_segments_cuda_add(flat, table.to(flat.device()), total, out);
   return static_cast<uint64_t>(out.item<int64_t>());  // the one sync: the digest's 8 bytes
-}
-
-void weighted_checksum_segments_cuda_add(const at::Tensor& flat, const at::Tensor& table, int64_t total,
-                                         const at::Tensor& out) {
-  TORCH_CHECK_VALUE(flat.is_cuda() && flat.is_contiguous(), "flat must be a contiguous CUDA tensor, got ",
-                    flat.device());
-  const int64_t elem = flat.element_size();
-  TORCH_CHECK_VALUE(elem == 1 || elem == 2 || elem == 4, "checksums take 1/2/4-byte dtypes, got ",
-                    flat.scalar_type());
-  TORCH_CHECK_VALUE(table.dim() == 1 && table.scalar_type() == at::kLong && table.is_contiguous() &&
-                        table.device() == flat.device() && table.numel() % 4 == 0,
-                    "table must be a contiguous 1-D int64 tensor [offsets | lengths | hf_starts | ends] on ",
-                    flat.device(), ", got ", table.scalar_type(), " ", table.sizes(), " on ", table.device());
-  TORCH_CHECK_VALUE(out.scalar_type() == at::kLong && out.numel() >= 1 && out.is_contiguous() &&
-                        out.device() == flat.device(),
-                    "out must be a contiguous int64 tensor of at least one element on ", flat.device());
-  TORCH_CHECK_VALUE(total >= 0, "total must be >= 0, got ", total);
-  const int64_t n = table.numel() / 4;
-  if (n == 0 || total == 0) return;
-  const c10::cuda::CUDAGuard guard(flat.device());
-  const int64_t* d = table.const_data_ptr<int64_t>();
-  const cudaError_t rc = megarl_weighted_checksum_segments(
-      flat.const_data_ptr(), static_cast<int>(elem), d, d + n, d + 2 * n, d + 3 * n, n, total,
-      reinterpret_cast<unsigned long long*>(out.data_ptr<int64_t>()),
-      c10::cuda::getCurrentCUDAStream().stream());
-  TORCH_CHECK(rc == cudaSuccess, "megarl_weighted_checksum_segments failed: ", cudaGetErrorString(rc));
 }
 
 }  // namespace
