@@ -195,7 +195,7 @@ def load_pretrained(model, path: str | Path) -> str:
     from megarl.trainer.model import unwrap
 
     p = Path(path)
-    unwrap(model).megarl_source = str(p)  # the base a LoRA checkpoint names (megarl/trainer/checkpoint.py lora_meta)
+    unwrap(model).megarl_source = str(p)  # the base a LoRA checkpoint names (megarl/trainer/lora_base.py lora_meta)
     if (p / META_FILE).is_file():
         load_model_checkpoint(model, p)
         return "mcore"
