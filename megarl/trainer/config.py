@@ -39,8 +39,9 @@ class TrainerConfig:
                                "gate weights stay the trainer router's own scores at those experts, "
                                "differentiable); tokens the engine did not report keep the trainer's choice. "
                                "moe/routing_mismatch (share of token-layer pairs routed otherwise than the engine "
-                               "did) is logged either way and is 0 with replay. Only for MoE models; not with "
-                               "trainer.pp > 1. Default false.")
+                               "did) is logged either way and is 0 with replay. Only for MoE models; any trainer "
+                               "layout (pipeline stages take their layers' ids; a full recompute replays each "
+                               "micro-batch's own). Default false.")
 
     # --- batch ---
     micro_batch_size: int = knob(4, help="Sequences per forward/backward micro-batch on one DP "
@@ -203,9 +204,6 @@ class TrainerConfig:
         if bad or (self.lora_rank > 0 and not self.lora_targets):
             out.append(f"trainer.lora_targets={list(self.lora_targets)}: use a non-empty list of "
                        f"{', '.join(LORA_TARGETS)}")
-        if self.router_replay and self.pp > 1:
-            out.append(f"trainer.router_replay=true with trainer.pp={self.pp}: router replay is built for one "
-                       f"pipeline stage; set trainer.pp=1 or trainer.router_replay=false")
         if self.logprob_temperature <= 0:
             out.append(f"trainer.logprob_temperature={self.logprob_temperature}: must be > 0")
         return out
