@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
 
 @dataclasses.dataclass
 class Sample:
@@ -31,9 +33,9 @@ class Sample:
                     token of ``token_ids`` (prompt + completion), per MoE layer (model order), the
                     top-k expert ids the engine routed it to, ``[tokens][moe_layers][topk]``; -1 = not
                     reported (the last token, which the engine never ran; prompt tokens a prefix-cache
-                    hit skipped). It may cover only a prefix (a multi-turn rollout keeps its first
-                    reply's routing; later turns' tokens are unknown). A resumed partial rollout keeps
-                    the latest round's routing of each token. The trainer replays them (trainer.router_replay, megarl/trainer/router_replay.py).
+                    hit skipped). It may cover only a prefix. A resumed partial rollout, and each
+                    turn of a multi-turn rollout (whose request runs the context so far again),
+                    keep the latest routing of each token (:func:`merge_rounds`). The trainer replays them (trainer.router_replay, megarl/trainer/router_replay.py).
     reward, correct, formatted: set by a scorer (``RewardScorer.score``), None before: the
                     reward trained on, whether the final answer is right, whether one could be
                     extracted in the expected format.
@@ -77,3 +79,20 @@ class Sample:
     def truncated(self) -> bool:
         """Cut at its token limit (finish reason 'length'): it never finished its answer."""
         return self.finish_reason == "length"
+
+
+def merge_rounds(old: list | None, new, length: int) -> list[list[list[int]]]:
+    """A sample's routed experts after one more round or turn: ``new`` (its ``[positions, layers, k]``,
+    positions from 0 of prompt + completion) overwrites ``old`` where it is known (>= 0), the rest
+    stays; the result covers ``length`` tokens, -1 where neither knows."""
+    new = np.asarray(new, dtype=np.int64)
+    if new.ndim != 3:
+        return old[:length] if old is not None else []
+    out = np.full((length, new.shape[1], new.shape[2]), -1, dtype=np.int64)
+    if old:
+        o = np.asarray(old, dtype=np.int64)[:length]
+        out[:o.shape[0]] = o
+    n = min(new.shape[0], length)
+    known = (new[:n] >= 0).all(-1, keepdims=True)
+    out[:n] = np.where(known, new[:n], out[:n])
+    return out.tolist()

@@ -12,6 +12,10 @@ observation as given. In the resulting :class:`~megarl.rollout.Sample`:
   and vLLM computes no prompt logprobs unless asked) nor used;
 - ``versions`` per reply token as each turn's engine reported them, so a partial rollout resumed
   after a weight update inside a turn shows the switch as in single turn;
+- ``routed_experts`` (an MoE model) per token as the latest turn that ran it routed it: each turn's
+  request runs the whole context again (prompt, replies, observations; a prefix-cache hit reports the
+  routing its KV blocks recorded), so every token but the last has the routing of the weights that
+  sampled the last reply (``merge_rounds``, as a partial rollout's rounds);
 - ``finish_reason`` 'length' (truncated) when ``generator.max_turns`` replies were given without the
   environment being done, when the next observation and one reply token would not fit
   ``generator.max_model_len`` (the observation is then not appended), or when a
@@ -33,7 +37,7 @@ import logging
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from megarl.rollout import Sample
+from megarl.rollout import Sample, merge_rounds
 
 log = logging.getLogger(__name__)
 # Threads that step one turn's rollouts at once, for an environment with ``concurrent_steps = True``
@@ -58,6 +62,7 @@ class _Rollout:
     reward: Optional[float] = None
     correct: Optional[bool] = None
     formatted: Optional[bool] = None
+    experts: Optional[list] = None  # routed experts of context so far (an MoE model's; None: not reported)
 
     @property
     def context(self) -> List[int]:
@@ -150,7 +155,9 @@ def _play(generator, env, runs: List[_Rollout], *, turns: range, max_turns: int,
 def _sample(r: _Rollout, base: Sample, truncated_score: float) -> Sample:
     """``base`` (its ids) with the rollout's tokens, mask, versions, turns and verdict."""
     truncated = r.finish == "length"
+    routed = base.routed_experts if r.experts is None else r.experts
     return dataclasses.replace(base, completion_ids=r.ids, behav_logprobs=r.logprobs, versions=r.versions,
+                               routed_experts=routed,
                                finish_reason=r.finish or "stop", stop_reason=r.stop_reason, num_rounds=r.rounds,
                                reward=truncated_score if truncated else r.reward,
                                correct=bool(r.correct) and not truncated,
@@ -162,6 +169,8 @@ def _take_reply(r: _Rollout, s: Sample) -> None:
         raise RuntimeError(f"multi-turn: the generator returned a sample for another prompt "
                            f"({len(s.prompt_ids)} tokens, expected {len(r.context)})")
     r.ids += s.completion_ids
+    if s.routed_experts is not None:  # this turn's request ran the whole context: its routing is the latest
+        r.experts = merge_rounds(r.experts, s.routed_experts, len(r.context))
     r.mask += [1] * len(s.completion_ids)
     r.logprobs += list(s.behav_logprobs)
     r.versions += list(s.versions)

@@ -46,12 +46,11 @@ from megarl.executors.base import ExecutorBase
 from megarl.executors.group import ProcessGroup, member_cause
 from megarl.generator.config import GeneratorConfig
 from megarl.generator.threads import threads_binds
-from megarl.generator.routed_experts import merge_rounds
 from megarl.generator.replicas import ReplicaHandle, Track, model_vocab_size, remove_shm_files, request_seed
 from megarl.generator.errors import GeneratorEngineDied, GeneratorError, GeneratorTimeout
 from megarl.generator.supervision import ReplicaSupervision
 from megarl.generator.weight_updates import WeightUpdater
-from megarl.rollout import Sample
+from megarl.rollout import Sample, merge_rounds
 from megarl.utils.errors import exception_line
 from megarl.utils.procs import spawned_from_main_thread
 

@@ -133,21 +133,4 @@ def take_request_experts(worker, request_ids: list[str]) -> dict[str, np.ndarray
     return out
 
 
-def merge_rounds(old: list | None, new, length: int) -> list[list[list[int]]]:
-    """A sample's routed experts after one more round: ``new`` (a round's ``[positions, layers, k]``,
-    positions from 0 of prompt + completion) overwrites ``old`` where it is known (>= 0), the rest
-    stays; the result covers ``length`` tokens, -1 where neither knows."""
-    new = np.asarray(new, dtype=np.int64)
-    if new.ndim != 3:
-        return old[:length] if old is not None else []
-    out = np.full((length, new.shape[1], new.shape[2]), -1, dtype=np.int64)
-    if old:
-        o = np.asarray(old, dtype=np.int64)[:length]
-        out[:o.shape[0]] = o
-    n = min(new.shape[0], length)
-    known = (new[:n] >= 0).all(-1, keepdims=True)
-    out[:n] = np.where(known, new[:n], out[:n])
-    return out.tolist()
-
-
-__all__ = ["install_capture", "take_captured", "install_request_capture", "take_request_experts", "merge_rounds"]
+__all__ = ["install_capture", "take_captured", "install_request_capture", "take_request_experts"]

@@ -4,7 +4,7 @@ engine's expert ids replayed through megatron's RouterReplay the trainer routes 
 did (moe/routing_mismatch 0) and its logprobs match the engine's within the bf16 bound.
 
 Also: a sample's routed experts across partial-rollout rounds and the controller's saved state (JSON),
-and `megarl train` with trainer.router_replay end to end."""
+multi-turn rollouts (every turn's routing), and `megarl train` with trainer.router_replay end to end."""
 
 from __future__ import annotations
 
@@ -161,8 +161,7 @@ def test_partial_rounds_merge_and_survive_the_saved_state():
 
     from megarl.batch import RolloutBatch
     from megarl.generator.replicas import Track
-    from megarl.generator.routed_experts import merge_rounds
-    from megarl.rollout import Sample
+    from megarl.rollout import Sample, merge_rounds
 
     t = Track(key="g0s0", group_id=0, sample_index=0, prompt_index=0, prompt_ids=[5, 6, 7], max_new_tokens=6)
     # round 1: prompt (3) + 3 sampled tokens; the engine ran positions 0..4 (not the last sampled token)
@@ -213,6 +212,67 @@ def test_generator_returns_each_tokens_routing_prefix_cache_hits_included(tiny_q
         assert (e[:-1] >= 0).all() and (e[:-1] < 4).all(), np.argwhere(e[:-1, 0, 0] < 0).ravel()[:10]
         assert (e[-1] == -1).all()  # the last sampled token never ran through the model
         assert np.array_equal(e[:len(prompt)], ref)
+
+
+class _ThreeTurns:
+    """An environment that answers each of the first two replies with the same observation tokens and
+    ends after the third with reward 1: every rollout that ends its replies takes three turns."""
+
+    name = "three-turns"
+    OBSERVATION = [28, 339, 1201, 2, 44, 9]
+
+    def reset(self, task):
+        from megarl.reward.environment import EnvState
+
+        return EnvState(task, [])
+
+    def step(self, state, reply_ids):
+        from megarl.reward.environment import StepResult
+
+        state.turn += 1
+        if state.turn >= 3:
+            return StepResult(None, True, 1.0, {"correct": True})
+        return StepResult(list(self.OBSERVATION), False)
+
+
+def test_multi_turn_rollouts_carry_every_turns_routing(tiny_qwen3_moe_dir, tmp_path):
+    """A three-turn rollout's routed experts cover every token but the last (prompt, replies and
+    observations: each turn's request runs the context again), and they are the routing of the whole
+    rollout run as one prompt (an independent forward: ~60 tokens fill no 128-token KV block, so no
+    prefix-cache hit). fp32 engine: the same tokens route alike up to near-ties under other batch shapes
+    (the generator test above finds none in 1,800 token-layer pairs), so >= 98% must agree; the same
+    ids one position off agree on ~1/6 (a random top-2 of 4), and a merge that drops later turns
+    leaves their tokens -1."""
+    from megarl.controller.turns import multi_turn
+    from megarl.data.tasks import Task
+    from megarl.generator.executor import GeneratorExecutor
+    from tests.harness.generator import base_cfg
+
+    cfg = base_cfg(temperature=1.0, max_new_tokens=16, max_model_len=256, dtype="float32",
+                   log_dir=str(tmp_path / "logs"))
+    g = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(3, 49152, (40,), generator=g).tolist() for _ in range(4)]
+    tasks = [Task(f"q{i}", "1") for i in range(4)]
+    stop = {"stop": ["e", "a", "o", "i"]}  # a random model's replies end within a few tokens (test_multi_turn)
+    with GeneratorExecutor(cfg, tiny_qwen3_moe_dir) as ex:
+        samples = multi_turn(ex, _ThreeTurns(), tasks, prompts, max_turns=3, max_new_tokens=16, max_model_len=256,
+                             sampling=stop)
+        whole = ex.generate([s.token_ids for s in samples], n_samples=1, max_new_tokens=1)
+    agree = shifted = pairs = 0
+    for s, ref in zip(samples, whole):
+        assert s.turns == 3 and s.finish_reason == "stop", (s.turns, s.finish_reason)
+        e, r = np.array(s.routed_experts), np.array(ref.routed_experts)[:len(s.token_ids)]
+        assert e.shape == (len(s.token_ids), 1, 2), e.shape
+        assert (e[:-1] >= 0).all(), np.argwhere(e[:-1, 0, 0] < 0).ravel()  # every turn's tokens routed
+        assert (e[-1] == -1).all()  # the last sampled token never ran
+        same = lambda a, b: (np.sort(a, -1) == np.sort(b, -1)).all(-1)  # noqa: E731 - a top-k set per pair
+        agree += int(same(e[:-1], r[:-1]).sum())
+        shifted += int(same(e[1:-1], r[:-2]).sum())
+        pairs += e[:-1].shape[0] * e.shape[1]
+    print(f"multi-turn routing vs the whole rollout as one prompt: {agree}/{pairs} pairs agree "
+          f"({shifted} one position off)")
+    assert agree >= 0.98 * pairs, (agree, pairs)
+    assert shifted < 0.6 * pairs, (shifted, pairs)
 
 
 def _train_rows(model_dir, out_dir, *overrides):
