@@ -125,3 +125,24 @@ def test_the_gpu_marked_tests_are_a_step_of_the_one_call(tmp_path):
     assert list(steps) == ["gpu_tests"] and steps["gpu_tests"]["ok"] is True, steps
     log = (tmp_path / "gpu_check.gpu_tests.log").read_text()
     assert re.search(r"\d+ skipped", log), log[-2000:]  # collected and skipped here, run on a GPU
+
+
+def test_the_bench_step_times_syncs_with_and_without_checksums(tmp_path):
+    """bench (issue 46): at sync.verify_every=2 the odd syncs after the first carry no checksums (their
+    verify time is 0) and the even ones do; the goal is the unchecked sync's ratio to a d2d copy of the
+    same bytes (reported on CPU, enforced on a GPU), and the 1B's parameters at width 64 give the fixed
+    cost. A planted miss fails the step."""
+    p, doc = _run(tmp_path, MEGARL_GPU_CHECK_STEPS="bench")
+    assert p.returncode == 0 and doc["ok"], p.stdout + p.stderr
+    step, = doc["steps"]
+    res, (narrow,) = step["result"]["bench_cuda_ipc"], step["result"]["also"]
+    assert res["model"] == "small" and res["goal_enforced"] is False and res["ok"]
+    for r in (res, narrow):
+        assert r["verified"]["syncs"] == r["unverified"]["syncs"] == 3
+        assert r["verified"]["verify_s"] > 0 and r["unverified"]["verify_s"] == 0
+        assert r["ratio"] == r["unverified"]["ratio"] == pytest.approx(
+            r["bytes"] / r["unverified"]["sync_seconds"] / 1e9 / r["d2d_copy_GBps"])
+        assert r["meets_goal"] == (r["ratio"] >= r["goal_ratio"] == 0.5)
+    assert res["bytes"] == 305960448 and narrow["model"] == "1b_narrow" and narrow["bytes"] < 2 << 20
+    p, doc = _run(tmp_path, MEGARL_GPU_CHECK_STEPS="bench", MEGARL_GPU_CHECK_PLANT="bench")
+    assert p.returncode != 0 and doc["ok"] is False and doc["steps"][0]["ok"] is False
