@@ -6,7 +6,7 @@ MoE layer 0 and its second MoE layers 2 and 3, so each stage must take its own c
 ``[tokens, moe_layers, k]`` ids (megarl/trainer/router_replay.py ``router_columns``). The "engine"
 ids are random top-2 sets of the 4 experts, unlike the model's own routing on ~5 of 6 token-layer
 pairs, so a column or a micro-batch replayed wrongly moves logprobs by O(1). Four micro-batches of
-unequal lengths per step: under PP2's 1F1B the first stage runs its second micro-batch's forward before
+unequal lengths per step (packed: trainer.packing's default, the ids packed like the tokens): under PP2's 1F1B the first stage runs its second micro-batch's forward before
 the first one's backward, so with ``trainer.recompute=full`` that backward's recompute must replay the
 first micro-batch's ids, not the ones set last (a later micro-batch of another length: wrong shape).
 
