@@ -41,17 +41,14 @@ from pathlib import Path
 
 import torch
 
+from megarl.bench.shape import add_shape_args, llama_dims
+
 QUICK = dict(layers=1, hidden=64, heads=2, kv_heads=1, vocab=512, ffn=128, repeats=1, seq=32)
 MODES = ("full", "lora")
 
 
 def _dims(a: argparse.Namespace, layers: int | None = None):
-    from megarl.models.layouts import ModelDims
-
-    return ModelDims(family="llama", num_layers=layers or a.layers, hidden_size=a.hidden, num_heads=a.heads,
-                     num_kv_heads=a.kv_heads, head_dim=a.hidden // a.heads, ffn_hidden_size=a.ffn,
-                     vocab_size=a.vocab, rms_norm_eps=1e-5, rope_theta=10000.0,
-                     max_position_embeddings=max(a.seq, 64), tie_word_embeddings=True, qkv_bias=False)
+    return llama_dims(a, layers=layers, max_positions=max(a.seq, 64))
 
 
 def _spec(a: argparse.Namespace, port: int):
@@ -305,12 +302,8 @@ def _plot(r: dict, path: Path) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(prog="megarl bench lora", description=__doc__.split("\n")[0])
-    p.add_argument("--layers", type=int, default=2, help="transformer layers (SmolLM2-135M has 30)")
-    p.add_argument("--hidden", type=int, default=576)
-    p.add_argument("--ffn", type=int, default=1536)
-    p.add_argument("--heads", type=int, default=9)
-    p.add_argument("--kv-heads", type=int, default=3)
-    p.add_argument("--vocab", type=int, default=49152)
+    add_shape_args(p, layers=2, hidden=576, ffn=1536, heads=9, kv_heads=3, vocab=49152,
+                   layers_help="transformer layers (SmolLM2-135M has 30)")
     p.add_argument("--rank", type=int, default=16, help="LoRA rank (alpha = 2 x rank)")
     p.add_argument("--batch", type=int, default=8, help="sequences a step")
     p.add_argument("--seq", type=int, default=128, help="tokens a sequence (the last 3/4 trained)")

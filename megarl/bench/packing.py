@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from megarl.bench.shape import add_shape_args, llama_dims
 from megarl.utils.dist import run_multiprocess
 from megarl.utils.paths import portable_args
 
@@ -40,12 +41,7 @@ QUICK = dict(layers=1, hidden=64, heads=4, kv_heads=2, ffn=128, vocab=512, batch
 
 
 def _dims(a: argparse.Namespace):
-    from megarl.models.layouts import ModelDims
-
-    return ModelDims(family="llama", num_layers=a.layers, hidden_size=a.hidden, num_heads=a.heads,
-                     num_kv_heads=a.kv_heads, head_dim=a.hidden // a.heads, ffn_hidden_size=a.ffn,
-                     vocab_size=a.vocab, rms_norm_eps=1e-5, rope_theta=10000.0,
-                     max_position_embeddings=2048, tie_word_embeddings=True, qkv_bias=False)
+    return llama_dims(a)
 
 
 def _lengths(a: argparse.Namespace, shape: str) -> tuple[list[int], int]:
@@ -157,13 +153,9 @@ def _plot(result: dict, path: Path) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(prog="megarl bench packing", description=__doc__.split("\n")[0])
-    p.add_argument("--layers", type=int, default=2, help="transformer layers of the tiny model")
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--ffn", type=int, default=688)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--kv-heads", type=int, default=2)
-    p.add_argument("--vocab", type=int, default=8192, help="vocab (the logits [tokens, vocab] of a padded "
-                   "1024-long micro-batch must fit in memory)")
+    add_shape_args(p, layers=2, hidden=256, ffn=688, heads=4, kv_heads=2, vocab=8192,
+                   layers_help="transformer layers of the tiny model",
+                   vocab_help="vocab (the logits [tokens, vocab] of a padded 1024-long micro-batch must fit in memory)")
     p.add_argument("--batch", type=int, default=32, help="rows of the long-tail batch")
     p.add_argument("--median", type=float, default=128.0, help="median reply length (tokens)")
     p.add_argument("--sigma", type=float, default=1.0, help="lognormal sigma of the reply lengths")

@@ -34,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from megarl.bench.shape import add_shape_args, llama_dims
 from megarl.utils.dist import run_multiprocess
 from megarl.utils.paths import portable_args
 
@@ -44,12 +45,7 @@ LOSSES = ("a3po", "decoupled_ppo", "sync")
 
 
 def _dims(a: argparse.Namespace, seq: int):
-    from megarl.models.layouts import ModelDims
-
-    return ModelDims(family="llama", num_layers=a.layers, hidden_size=a.hidden, num_heads=a.heads,
-                     num_kv_heads=a.kv_heads, head_dim=a.hidden // a.heads, ffn_hidden_size=a.ffn,
-                     vocab_size=a.vocab, rms_norm_eps=1e-5, rope_theta=10000.0,
-                     max_position_embeddings=max(seq, 64), tie_word_embeddings=True, qkv_bias=False)
+    return llama_dims(a, max_positions=max(seq, 64))
 
 
 def _batch(shape: dict, vocab: int, version: int):
@@ -161,12 +157,8 @@ def _plot(result: dict, path: Path) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(prog="megarl bench prox", description=__doc__.split("\n")[0])
-    p.add_argument("--layers", type=int, default=2, help="transformer layers (SmolLM2-135M has 30)")
-    p.add_argument("--hidden", type=int, default=576)
-    p.add_argument("--ffn", type=int, default=1536)
-    p.add_argument("--heads", type=int, default=9)
-    p.add_argument("--kv-heads", type=int, default=3)
-    p.add_argument("--vocab", type=int, default=49152)
+    add_shape_args(p, layers=2, hidden=576, ffn=1536, heads=9, kv_heads=3, vocab=49152,
+                   layers_help="transformer layers (SmolLM2-135M has 30)")
     p.add_argument("--minibatches", type=int, default=4, help="optimizer updates a step (A-3PO's recipes: 4)")
     p.add_argument("--micro-batch", type=int, default=8, help="sequences per micro-batch")
     p.add_argument("--threads", type=int, default=2, help="torch threads")

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from megarl.bench.shape import add_shape_args, llama_dims
 from megarl.utils.dist import run_multiprocess
 from megarl.utils.paths import portable_args
 
@@ -41,11 +42,7 @@ def _dims(a: argparse.Namespace):
     if a.model:
         from megarl.trainer.model import read_hf_config
         return ModelDims.from_hf_config(read_hf_config(a.model))
-    return ModelDims(family="llama", num_layers=a.layers, hidden_size=a.hidden, num_heads=a.heads,
-                     num_kv_heads=a.kv_heads, head_dim=a.hidden // a.heads,
-                     ffn_hidden_size=a.ffn or 4 * a.hidden, vocab_size=a.vocab, rms_norm_eps=1e-5,
-                     rope_theta=10000.0, max_position_embeddings=max(a.seq, 64),
-                     tie_word_embeddings=False, qkv_bias=False)
+    return llama_dims(a, max_positions=max(a.seq, 64), tied=False)
 
 
 def _rollout_batch(a: argparse.Namespace):
@@ -152,12 +149,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank (1 = stable "
                    "numbers on a shared machine; 2 OpenMP threads on 2 busy cores spin and skew "
                    "whichever step runs beside a burst of load)")
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--ffn", type=int, default=0, help="0 = 4 * hidden")
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--kv-heads", type=int, default=2)
-    p.add_argument("--vocab", type=int, default=8192)
+    add_shape_args(p, layers=4, hidden=256, ffn=0, heads=4, kv_heads=2, vocab=8192, ffn_help="0 = 4 * hidden")
     p.add_argument("--batch", type=int, default=8, help="sequences per step (global)")
     p.add_argument("--seq", type=int, default=256, help="tokens per sequence")
     p.add_argument("--micro-batch", type=int, default=4, help="sequences per micro-batch")
