@@ -4,7 +4,7 @@ Each bench is a module of this package with a ``main()``; ``BENCHES`` names them
 (what ``megarl bench --help`` lists). They ship with the package, so an installed megarl runs them
 without a source checkout; a bench that reads a config (``step``, ``checkpoint``) takes its path as
 the first argument (the default, ``configs/bench_step.yaml``, is a checkout's, relative to the
-folder it runs in). Helpers that are not benches (``sync_landing``) are not listed.
+folder it runs in). Helpers that are not benches (``sync_landing``, ``shape``) are not listed.
 
 ``slurm`` is not here: it drives a real Slurm cluster built by the test harness, so it stays a
 checkout tool (``tools/bench_slurm.py``), which ``megarl bench slurm`` runs from a checkout.
