@@ -43,12 +43,10 @@ class RouterStats:
         if problems:
             raise ValueError(problems[0])
         self.replayer = None
-        self.num_moe_layers = 0
         if self.is_moe:
             from megarl.trainer.router_replay import RouterReplayer
 
             self.replayer = RouterReplayer(model, replay=replay, moe_layers=moe_layers)
-            self.num_moe_layers = self.replayer.num_moe_layers
             unwrap(model).megarl_router_replayer = self.replayer
             self.experts = dims.num_experts if moe_layers is not None else self.routers[0].weight.shape[0]
         self.counts: dict[int, torch.Tensor] = {}
@@ -87,7 +85,7 @@ class RouterStats:
             return {}
         from megatron.core import parallel_state as ps
 
-        table = torch.zeros(self.num_moe_layers, self.experts, dtype=torch.float64)
+        table = torch.zeros(self.replayer.num_moe_layers, self.experts, dtype=torch.float64)
         for layer, c in self.counts.items():
             table[layer] = c
         pairs = torch.tensor([float(self.replayer.compared), float(self.replayer.mismatched)], dtype=torch.float64)
