@@ -358,7 +358,8 @@ def bench(dry: bool, trials: int, model: str = "small") -> dict:
     for k, p in best.items():
         gbps = nbytes / p["seconds"] / 1e9
         out[k] = {"sync_seconds": p["seconds"], "sync_GBps": gbps, "ratio": gbps / copy_gbps,
-                  "transfer_s": p["transfer_s"], "verify_s": p["verify_s"], "syncs": len(runs[k])}
+                  "transfer_s": p["transfer_s"], "verify_s": p["verify_s"], "syncs": len(runs[k]),
+                  "worker_digests": p["digests"]}  # the worker's: none on an unchecked sync
     out.update(ratio=out["unverified"]["ratio"], goal_ratio=0.5, meets_goal=out["unverified"]["ratio"] >= 0.5)
     return out
 

@@ -59,8 +59,7 @@ class DdmaReceiver(_Side):
         """:meth:`stream`, each staging tensor checked as what lands, then :meth:`verify_landed`
         (a receiver without an engine: tools and the transport tests)."""
         for name, staging in self.stream(version):
-            if self.spec.verifies(version):
-                self.check_landed(name, staging)
+            self.check_landed(name, staging)
             yield name, staging
         self.verify_landed(version)
 
@@ -101,11 +100,10 @@ class DdmaReceiver(_Side):
         if not self.transport.lands_in_place:
             for name, staging in self.stream(version):
                 params[name].copy_(staging)
-                if checks:
-                    self.check_landed(name, params[name])
+                self.check_landed(name, params[name])
             self.verify_landed(version)
             return
-        self.begin_landing(tables)
+        self.begin_landing(tables, checks)
         t1 = time.perf_counter()
         scale_cache: dict = {}
         peak = 0
@@ -134,6 +132,7 @@ class DdmaReceiver(_Side):
                            "transport": spec.transport, **self.transport.stats()}
         self.verify_landed(version)
         self.last_stats["total_s"] = time.perf_counter() - t0
+        self.last_stats["digests"] = self._digests.digests
 
     def _elements(self) -> int:
         """Elements this worker receives per sync (from the plan; counted once)."""
@@ -200,7 +199,7 @@ class DdmaReceiver(_Side):
             self.last_stats = part.last_stats
             return
         spec = self.spec
-        self.begin_landing(tables)
+        self.begin_landing(tables, spec.verifies(version))
         transfer = land = 0.0
         received = peak = 0
         it = self.transport.receive_params(version)
@@ -221,20 +220,28 @@ class DdmaReceiver(_Side):
         self.peak_bytes = peak
         self.last_stats = {"transfer_s": transfer, "verify_s": 0.0, "land_s": land,
                            "total_s": time.perf_counter() - t0, "elements_received": received,
-                           "peak_extra_bytes": peak, "transport": spec.transport, **self.transport.stats()}
+                           "peak_extra_bytes": peak, "transport": spec.transport,
+                           "digests": self._digests.digests,  # made while the caller landed (check_landed)
+                           **self.transport.stats()}
 
-    def begin_landing(self, tables: Mapping[SrcRank, dict]) -> None:
-        """Start checking one sync's landing against the senders' published ``tables``."""
+    def begin_landing(self, tables: Mapping[SrcRank, dict], checks: bool = True) -> None:
+        """Start one sync's landing from the senders' published ``tables``; ``checks``: whether it is
+        verified (``sync.verify_every``). An unverified sync's :meth:`check_landed` digests nothing: on a
+        GPU each digest reads the whole parameter, a second pass over the bytes the sync moved."""
         self.tables = dict(tables)
+        self._checks = checks
         self._landed: set[str] = set()  # engine parameters reported; their digests are in _digests
         self._digests = DigestBatch(self._digest_tables, self.digests_deferred)  # (param, HF tensor) -> sum
         self._unsent: set[str] = set()  # engine weights no layout covers
         self._verify_s = 0.0
 
     def check_landed(self, name: str, landed: torch.Tensor) -> None:
-        """Checksum parameter ``name`` as the engine holds it after landing (its local layout)."""
+        """Checksum parameter ``name`` as the engine holds it after landing (its local layout); nothing
+        on a sync that is not verified."""
         if self._active is not self:
             return self._active.check_landed(name, landed)
+        if not self._checks:
+            return
         layout = self.layouts.get(name)
         if layout is None and name in self.skipped:  # not in this (partial) sync: the engine keeps it
             return

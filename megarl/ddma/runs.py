@@ -184,11 +184,21 @@ def _row_chunks(rows: int, length: int):
 def land_blocks(dst: torch.Tensor, src: torch.Tensor, blocks: Sequence[tuple[int, ...]]) -> None:
     """``dst[dst_start + i*dst_stride : +length] = src[src_start + i*src_stride : +length]`` for every row
     of every block (1-D tensors of one dtype, on one device): one strided copy per block."""
-    for s0, ss, d0, ds, rows, n in blocks:
-        if rows == 1:
-            dst[d0:d0 + n].copy_(src[s0:s0 + n])
-        else:
-            _rows(dst, d0, ds, rows, n).copy_(_rows(src, s0, ss, rows, n))
+    land_views(dst, source_views(src, blocks))
+
+
+def source_views(src: torch.Tensor, blocks: Sequence[tuple[int, ...]]) -> tuple[tuple, ...]:
+    """``blocks`` with their source side made views of ``src``: ``(dst_start, dst_stride, rows, length,
+    view)`` each, for :func:`land_views`. A source that outlives one landing (an opened IPC storage) keeps
+    its views, so a sync makes only the destination's."""
+    return tuple((d0, ds, rows, n, src[s0:s0 + n] if rows == 1 else _rows(src, s0, ss, rows, n))
+                 for s0, ss, d0, ds, rows, n in blocks)
+
+
+def land_views(dst: torch.Tensor, views: Sequence[tuple]) -> None:
+    """Copy each :func:`source_views` block into 1-D ``dst``: one strided copy per block."""
+    for d0, ds, rows, n, src in views:
+        (dst[d0:d0 + n] if rows == 1 else _rows(dst, d0, ds, rows, n)).copy_(src)
 
 
 def dequant_blocks(dst: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,

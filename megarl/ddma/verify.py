@@ -193,6 +193,7 @@ class DigestBatch:
         self._host: dict = {}    # key -> int (summed mod 2**64)
         self._slots: dict = {}   # key -> int64 tensor of one element on the device
         self.readbacks = 0       # device-to-host copies made by values() (one per call with queued work)
+        self.digests = 0         # digests added (add and set): none on a sync that is not verified
 
     def reset(self, key) -> None:
         """Forget ``key``'s sum (a parameter reported again replaces its earlier report)."""
@@ -201,6 +202,7 @@ class DigestBatch:
 
     def set(self, key, value: int) -> None:
         """Add a digest computed elsewhere (the fused copy + digest of zero_copy) to ``key``."""
+        self.digests += 1
         self._host[key] = (self._host.get(key, 0) + value) & 0xFFFFFFFFFFFFFFFF
 
     def add(self, key, flat: torch.Tensor, segments: Segments, table_key=None) -> None:
@@ -209,6 +211,7 @@ class DigestBatch:
         deferred = flat.device.type != "cpu" if self.deferred is None else self.deferred
         if not deferred:
             return self.set(key, checksum_segments(flat, segments))
+        self.digests += 1
         flat = flat.reshape(-1)
         slot = self._slots.get(key)
         if slot is None:

@@ -269,15 +269,18 @@ def test_nccl_rank_with_no_pairs_still_joins_and_each_group_has_its_own_prefix(m
 
 # --- cuda_ipc's logic (GPU-boundary double) -----------------------------------------------------
 
-@pytest.mark.parametrize("trainer_dtype,wire", [(torch.float32, "engine"), (torch.bfloat16, "engine"),
-                                                (torch.float32, "fp8")])
-def test_cuda_ipc_protocol_lands_exact_and_exports_once(trainer_dtype, wire):
+@pytest.mark.parametrize("trainer_dtype,wire,realloc", [(torch.float32, "engine", False),
+                                                        (torch.bfloat16, "engine", False),
+                                                        (torch.float32, "fp8", False),
+                                                        (torch.float32, "engine", True)])
+def test_cuda_ipc_protocol_lands_exact_and_exports_once(trainer_dtype, wire, realloc):
     """Break caught: landing tables rebuilt per sync or grown per element (index_bytes), a block's
-    destination off by one (the exact bytes)."""
+    destination off by one (the exact bytes), a worker landing from its last sync's source views after the
+    sender re-exported (``realloc``: new buckets every sync; the old ones still hold the last version)."""
     dims = _dims("llama_kv2_tied")
     src, dst = TrainerTopology(2, 1, 1), GeneratorTopology(1, 2)  # TP2 senders -> two TP1 replicas
     _, res = _run(dims, src, dst, transport="cuda_ipc", wire=wire, trainer_dtype=trainer_dtype,
-                  versions=(1, 2, 3), bucket_bytes=64 << 10)
+                  versions=(1, 2, 3), bucket_bytes=64 << 10, realloc=realloc)
     assert len(res["got"]) == 2 * 3
     plan, index_bytes = plan_sync(dims, src, dst), {}
     for rank, v, (got, stats) in res["got"]:
@@ -285,8 +288,8 @@ def test_cuda_ipc_protocol_lands_exact_and_exports_once(trainer_dtype, wire):
         for n, w in want.items():
             if wire == "engine" or w.dim() == 1:
                 assert torch.equal(got[n].view(torch.int16), w.view(torch.int16)), (rank, v, n)
-        # handles opened once per topology, not per sync; every sync collects
-        assert stats["ipc_opens"] == res["got"][0][2][1]["ipc_opens"] or v == 1
+        # handles opened once per topology, not per sync (realloc: every sync's new buckets); every sync collects
+        assert stats["ipc_opens"] == res["got"][0][2][1]["ipc_opens"] or v == 1 or realloc
         assert stats["collects"] >= v
         # landing tables: O(runs), built once (the same bytes every sync), never 16 B per element
         # (cuda_ipc's per-element _index_cache, before issue 46: every element with FP8)
@@ -308,7 +311,10 @@ def test_cuda_ipc_protocol_lands_exact_and_exports_once(trainer_dtype, wire):
     for rank, st in by_version.items():
         # exported once (one handle per storage: bf16 params are views of the live tensors; fp32 and
         # fp8 conversions sit in 64 KiB buckets), never again while storages stay put
-        assert st[1]["ipc_exports"] == st[2]["ipc_exports"] == st[3]["ipc_exports"] > 0
+        if realloc:  # every sync's buckets are new storages: exported (and opened) again
+            assert 0 < st[1]["ipc_exports"] < st[2]["ipc_exports"] < st[3]["ipc_exports"]
+        else:
+            assert st[1]["ipc_exports"] == st[2]["ipc_exports"] == st[3]["ipc_exports"] > 0
         assert st[3]["collects"] >= 3
         if trainer_dtype == torch.float32 and wire == "engine":
             shard = sum(math.prod(s) * 2 for s in _shapes_of(dims, src, rank))
@@ -419,8 +425,11 @@ def test_cuda_ipc_worker_lets_go_of_stale_storages_before_it_acknowledges():
 
     t = CudaIpcTransport(Side(), ops=HostIpcDouble())
     t.opens.opened = {(7, "live#2"): torch.zeros(1), (7, "stale#1"): torch.zeros(1)}
+    s = SrcRank(0, 0, 0)  # the source views a worker keeps between syncs hold their storages too
+    t._views = {(s, "a"): ((7, "live#2", 0), ()), (s, "b"): ((7, "stale#1", 256), ())}
     t.ack(3)
     assert events == [("ack", [(7, "live#2")])]
+    assert list(t._views) == [(s, "a")]
 
 
 def test_ptrace_message_names_yama_scope_one(monkeypatch):

@@ -140,6 +140,8 @@ def test_the_bench_step_times_syncs_with_and_without_checksums(tmp_path):
     for r in (res, narrow):
         assert r["verified"]["syncs"] == r["unverified"]["syncs"] == 3
         assert r["verified"]["verify_s"] > 0 and r["unverified"]["verify_s"] == 0
+        # an unchecked sync reads the landed bytes no second time: the worker digests nothing
+        assert r["verified"]["worker_digests"] > 0 and r["unverified"]["worker_digests"] == 0
         assert r["ratio"] == r["unverified"]["ratio"] == pytest.approx(
             r["bytes"] / r["unverified"]["sync_seconds"] / 1e9 / r["d2d_copy_GBps"])
         assert r["meets_goal"] == (r["ratio"] >= r["goal_ratio"] == 0.5)

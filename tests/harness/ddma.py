@@ -189,7 +189,7 @@ def _use_doubles(doubles: tuple[str, ...]) -> None:
 
 
 def _sender_main(spec: SyncSpec, rank: SrcRank, versions: list[int], dtype: torch.dtype, errq,
-                 doubles: tuple[str, ...] = ()) -> None:
+                 doubles: tuple[str, ...] = (), realloc: bool = False) -> None:
     try:
         _use_doubles(doubles)
         from megarl.ddma.layouts import source_rank_layouts
@@ -204,6 +204,8 @@ def _sender_main(spec: SyncSpec, rank: SrcRank, versions: list[int], dtype: torc
             else:  # new weights in place, as an optimizer step does
                 for n, t in params.items():
                     sender.params[n].copy_(t)
+                if realloc:  # conversion buckets freed and allocated anew: new storages, re-exported
+                    sender._bufs = None
             stats = sender.sync(v)
             if "host_ipc" in doubles:
                 stats["collects"] = HostIpcDouble.collects
@@ -241,8 +243,9 @@ def _receiver_main(spec: SyncSpec, rank, versions: list[int], corrupt: bool, out
 
 def _run(dims, src: TrainerTopology, dst: GeneratorTopology, *, transport="zero_copy", wire="engine",
          engine_dtype="bfloat16", trainer_dtype=torch.float32, versions=(1, 2), corrupt=False, via="map",
-         coalescing=False, **spec_kw):
-    """``coalescing``: nccl's code over CoalescingGlooDouble (NCCL's coalescing branch) instead of gloo."""
+         coalescing=False, realloc=False, **spec_kw):
+    """``coalescing``: nccl's code over CoalescingGlooDouble (NCCL's coalescing branch) instead of gloo;
+    ``realloc``: the senders allocate their conversion buckets anew before every sync after the first."""
     transport = choose_transport(transport, device="cpu", same_host=True)  # "p2p" -> gloo (host memory)
     store = host_store()
     doubles = ("host_ipc",) * (transport == "cuda_ipc") + ("coalescing",) * coalescing  # the GPU-boundary doubles
@@ -253,7 +256,7 @@ def _run(dims, src: TrainerTopology, dst: GeneratorTopology, *, transport="zero_
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "megarl.ddma.sync", "tests.harness.ddma"])
     q = ctx.Queue()
-    procs = [ctx.Process(target=_sender_main, args=(spec, r, list(versions), trainer_dtype, q, doubles))
+    procs = [ctx.Process(target=_sender_main, args=(spec, r, list(versions), trainer_dtype, q, doubles, realloc))
              for r in src.ranks()]
     procs += [ctx.Process(target=_receiver_main, args=(spec, r, list(versions), corrupt, q, doubles))
               for r in dst.ranks()]

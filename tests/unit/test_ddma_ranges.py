@@ -171,7 +171,7 @@ def test_cuda_ipc_tables_of_llama_8b_are_o_runs(gen_tp):
     plan = plan_sync(dims, TrainerTopology(1, 1, 1), GeneratorTopology(gen_tp, 1))
     for d in sorted(plan.dst_shapes):  # each worker's tables: what one vLLM GPU held
         t = CudaIpcTransport.__new__(CudaIpcTransport)  # only its table logic: no side, no CUDA call
-        t._tables = {}
+        t._tables, t._index_bytes = {}, 0
         runs = elements = old_fp8 = old_engine = 0
         for (s, dd), copies in plan.pairs.items():
             if dd != d:

@@ -164,6 +164,8 @@ class Transport:
         self.side = side
         self.spec = side.spec
         self._tables: dict = {}  # landing tables (blocks of runs), built once per plan: see :meth:`table`
+        self._order: list | None = None  # receiver: :meth:`_receive_order`, built once per plan
+        self._index_bytes = 0  # what the tables hold (:meth:`index_bytes`)
 
     # -- sender ---------------------------------------------------------------------------------
     def check_wire(self, wire: dict[str, torch.Tensor]) -> None:
@@ -188,16 +190,15 @@ class Transport:
         """The landing table under ``key`` (blocks of runs, :mod:`megarl.ddma.runs`), made by ``make()``
         the first time and kept: computed once per plan, O(runs) memory, on the host."""
         if key not in self._tables:
-            self._tables[key] = make()
+            t = self._tables[key] = make()
+            for part in (t if isinstance(t, tuple) else (t,)):  # counted once, as made: tables never change
+                self._index_bytes += part.numel() * part.element_size() if isinstance(part, torch.Tensor) \
+                    else 8 * len(part)
         return self._tables[key]
 
     def index_bytes(self) -> int:
         """Bytes held by this side's run tables (int64 per integer; index tensors by their size)."""
-        total = 0
-        for t in self._tables.values():
-            for part in (t if isinstance(t, tuple) else (t,)):
-                total += part.numel() * part.element_size() if isinstance(part, torch.Tensor) else 8 * len(part)
-        return total
+        return self._index_bytes
 
     def send(self, version: int, wire: dict[str, torch.Tensor], scales: dict[str, torch.Tensor]) -> int:
         """Move this sender's bytes for ``version``; returns the most scratch bytes held at once."""
@@ -213,18 +214,28 @@ class Transport:
     # -- receiver -------------------------------------------------------------------------------
     def receive_params(self, version: int) -> Iterator[tuple[str, torch.Tensor, int, int]]:
         side = self.side
-        dtype, scale_cache = engine_dtype(self.spec), {}
-        for dparam, layout in side.layouts.items():
-            shape = layout.local_shape
-            incoming = side.incoming[dparam]
-            elements = sum(c.numel for _, cs in incoming for c in cs)
-            # vocab padding rows: no sender writes them
-            alloc = torch.zeros if elements < math.prod(shape) else torch.empty
-            staging = alloc(shape, dtype=dtype, device=side.device)
-            held = staging.numel() * staging.element_size()
+        dtype, device, tables, scale_cache = engine_dtype(self.spec), side.device, side.tables, {}
+        for dparam, shape, alloc, elements, incoming in self._receive_order():
+            staging = alloc(shape, dtype=dtype, device=device)
+            flat = staging.view(-1)
+            held = flat.numel() * flat.element_size()
             for s, copies in incoming:
-                held += self.land(staging.view(-1), s, copies, side.tables[s], scale_cache)
+                held += self.land(flat, s, copies, tables[s], scale_cache)
             yield dparam, staging, held, elements
+
+    def _receive_order(self) -> list[tuple]:
+        """The worker's parameters in landing order, each ``(name, local shape, allocator, elements
+        received, [(sender, copies)])``, from the plan once (not counted again at every sync)."""
+        if self._order is None:
+            side, order = self.side, []
+            for dparam, layout in side.layouts.items():
+                incoming = side.incoming[dparam]
+                elements = sum(c.numel for _, cs in incoming for c in cs)
+                # vocab padding rows: no sender writes them
+                alloc = torch.zeros if elements < math.prod(layout.local_shape) else torch.empty
+                order.append((dparam, tuple(layout.local_shape), alloc, elements, incoming))
+            self._order = order
+        return self._order
 
     def land(self, flat: torch.Tensor, s, copies: list[Copy], table: dict, scale_cache: dict) -> int:
         """Copy ``copies`` from trainer rank ``s`` into ``flat``; returns scratch bytes."""

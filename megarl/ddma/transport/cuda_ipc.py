@@ -48,7 +48,7 @@ import os
 
 import torch
 
-from megarl.ddma.runs import copy_blocks, dequant_blocks, fp8_blocks, land_blocks
+from megarl.ddma.runs import copy_blocks, dequant_blocks, fp8_blocks, land_views, source_views
 from megarl.ddma.transport.base import DdmaTransportError, Transport, is_fp8
 from megarl.ddma.transport.zero_copy import allow_readers
 
@@ -247,6 +247,9 @@ class CudaIpcTransport(Transport):
         self.exports = ExportCache(self.ops)
         self.opens = OpenCache(self.ops)
         self._readers: dict | None = None
+        # worker: (sender, engine param) -> ((pid, storage key, byte offset), source_views of its blocks):
+        # a sync whose sender exported the same storage lands with the views of the last one
+        self._views: dict = {}
         if hasattr(side, "outgoing"):  # a sender: let its workers take its fds under Yama ptrace_scope=1
             allow_readers()
 
@@ -302,12 +305,18 @@ class CudaIpcTransport(Transport):
                                                 [0] * len(copies), fp8_cols))
 
     def land(self, flat, s, copies, table, scale_cache) -> int:
-        src_shape = tuple(self.side.plan.src_shapes[s][copies[0].src_param])
-        numel = math.prod(src_shape)
         name = copies[0].src_param
+        where = (table["pid"], *table["ipc"]["where"][("w", name)])  # the sender's storage and offset
+        hit = self._views.get((s, copies[0].dst_param))
+        if hit is not None and hit[0] == where:  # the same export as the last sync: only dst views to make
+            land_views(flat, hit[1])
+            return 0
+        src_shape = tuple(self.side.plan.src_shapes[s][name])
+        numel = math.prod(src_shape)
         if not is_fp8(self.spec, src_shape):
-            src = self._source(table, "w", name, flat.dtype, numel).to(flat.device, non_blocking=True)
-            land_blocks(flat, src, self._blocks(s, copies, None))
+            src = self._source(table, "w", name, flat.dtype, numel)
+            views = self._views[(s, copies[0].dst_param)] = (where, source_views(src, self._blocks(s, copies, None)))
+            land_views(flat, views[1])
             return 0
         codes = self._source(table, "w", name, torch.uint8, numel).to(flat.device)
         scales = self._source(table, "s", name, torch.float32, src_shape[0]).to(flat.device)
@@ -320,6 +329,7 @@ class CudaIpcTransport(Transport):
         # (after the ack, it could run first, and a freed bucket stayed held until the next sync).
         live = {(t["pid"], k) for t in self.side.tables.values() for k in t["ipc"]["buckets"]}
         self.opens.keep_only(live)
+        self._views = {k: v for k, v in self._views.items() if v[0][:2] in live}  # their views hold them too
         self.ops.collect()
         super().ack(version)
 
