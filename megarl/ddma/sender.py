@@ -54,6 +54,7 @@ class DdmaSender(_Side):
             self.params = {n: t for n, t in self.params.items() if n in used}
         self.transport = get_transport(spec.transport)(self)
         self._bufs: dict[str, torch.Tensor] | None = None  # conversion buffers, allocated once, in buckets
+        self._sent: int | None = None  # bytes a sync sends (from the plan, counted at the first)
 
     def sync(self, version: int) -> dict:
         """Send this rank's shards for weights ``version``; returns phase seconds and bytes."""
@@ -62,7 +63,9 @@ class DdmaSender(_Side):
         self.transport.check_wire(wire)
         t1 = time.perf_counter()
         me, checks = self.group_rank(self.rank), spec.verifies(version)
-        sent = sum(c.numel * wire[c.src_param].element_size() for _, _, cs in self.outgoing for c in cs)
+        if self._sent is None:  # the plan's bytes at the wire's dtypes: the same every sync
+            self._sent = sum(c.numel * wire[c.src_param].element_size() for _, _, cs in self.outgoing for c in cs)
+        sent = self._sent
         # Both lines go to the rank's log: a death between them is a death mid-transfer, while the
         # generator's workers wait on this rank (tests/faults/test_fault_kill_matrix.py kills there).
         log.info("DDMA rank %d: sending weights v%d (%d bytes)", me, version, sent)
