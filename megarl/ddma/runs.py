@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -199,6 +200,25 @@ def land_views(dst: torch.Tensor, views: Sequence[tuple]) -> None:
     """Copy each :func:`source_views` block into 1-D ``dst``: one strided copy per block."""
     for d0, ds, rows, n, src in views:
         (dst[d0:d0 + n] if rows == 1 else _rows(dst, d0, ds, rows, n)).copy_(src)
+
+
+_WORDS = ((8, torch.int64), (4, torch.int32), (2, torch.int16))
+
+
+def copy_byte_blocks(dst: torch.Tensor, src: torch.Tensor, blocks: Sequence[tuple[int, ...]]) -> int:
+    """:func:`land_blocks` over byte tensors (1-D uint8), each block moved in the widest word (8, 4 or 2
+    bytes, else 1) that its starts, strides and length allow: a GPU copy kernel moves one element per
+    thread step, so bytes would take 8x the steps of int64 words. One strided copy per block; returns
+    how many."""
+    for s0, ss, d0, ds, rows, n in blocks:
+        a, b = _rows(src, s0, ss, rows, n), _rows(dst, d0, ds, rows, n)
+        g = math.gcd(a.storage_offset(), ss, b.storage_offset(), ds, n)
+        for w, dt in _WORDS:
+            if g % w == 0:
+                a, b = a.view(dt), b.view(dt)
+                break
+        b.copy_(a)
+    return len(blocks)
 
 
 def dequant_blocks(dst: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,

@@ -197,6 +197,40 @@ def test_nccl_code_path_over_gloo_lands_exact_bytes(wire, bucket, coalescing):
         assert stats["peak_extra_bytes"] <= shard + 2 * min(bucket, shard)
 
 
+@pytest.mark.parametrize("wire,bucket", [("engine", 1 << 20), ("engine", 4096), ("fp8", 1 << 20), ("fp8", 777)])
+def test_nccl_cuda_path_copies_blocks_not_runs(wire, bucket):
+    """On CUDA, nccl packs and lands with torch copies (no host memcpy). A trainer at TP2 feeding a TP1 worker
+    sends o_proj and down_proj one run per row (524k runs a sync at Llama-3.1-8B: a launch each). Runs fold
+    into strided blocks and FP8 message parts merge, so a (sender, parameter) pair in one chunk takes at most
+    three copies (qkv: q, k and v; FP8: three for its codes, three for its scales), fewer than its runs. Forced on host tensors (``BucketedTransport.host_memcpy = False``). Breaks
+    caught: one copy per run or per FP8 part (the counts), a block's stride or word width wrong (the bytes,
+    also with chunk edges inside rows at 4096 / 777 bytes)."""
+    dims = _dims("qwen2_kv2")
+    src, dst = TrainerTopology(2, 1, 1), GeneratorTopology(1, 1)
+    spec, res = _run(dims, src, dst, transport="nccl", wire=wire, versions=(1, 2), bucket_bytes=bucket,
+                     coalescing=True, device_copies=True)
+    plan = plan_sync(dims, src, dst)
+    pairs = {s: cs for (s, _), cs in plan.pairs.items()}
+    runs = sum(len(cs) for cs in pairs.values())
+    for rank, v, (got, stats) in res["got"]:
+        want = _expected(dims, dst, v, torch.float32, torch.bfloat16)[rank.tp]
+        for n, w in want.items():
+            if wire == "engine" or w.dim() == 1:
+                assert torch.equal(got[n].view(torch.int16), w.view(torch.int16)), (v, n)
+            else:  # the e4m3 round trip bound of test_ddma_sync.test_sync_fp8_before_send
+                err = (got[n].float() - w.float()).abs()
+                bound = w.float().abs() * (2 ** -4 + 2 ** -8) + w.float().abs().amax() * 2 ** -9 / 448 * 8
+                assert bool((err <= bound + 1e-30).all()), n
+        if bucket == 1 << 20:  # one chunk per group: copies per (sender, engine parameter) pair
+            pieces = sum(len({c.dst_param for c in cs}) for cs in pairs.values())
+            fp8 = 2 if wire == "fp8" else 1  # codes and scales: two message parts, then the dequantization
+            assert 0 < stats["copies"] <= 3 * fp8 * pieces < runs, (stats["copies"], pieces, runs)
+    for rank, v, stats in res["sent"]:
+        if bucket == 1 << 20:  # per wire tensor: its copies folded (engine) or its codes' and scales' blocks
+            tensors = len({c.src_param for c in pairs[rank]})
+            assert 0 < stats["copies"] <= 3 * (2 if wire == "fp8" else 1) * tensors < len(pairs[rank])
+
+
 def test_nccl_round_takes_the_backend_bindings_sequence():
     """``NcclTransport._round`` on the real c10d Backends: gloo does not coalesce (its own Works), and the
     coalescing calls as ``_round`` makes them are what the Backend binding takes -- no argument (the old

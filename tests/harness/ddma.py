@@ -186,6 +186,10 @@ def _use_doubles(doubles: tuple[str, ...]) -> None:
         from megarl.ddma.transport import nccl
 
         nccl.HOST_GROUP = CoalescingGlooDouble
+    if "device_copies" in doubles:  # the CUDA path's strided block copies, on host tensors
+        from megarl.ddma.transport.buckets import BucketedTransport
+
+        BucketedTransport.host_memcpy = False
 
 
 def _sender_main(spec: SyncSpec, rank: SrcRank, versions: list[int], dtype: torch.dtype, errq,
@@ -243,12 +247,14 @@ def _receiver_main(spec: SyncSpec, rank, versions: list[int], corrupt: bool, out
 
 def _run(dims, src: TrainerTopology, dst: GeneratorTopology, *, transport="zero_copy", wire="engine",
          engine_dtype="bfloat16", trainer_dtype=torch.float32, versions=(1, 2), corrupt=False, via="map",
-         coalescing=False, realloc=False, **spec_kw):
+         coalescing=False, realloc=False, device_copies=False, **spec_kw):
     """``coalescing``: nccl's code over CoalescingGlooDouble (NCCL's coalescing branch) instead of gloo;
-    ``realloc``: the senders allocate their conversion buckets anew before every sync after the first."""
+    ``realloc``: the senders allocate their conversion buckets anew before every sync after the first;
+    ``device_copies``: nccl / gloo pack and land as on CUDA (strided block copies, not host memcpy)."""
     transport = choose_transport(transport, device="cpu", same_host=True)  # "p2p" -> gloo (host memory)
     store = host_store()
-    doubles = ("host_ipc",) * (transport == "cuda_ipc") + ("coalescing",) * coalescing  # the GPU-boundary doubles
+    doubles = (("host_ipc",) * (transport == "cuda_ipc") + ("coalescing",) * coalescing  # the GPU-boundary doubles
+               + ("device_copies",) * device_copies)
     spec = SyncSpec(dims, src, dst, "127.0.0.1", store.port, transport=transport, wire=wire,
                     engine_dtype=engine_dtype, timeout_s=TIMEOUT_S, zero_copy_via=via, **spec_kw)
     # forkserver, not fork: a process that already ran OpenMP-parallel torch ops (any earlier test)

@@ -24,8 +24,8 @@ import pytest
 import torch
 
 from megarl.ddma.plan_types import Copy
-from megarl.ddma.runs import (BLOCK_INTS, FP8_BLOCK_INTS, copy_blocks, dequant_blocks, fp8_blocks, land_blocks,
-                              table_bytes)
+from megarl.ddma.runs import (BLOCK_INTS, FP8_BLOCK_INTS, copy_blocks, copy_byte_blocks, dequant_blocks, fp8_blocks,
+                              land_blocks, table_bytes)
 from megarl.ddma.transport.base import land_fp8, land_fp8_per_element, packed_fp8_blocks, rows_of
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -126,6 +126,32 @@ def test_blocks_land_what_per_element_indices_landed():
         got = torch.full((size,), float("nan"), dtype=torch.bfloat16)
         dequant_blocks(got, codes, scales, fp8_blocks(src_off, src_off, dst_off, lens, [0] * len(copies), cols))
         assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (trial, copies)
+
+
+@pytest.mark.parametrize("unit", [1, 2, 8])
+def test_byte_blocks_copy_in_words_at_any_alignment(unit):
+    """nccl's CUDA path (copy_byte_blocks): byte runs of ``unit``-byte elements between byte views that start
+    at storage offsets 0 to 7, each block moved in the widest word its offsets, strides, length and both
+    views' storage offsets allow; the bytes equal a per-run byte copy, nothing written outside the runs.
+    Break caught: a word width from the strides alone (a misaligned view: torch refuses it), a block's
+    stride off by one (the bytes)."""
+    rng, g = random.Random(unit), torch.Generator().manual_seed(unit)
+    for trial in range(120):
+        rows, cols = rng.randint(1, 12), rng.randint(1, 12)
+        copies, size = _random_copies(rng, rows * cols)
+        if not copies:
+            continue
+        shift_src, shift_dst = rng.randint(0, 7), rng.randint(0, 7)
+        src = torch.randint(0, 256, (rows * cols * unit + shift_src,), generator=g, dtype=torch.uint8)[shift_src:]
+        dst = torch.zeros(size * unit + shift_dst, dtype=torch.uint8)[shift_dst:]
+        want = dst.clone()
+        for c in copies:
+            want[c.dst_offset * unit:(c.dst_offset + c.numel) * unit] = \
+                src[c.src_offset * unit:(c.src_offset + c.numel) * unit]
+        blocks = copy_blocks([c.src_offset * unit for c in copies], [c.dst_offset * unit for c in copies],
+                             [c.numel * unit for c in copies])
+        assert copy_byte_blocks(dst, src, blocks) == len(blocks) <= len(copies)
+        assert torch.equal(dst, want), (trial, shift_src, shift_dst, copies)
 
 
 def test_large_blocks_land_in_row_chunks(monkeypatch):

@@ -14,7 +14,9 @@ Schedule, computed alike on every rank from the plan (nothing travels but the by
 - **Overlap**: a rank keeps up to :data:`IN_FLIGHT` rounds posted. A sender packs round r+1 while round r
   moves; a worker posts round r+1's receives before it lands round r. On host memory packing and
   landing are one C++ memcpy per planned run (``copy_runs``, GIL released, so they overlap the backend's
-  own threads), from run tables computed once per topology; on CUDA they are torch copies.
+  own threads), from run tables computed once per topology. On CUDA they are one strided copy per block
+  (``_Runs.blocks``: runs of one length at constant strides fold into one, so a dim-1 shard's rows, one run
+  each, take one launch per chunk, not one per row), in the widest word the block allows.
 
 Memory budget (``sync.bucket_mb``): a sender holds at most ``bucket_bytes`` of packed chunks per worker
 it feeds (:data:`IN_FLIGHT` chunks of half that); a worker holds one group's staging tensors (at most
@@ -35,6 +37,7 @@ import torch
 
 from megarl.ddma.bucket_model import IN_FLIGHT, chunk_bytes
 from megarl.ddma.layouts import vllm_param_layouts
+from megarl.ddma.runs import copy_blocks, copy_byte_blocks
 from megarl.ddma.transport.base import Transport, engine_dtype, is_fp8, land_fp8, packed_fp8_blocks, rows_of
 from megarl.ddma.transport.zero_copy import copy_runs
 
@@ -131,17 +134,24 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 class _Runs:
     """One chunk of one pair as memcpy runs, computed once: per run its tensor (an index into ``keys``),
     byte offset there, offset in the chunk buffer, and length; ``other`` keeps the FP8 parts a worker
-    gathers per parameter (``(seg, first byte in seg, n, offset in chunk)``)."""
+    gathers per parameter (``(engine param, byte offset in its message, offset in chunk, n)``, consecutive
+    contiguous parts merged: a dim-1 shard's codes come one run per row)."""
 
     def __init__(self, parts, key_of, sender: bool):
+        self.sender, self._blocks = sender, None
         self.keys: list = []
         index: dict = {}
         kid, off, pos_l, n_l, self.other = [], [], [], [], []
         pos = 0
         for seg, a, n in parts:
             k = key_of(seg)
-            if k is None:
-                self.other.append((seg, a, n, pos))
+            if k is None:  # consecutive parts of one parameter's message, contiguous on both sides: one copy
+                dst = seg.dst_byte + a
+                last = self.other[-1] if self.other else None
+                if last and last[0] == seg.dparam and last[1] + last[3] == dst and last[2] + last[3] == pos:
+                    self.other[-1] = (seg.dparam, last[1], last[2], last[3] + n)
+                else:
+                    self.other.append((seg.dparam, dst, pos, n))
             else:
                 kid.append(index.setdefault(k, len(index)))
                 off.append((seg.src_byte if sender else seg.dst_byte) + a)
@@ -153,6 +163,20 @@ class _Runs:
         as_t = lambda v: torch.tensor(v, dtype=torch.int64)  # noqa: E731
         self.kid, self.off, self.pos, self.n = as_t(kid), as_t(off), as_t(pos_l), as_t(n_l)
 
+    def blocks(self) -> list[tuple[int, tuple]]:
+        """The runs folded into strided blocks (:func:`megarl.ddma.runs.copy_blocks`, in bytes), per tensor:
+        ``[(key index, blocks)]``, computed once. Source side: the tensor (sender) or the chunk buffer
+        (worker). A dim-1 shard's rows, one run each, fold into one block per (tensor, chunk)."""
+        if self._blocks is None:
+            by_key: dict[int, list] = collections.defaultdict(lambda: ([], [], []))
+            for k, o, p, n in zip(self.kid.tolist(), self.off.tolist(), self.pos.tolist(), self.n.tolist()):
+                src, dst, lens = by_key[k]
+                src.append(o if self.sender else p)
+                dst.append(p if self.sender else o)
+                lens.append(n)
+            self._blocks = [(k, copy_blocks(*cols)) for k, cols in by_key.items()]
+        return self._blocks
+
     def addresses(self, ptr_of) -> torch.Tensor:
         """Absolute addresses of every run (its tensor's address now + its offset)."""
         ptrs = torch.tensor([ptr_of(k) for k in self.keys], dtype=torch.int64)
@@ -162,6 +186,9 @@ class _Runs:
 class BucketedTransport(Transport):
     """The schedule of the module docstring; a subclass gives the group (:meth:`pg`)."""
 
+    host_memcpy = True  # host memory: pack and land with one C++ memcpy per run (copy_runs). False: the
+                        # device path (strided copies of folded blocks) on host tensors too: the CPU tests
+
     def __init__(self, side):
         super().__init__(side)
         self._pg = None
@@ -169,6 +196,7 @@ class BucketedTransport(Transport):
         self._streams: dict = {}
         self._runs: dict = {}
         self._pool: dict = {}  # (peer, slot) -> a message buffer, reused by every round and sync (host)
+        self.copies = 0  # torch copies of the last sync: the device path's blocks, and FP8 message parts
         self.rounds = 0  # rounds this side took part in during the last sync (tests read it)
         self.messages = 0  # messages it sent or received then
         self.message_bytes = 0
@@ -177,7 +205,7 @@ class BucketedTransport(Transport):
         raise NotImplementedError
 
     def stats(self) -> dict:
-        return {**super().stats(), "rounds": self.rounds, "messages": self.messages,
+        return {**super().stats(), "rounds": self.rounds, "messages": self.messages, "copies": self.copies,
                 "bytes_per_message": self.message_bytes // max(1, self.messages)}
 
     @staticmethod
@@ -252,12 +280,13 @@ class BucketedTransport(Transport):
 
     # -- sender ---------------------------------------------------------------------------------
     def _pack(self, runs: _Runs, src_bytes: dict, device: torch.device, peer, slot: int) -> torch.Tensor:
-        if device.type == "cpu":
-            buf = self._buffer(peer, slot, runs.total, device)
+        buf = self._buffer(peer, slot, runs.total, device)
+        if device.type == "cpu" and self.host_memcpy:
             copy_runs(runs.addresses(lambda k: src_bytes[k].data_ptr()), runs.pos + buf.data_ptr(), runs.n)
             return buf
-        return torch.cat([src_bytes[runs.keys[i]][o:o + n] for i, o, n in
-                          zip(runs.kid.tolist(), runs.off.tolist(), runs.n.tolist())])
+        for i, blocks in runs.blocks():  # one launch per block, not per run (a dim-1 shard: one per row)
+            self.copies += copy_byte_blocks(buf, src_bytes[runs.keys[i]], blocks)
+        return buf
 
     def send(self, version, wire, scales) -> int:
         side, chunk = self.side, chunk_bytes(self.spec.bucket_bytes)
@@ -268,7 +297,7 @@ class BucketedTransport(Transport):
         dsts = [d for d in side.dst_ranks if side.plan.pairs.get((side.rank, d))]
         n_groups = max((len(self.groups(d)) for d in dsts), default=0)
         peak = held = 0
-        self.rounds = self.messages = self.message_bytes = 0
+        self.rounds = self.messages = self.message_bytes = self.copies = 0
         inflight: collections.deque = collections.deque()
         for g in range(n_groups):
             streams = {d: self.streams(side.rank, d)[g] for d in dsts if g < len(self.groups(d))}
@@ -306,7 +335,7 @@ class BucketedTransport(Transport):
         dtype, device = engine_dtype(spec), side.device
         pg = self.pg(device)
         srcs = [s for s in side.src_ranks if side.plan.pairs.get((s, side.rank))]
-        self.rounds = self.messages = self.message_bytes = 0
+        self.rounds = self.messages = self.message_bytes = self.copies = 0
         for g, group in enumerate(self.groups(side.rank)):
             staging, elements = {}, {}
             for p in group:
@@ -358,18 +387,19 @@ class BucketedTransport(Transport):
         """Copy one received chunk's runs into the staging tensors (and FP8 message buffers); returns
         scratch bytes of any FP8 parameter it completed."""
         if runs.keys:
-            if buf.device.type == "cpu":
+            if buf.device.type == "cpu" and self.host_memcpy:
                 copy_runs(runs.pos + buf.data_ptr(), runs.addresses(lambda p: staging[p].data_ptr()), runs.n)
             else:
-                for i, o, pos, n in zip(runs.kid.tolist(), runs.off.tolist(), runs.pos.tolist(), runs.n.tolist()):
-                    _bytes(staging[runs.keys[i]])[o:o + n].copy_(buf[pos:pos + n])
+                for i, blocks in runs.blocks():
+                    self.copies += copy_byte_blocks(_bytes(staging[runs.keys[i]]), buf, blocks)
         extra = 0
-        for seg, a, n, pos in runs.other:
-            k = (s, seg.dparam)
-            msg_buf[k][seg.dst_byte + a:seg.dst_byte + a + n].copy_(buf[pos:pos + n])
+        for dparam, dst, pos, n in runs.other:
+            k = (s, dparam)
+            msg_buf[k][dst:dst + n].copy_(buf[pos:pos + n])
+            self.copies += 1
             left[k] -= n
             if left[k] == 0:
-                extra += self._land_fp8(staging[seg.dparam], s, seg.dparam, msg_buf.pop(k))
+                extra += self._land_fp8(staging[dparam], s, dparam, msg_buf.pop(k))
         return extra
 
     def _land_fp8(self, staging: torch.Tensor, s, dparam: str, msg: torch.Tensor) -> int:
