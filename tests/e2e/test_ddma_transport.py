@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import subprocess
@@ -229,6 +230,22 @@ def test_nccl_cuda_path_copies_blocks_not_runs(wire, bucket):
         if bucket == 1 << 20:  # per wire tensor: its copies folded (engine) or its codes' and scales' blocks
             tensors = len({c.src_param for c in pairs[rank]})
             assert 0 < stats["copies"] <= 3 * (2 if wire == "fp8" else 1) * tensors < len(pairs[rank])
+
+
+@pytest.mark.parametrize("wire", ["engine", "fp8"])
+def test_copy_counts_tool_at_llama_1b(wire, capsys):
+    """tools/ddma_copy_counts.py (the figures in docs/ddma.md): at Llama-3.2-1B, trainer TP2 -> TP1, the worker's
+    ~131k runs (one per row of o_proj and down_proj) take a few hundred copies with nccl and cuda_ipc, and
+    FP8's ~263k message parts merge likewise. Break caught: a transport copying per run or per part again."""
+    sys.path.insert(0, os.path.join(REPO, "tools"))
+    import ddma_copy_counts
+
+    assert ddma_copy_counts.main(["--model", os.path.join(REPO, "configs/models/llama-3.2-1b.json"),
+                                  "--wire", wire]) == 0
+    out = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert out["runs"] > 100_000  # 16 layers x 2 senders x 2048 rows x (o_proj, down_proj)
+    assert 0 < out["nccl_copies"] < out["runs"] / 100 and 0 < out["cuda_ipc_copies"] < out["runs"] / 100
+    assert out["nccl_fp8_parts_unmerged"] == 0 if wire == "engine" else out["nccl_fp8_parts_unmerged"] > out["runs"]
 
 
 def test_nccl_round_takes_the_backend_bindings_sequence():
