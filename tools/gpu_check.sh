@@ -16,7 +16,8 @@
 #   fp8        the CUDA FP8 kernel vs the torch reference, bit for bit       (tools/gpu_fp8_check.py);
 #   checksum   the CUDA digest kernel vs the CPU kernel and torch, to the bit; planted corruptions
 #              caught; its GB/s beside a d2d copy, reported               (tools/gpu_checksum_check.py);
-#   nccl       the nccl transport's calls on a 1-rank ProcessGroupNCCL     (tools/gpu_nccl_check.py);
+#   nccl       the nccl transport's calls on a 1-rank ProcessGroupNCCL, and its CUDA packing and landing
+#              of a 1B worker's sync (TP2 -> TP1) equal to its host path     (tools/gpu_nccl_check.py);
 #   bench      CUDA IPC sync GB/s vs a device-to-device copy of the same bytes at a 1B shape, with checksums
 #              and without; goal >= 50% without, enforced; the fixed cost (the 1B's parameters at width 64);
 #   ipc_8b     the fp8 CUDA IPC sync at an 8B layer's width, TP2 -> TP2, exact, each worker's landing tables
@@ -173,7 +174,7 @@ if wants build; then
 fi
 wants fp8 && step fp8 90 "$py" tools/gpu_fp8_check.py $dryflag
 wants checksum && step checksum 90 "$py" tools/gpu_checksum_check.py $dryflag
-wants nccl && step nccl 60 "$py" tools/gpu_nccl_check.py $dryflag
+wants nccl && step nccl 90 "$py" tools/gpu_nccl_check.py $dryflag
 # the goal at Llama-3.2-1B's shape (3.0 GB; the CPU dry run: the 306 MB one), then the same parameters at width
 # 64 (the sync's fixed cost), reported
 wants bench && step bench 150 "$py" tools/gpu_ddma_ipc.py --bench --trials 3 \

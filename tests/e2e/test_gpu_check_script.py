@@ -127,6 +127,21 @@ def test_the_gpu_marked_tests_are_a_step_of_the_one_call(tmp_path):
     assert re.search(r"\d+ skipped", log), log[-2000:]  # collected and skipped here, run on a GPU
 
 
+def test_the_nccl_step_lands_through_the_cuda_path_like_the_host_path(tmp_path):
+    """nccl's device_copies (issue 46): a worker's sync packed and landed by the transport's CUDA path (folded
+    blocks; on a GPU at Llama-3.2-1B's shape, here on host tensors at a small one) equals its host path (a
+    memcpy per run) byte for byte, with far fewer copies than runs; a planted wrong byte fails the step."""
+    p, doc = _run(tmp_path, MEGARL_GPU_CHECK_STEPS="nccl")
+    assert p.returncode == 0 and doc["ok"], p.stdout + p.stderr
+    step, = doc["steps"]
+    res = step["result"]["device_copies"]
+    assert res["ok"] and res["exact"] and res["device"] == "cpu"
+    assert 0 < res["copies"] < res["runs"] / 10  # o_proj and down_proj: a run per row, a block per chunk
+    p, doc = _run(tmp_path, MEGARL_GPU_CHECK_STEPS="nccl", MEGARL_GPU_CHECK_PLANT="nccl")
+    assert p.returncode != 0 and doc["ok"] is False
+    assert doc["steps"][0]["result"]["device_copies"]["exact"] is False
+
+
 def test_the_bench_step_times_syncs_with_and_without_checksums(tmp_path):
     """bench (issue 46): at sync.verify_every=2 the odd syncs after the first carry no checksums (their
     verify time is 0) and the even ones do; the goal is the unchecked sync's ratio to a d2d copy of the
