@@ -189,35 +189,52 @@ def land_blocks(dst: torch.Tensor, src: torch.Tensor, blocks: Sequence[tuple[int
 
 
 def source_views(src: torch.Tensor, blocks: Sequence[tuple[int, ...]]) -> tuple[tuple, ...]:
-    """``blocks`` with their source side made views of ``src``: ``(dst_start, dst_stride, rows, length,
-    view)`` each, for :func:`land_views`. A source that outlives one landing (an opened IPC storage) keeps
-    its views, so a sync makes only the destination's."""
-    return tuple((d0, ds, rows, n, src[s0:s0 + n] if rows == 1 else _rows(src, s0, ss, rows, n))
-                 for s0, ss, d0, ds, rows, n in blocks)
+    """``blocks`` with their source side made views of ``src``, for :func:`land_views`: ``(dst_start,
+    dst_stride, rows, length, view)`` each, in bytes, the view in the widest word (:func:`_word`) that the
+    block's starts, strides and length allow on both sides, for a destination whose storage starts on an
+    8-byte boundary (a fresh staging tensor; :func:`land_views` checks). A source that outlives one landing
+    (an opened IPC storage) keeps its views, so a sync makes only the destination's."""
+    sb, isz = src.view(torch.uint8), src.element_size()
+    out = []
+    for s0, ss, d0, ds, rows, n in blocks:
+        s0, ss, d0, ds, n = s0 * isz, ss * isz, d0 * isz, ds * isz, n * isz
+        word = _word(sb.storage_offset() + s0, ss, d0, ds, n)
+        out.append((d0, ds, rows, n, _rows(sb, s0, ss, rows, n).view(word)))
+    return tuple(out)
 
 
 def land_views(dst: torch.Tensor, views: Sequence[tuple]) -> None:
-    """Copy each :func:`source_views` block into 1-D ``dst``: one strided copy per block."""
+    """Copy each :func:`source_views` block into 1-D ``dst``: one strided copy per block, in the source
+    view's words (in bytes where ``dst``'s storage does not start on a word boundary)."""
+    db = dst.view(torch.uint8)
     for d0, ds, rows, n, src in views:
-        (dst[d0:d0 + n] if rows == 1 else _rows(dst, d0, ds, rows, n)).copy_(src)
+        b = _rows(db, d0, ds, rows, n)
+        if db.storage_offset() % src.element_size():
+            src = src.view(torch.uint8)
+        else:
+            b = b.view(src.dtype)
+        b.copy_(src)
 
 
 _WORDS = ((8, torch.int64), (4, torch.int32), (2, torch.int16))
 
 
+def _word(*byte_ints: int) -> torch.dtype:
+    """The widest word (8, 4 or 2 bytes, else 1) dividing every one of ``byte_ints`` (a block's byte starts,
+    strides and length): a GPU copy kernel moves one element per thread step, so a block copied as bf16
+    takes 4x the steps of int64 words, as bytes 8x."""
+    g = math.gcd(*byte_ints)
+    return next((dt for w, dt in _WORDS if g % w == 0), torch.uint8)
+
+
 def copy_byte_blocks(dst: torch.Tensor, src: torch.Tensor, blocks: Sequence[tuple[int, ...]]) -> int:
-    """:func:`land_blocks` over byte tensors (1-D uint8), each block moved in the widest word (8, 4 or 2
-    bytes, else 1) that its starts, strides and length allow: a GPU copy kernel moves one element per
-    thread step, so bytes would take 8x the steps of int64 words. One strided copy per block; returns
-    how many."""
+    """:func:`land_blocks` over byte tensors (1-D uint8), each block moved in the widest word its starts
+    (storage offsets included), strides and length allow (:func:`_word`). One strided copy per block;
+    returns how many."""
     for s0, ss, d0, ds, rows, n in blocks:
         a, b = _rows(src, s0, ss, rows, n), _rows(dst, d0, ds, rows, n)
-        g = math.gcd(a.storage_offset(), ss, b.storage_offset(), ds, n)
-        for w, dt in _WORDS:
-            if g % w == 0:
-                a, b = a.view(dt), b.view(dt)
-                break
-        b.copy_(a)
+        word = _word(a.storage_offset(), ss, b.storage_offset(), ds, n)
+        b.view(word).copy_(a.view(word))
     return len(blocks)
 
 

@@ -133,8 +133,9 @@ def test_byte_blocks_copy_in_words_at_any_alignment(unit):
     """nccl's CUDA path (copy_byte_blocks): byte runs of ``unit``-byte elements between byte views that start
     at storage offsets 0 to 7, each block moved in the widest word its offsets, strides, length and both
     views' storage offsets allow; the bytes equal a per-run byte copy, nothing written outside the runs.
-    Break caught: a word width from the strides alone (a misaligned view: torch refuses it), a block's
-    stride off by one (the bytes)."""
+    The same for cuda_ipc's landing (land_blocks: source views in words) of bf16 at any element offset.
+    Break caught: a word width from the strides alone (a misaligned view: torch refuses it), a destination
+    off the word boundary viewed in words, a block's stride off by one (the bytes)."""
     rng, g = random.Random(unit), torch.Generator().manual_seed(unit)
     for trial in range(120):
         rows, cols = rng.randint(1, 12), rng.randint(1, 12)
@@ -152,6 +153,18 @@ def test_byte_blocks_copy_in_words_at_any_alignment(unit):
                              [c.numel * unit for c in copies])
         assert copy_byte_blocks(dst, src, blocks) == len(blocks) <= len(copies)
         assert torch.equal(dst, want), (trial, shift_src, shift_dst, copies)
+        # cuda_ipc's landing (source views kept in words) of bf16 elements, both sides at element offsets
+        # 0-3: a destination off the 8-byte boundary takes the source view's bytes
+        if unit == 2:
+            src16 = torch.randint(-30000, 30000, (rows * cols + 3,), generator=g, dtype=torch.int16)[shift_src % 4:]
+            src16 = src16[:rows * cols].view(torch.bfloat16)
+            dst16 = torch.zeros(size + 3, dtype=torch.int16)[shift_dst % 4:][:size]
+            want16 = dst16.clone()
+            for c in copies:
+                want16[c.dst_offset:c.dst_offset + c.numel] = src16.view(torch.int16)[c.src_offset:c.src_offset + c.numel]
+            land_blocks(dst16.view(torch.bfloat16), src16,
+                        copy_blocks(*([getattr(c, f) for c in copies] for f in ("src_offset", "dst_offset", "numel"))))
+            assert torch.equal(dst16, want16), (trial, shift_src, shift_dst, copies)
 
 
 def test_large_blocks_land_in_row_chunks(monkeypatch):
