@@ -1,7 +1,7 @@
 """DDMA at run time between real processes: trainer-rank senders with simulated shards (built from
 random HF tensors through the trainer layouts) and generator-worker receivers, over both
 transports (zero-copy reads and gloo point-to-point; nccl's code over gloo and cuda_ipc's through a
-host-memory double of its CUDA calls are in tests/e2e/test_ddma_transport.py), engine-dtype and FP8 wires.
+host-memory double of its CUDA calls are in tests/e2e/test_ddma_transport.py and test_ddma_cuda_ipc.py), engine-dtype and FP8 wires.
 
 What lands in every worker is compared with an independent vLLM-layout reference built from the
 HF tensors (tests/harness/ddma.py's ``_expected_vllm``): bitwise for bf16/fp32, and for FP8

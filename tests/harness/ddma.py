@@ -92,7 +92,7 @@ def _hf(dims: ModelDims, version: int, dtype: torch.dtype) -> dict[str, torch.Te
 
 class HostIpcDouble:
     """GPU-boundary double for the cuda_ipc transport (megarl/ddma/transport/cuda_ipc.py CudaIpcOps):
-    its four CUDA calls done on host memory, with CudaIpcOps' signatures (tests/e2e/test_ddma_transport.py
+    its four CUDA calls done on host memory, with CudaIpcOps' signatures (tests/e2e/test_cuda_api_drift.py
     checks them). ``export`` puts the storage in shared memory and hands out (pid, fd, size); ``open``
     maps that file (on the host: ``device`` must be the worker's, here the CPU); synchronize records
     the device it was asked to wait for (host copies are done when they return); collect counts calls.
@@ -127,7 +127,7 @@ class HostIpcDouble:
 
 class CoalescingGlooDouble:
     """Stand-in for NCCL's c10d ``Backend`` (``ProcessGroupNCCL``) on host memory, over a real gloo
-    Backend: the same method signatures (tests/e2e/test_ddma_transport.py checks them against the
+    Backend: the same method signatures (tests/e2e/test_cuda_api_drift.py checks them against the
     installed torch's binding) and NCCL's coalescing contract -- ``supports_coalescing``; between
     ``_start_coalescing()`` and ``_end_coalescing()`` ``send``/``recv`` only queue and return no Work
     (ProcessGroupNCCL::pointToPoint makes none while coalescing); ``_end_coalescing()`` posts the
@@ -284,6 +284,13 @@ def _run(dims, src: TrainerTopology, dst: GeneratorTopology, *, transport="zero_
             if p.is_alive():
                 p.kill()
     return spec, results
+
+
+def shard_shapes(dims, src: TrainerTopology, rank) -> list:
+    """The local shapes of trainer ``rank``'s parameters (its shard of every tensor it holds)."""
+    from megarl.ddma.layouts import source_rank_layouts
+
+    return [lay.local_shape for lay in source_rank_layouts(dims, src, rank.tp, rank.pp).values()]
 
 
 def _expected(dims, dst, version, trainer_dtype, engine_dtype):

@@ -3,7 +3,7 @@ storage its wire lives in, for each worker that reads it (the conversion buckets
 same-dtype wire tensors are views of the trainer's parameters, one handle per parameter storage, so one
 per DDP buffer), waits for its conversions once per sync (one synchronize, not one per tensor), and sends its
 digests as one store value per sync. Counted in one process with HostIpcDouble, the GPU-boundary double for
-CudaIpcOps (tests/harness/ddma.py; its signatures are checked in tests/e2e/test_ddma_transport.py)."""
+CudaIpcOps (tests/harness/ddma.py; its signatures are checked in tests/e2e/test_cuda_api_drift.py)."""
 
 from __future__ import annotations
 

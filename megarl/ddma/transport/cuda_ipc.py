@@ -35,7 +35,7 @@ Designed against the failures peers hit with CUDA IPC weight sync:
 
 The CUDA calls sit behind :class:`CudaIpcOps` (export, open, synchronize, collect); everything else
 (bucketing, the handle caches, the acknowledgement protocol, run copies) is plain torch and runs in
-the CPU test suite with a host-memory stand-in for those four calls (tests/e2e/test_ddma_transport.py,
+the CPU test suite with a host-memory stand-in for those four calls (tests/e2e/test_ddma_cuda_ipc.py,
 named there as the GPU-boundary double).
 """
 
@@ -57,7 +57,7 @@ _SYS_PIDFD_OPEN, _SYS_PIDFD_GETFD = 434, 438  # x86_64 and aarch64 share these n
 
 class CudaIpcOps:
     """The four CUDA calls the transport makes (the GPU-only boundary). Its doubles in the tests take
-    the same arguments (tests/e2e/test_ddma_transport.py checks the signatures)."""
+    the same arguments (tests/e2e/test_cuda_api_drift.py checks the signatures)."""
 
     device_type = "cuda"  # the memory its handles share
 
