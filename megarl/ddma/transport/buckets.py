@@ -335,13 +335,12 @@ class BucketedTransport(Transport):
         dtype, device = engine_dtype(spec), side.device
         pg = self.pg(device)
         srcs = [s for s in side.src_ranks if side.plan.pairs.get((s, side.rank))]
+        order = {p: (shape, alloc, n) for p, shape, alloc, n, _ in self._receive_order()}
         self.rounds = self.messages = self.message_bytes = self.copies = 0
         for g, group in enumerate(self.groups(side.rank)):
             staging, elements = {}, {}
-            for p in group:
-                shape = side.layouts[p].local_shape
-                elements[p] = sum(c.numel for _, cs in side.incoming[p] for c in cs)
-                alloc = torch.zeros if elements[p] < math.prod(shape) else torch.empty  # vocab padding
+            for p in group:  # shape, allocator (zeros where vocab padding gets no bytes), count: once per plan
+                shape, alloc, elements[p] = order[p]
                 staging[p] = alloc(shape, dtype=dtype, device=device)
             held = sum(t.numel() * t.element_size() for t in staging.values())
             streams = {s: self.streams(s, side.rank)[g] for s in srcs}
