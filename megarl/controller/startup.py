@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 from megarl.config import ConfigError
 from megarl.config.job import ResolvedJob
 from megarl.config.schema import MegaRLConfig
+from megarl.executors.base import start_together
 from megarl.utils.procs import parse_cpu_list
 
 if TYPE_CHECKING:  # these import torch, which must wait until select_device has run
@@ -58,7 +59,8 @@ class Executors:
 
 def start_executors(cfg: MegaRLConfig, job: ResolvedJob, stack: ExitStack, run: RunFolder) -> Executors:
     """Start trainer, generator and reward executor (the rule pool, or the judge with reward.model) on
-    ``stack`` (closed in reverse when the job ends). A new role starts here, on the same stack."""
+    ``stack`` (closed in reverse when the job ends). A new role starts here, on the same stack.
+    Trainer and generator start together (their start-ups overlap) unless they share devices."""
     from megarl.critic.executor import start_critic
     from megarl.generator.executor import GeneratorExecutor
     from megarl.reward.judge import reward_executor
@@ -70,25 +72,30 @@ def start_executors(cfg: MegaRLConfig, job: ResolvedJob, stack: ExitStack, run: 
     log.info("starting the trainer (Megatron, tp=%d pp=%d dp=%d, one process per rank) from %s",
              t.tp, t.pp, t.dp, job.model_dir)
     cpus = parse_cpu_list(cfg.cluster.trainer_cpus) or None  # cluster.trainer_cpus: pin the ranks
-    trainer = stack.enter_context(TrainerExecutor(t, cfg.algorithm, job.model_dir, total_steps=cfg.controller.steps,
-                                                  run_dir=run.path, cpus=cpus, devices=job.devices.trainer,
-                                                  launcher=cfg.cluster.launcher))
-    if cpus:
-        log.info("trainer ranks pinned: %s", "; ".join(f"rank {h['rank']} cores {h['cores']}"
-                                                       for h in trainer.health()))
-    if trainer.step_count:
-        log.info("trainer: resuming from the step-%d checkpoint (trainer.resume_from=%s)", trainer.step_count,
-                 cfg.trainer.resume_from)
+    trainer = TrainerExecutor(t, cfg.algorithm, job.model_dir, total_steps=cfg.controller.steps, run_dir=run.path,
+                              cpus=cpus, devices=job.devices.trainer, launcher=cfg.cluster.launcher)
     log.info("starting the generator (%d vLLM replica(s), tp=%d)", cfg.generator.replicas, cfg.generator.tp)
     if cfg.controller.deterministic:
         log.info("controller.deterministic: per-request seeds from generator.seed=%d, one sequence at a time per "
                  "engine (generator.max_num_seqs=%d not used), no prefix cache, every sync waits for the rounds in "
                  "flight: slower, reproducible across kill + resume", cfg.generator.seed, cfg.generator.max_num_seqs)
     attached = cfg.cluster.launcher == "slurm"  # replicas started by srun on the generator nodes attach here
-    generator = stack.enter_context(GeneratorExecutor(cfg.generator, job.model_dir, cuda_devices=job.devices.generator,
-                                                      launcher=cfg.cluster.launcher,
-                                                      log_dir=run.path / "logs" if attached else None,
-                                                      deterministic=cfg.controller.deterministic).start())
+    generator = GeneratorExecutor(cfg.generator, job.model_dir, cuda_devices=job.devices.generator,
+                                  launcher=cfg.cluster.launcher, log_dir=run.path / "logs" if attached else None,
+                                  deterministic=cfg.controller.deterministic)
+    if cfg.cluster.share_devices:
+        # one after the other: vLLM sizes its KV cache from the GPU memory free when it starts, so the
+        # trainer's must be taken by then (the memory plan, megarl/config/memory.py, assumes it)
+        start_together(stack, [trainer])
+        start_together(stack, [generator])
+    else:  # Megatron builds while vLLM loads: the job starts in the slower one's time
+        start_together(stack, [trainer, generator])
+    if cpus:
+        log.info("trainer ranks pinned: %s", "; ".join(f"rank {h['rank']} cores {h['cores']}"
+                                                       for h in trainer.health()))
+    if trainer.step_count:
+        log.info("trainer: resuming from the step-%d checkpoint (trainer.resume_from=%s)", trainer.step_count,
+                 cfg.trainer.resume_from)
     if cfg.reward.model:
         log.info("starting the reward judge (%d vLLM replica(s), tp=%d) from %s", cfg.reward.judge_replicas,
                  cfg.reward.judge_tp, cfg.reward.model)

@@ -28,6 +28,7 @@ from __future__ import annotations
 import os
 import signal
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import ExitStack
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, Self, runtime_checkable
 
@@ -188,6 +189,56 @@ class RewardScorer(Protocol):
         """Set ``reward``, ``correct`` and ``formatted`` of every sample. ``answers[i]``: the gold
         answer of prompt ``i`` (a sample's is ``answers[sample.prompt_index]``); ``decode``: token
         ids to text."""
+
+
+@runtime_checkable
+class Launchable(Protocol):
+    """An executor whose start-up can overlap another's (:func:`start_together`); its ``start()`` is
+    ``launch().await_ready()``. Each step leaves nothing running when it fails."""
+
+    def launch(self) -> Self:
+        """Spawn (or accept) the processes and return without waiting for them to be ready."""
+
+    def await_ready(self, also_check: Callable[[], None] | None = None) -> Self:
+        """Wait until every process is ready, within the start timeout counted from :meth:`launch`;
+        ``also_check()`` runs at every look and raises to end the wait."""
+
+    def has_exited(self) -> bool:
+        """Whether a launched process has exited; reads no message (:meth:`await_ready` says why)."""
+
+    def close(self) -> None: ...
+
+    def __exit__(self, *exc) -> None: ...
+
+
+class _Exited(Exception):
+    def __init__(self, executor: Launchable):
+        self.executor = executor
+
+
+def start_together(stack: ExitStack, executors: Sequence[Launchable]) -> None:
+    """Launch every executor, then wait for each: their start-ups overlap, so a job starts in the time
+    of its slowest executor, not the sum (a trainer building Megatron while vLLM loads). Each is on
+    ``stack`` (closed in reverse when the job ends) before it launches, so a failure closes them all.
+    While one is awaited, a process of another that exits ends the wait at once, and the failed
+    one's own wait raises its cause (its traceback, its log)."""
+    for ex in executors:
+        stack.push(ex)  # its __exit__ closes it; pushed first: a launch that fails half-way is closed too
+        ex.launch()
+    for ex in executors:
+        others = [o for o in executors if o is not ex]
+
+        def another_exited() -> None:
+            for o in others:
+                if o.has_exited():
+                    raise _Exited(o)
+
+        try:
+            ex.await_ready(another_exited)
+        except _Exited as e:
+            e.executor.await_ready()  # raises its own failure, naming the process and why
+            raise ProcessDied(f"{type(e.executor).__name__}: a process exited during start-up "
+                              f"({type(ex).__name__} was starting)") from None
 
 
 class ExecutorBase:

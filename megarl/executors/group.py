@@ -197,6 +197,7 @@ class ProcessGroup:
         (``quiet``: frequent waits whose slowness the caller reports itself: debug only)."""
         start = time.monotonic()
         deadline, last_log = start + timeout, start - LOG_EVERY_S + SLOW_WAIT_S
+        drained_at = None  # the deadline at which the messages already queued were handled
         log.debug("%s: waiting up to %.0fs for %s", self.role, timeout, what)
         while True:
             if check is not None:
@@ -205,7 +206,20 @@ class ProcessGroup:
                 return
             now = time.monotonic()
             if now >= deadline:
-                raise on_timeout()
+                # what came before the deadline counts: the caller may not have read for a while (another
+                # executor's start-up was awaited first); handled once, then looked at like any message
+                late = self._inbox.qsize() if drained_at != deadline else 0
+                if not late:
+                    raise on_timeout()
+                drained_at = deadline
+                for _ in range(late):
+                    item = self.get(0)
+                    if item is None:
+                        break
+                    handle(*item)
+                    if progress_resets:
+                        deadline = time.monotonic() + timeout
+                continue
             if now - last_log > LOG_EVERY_S:
                 log.log(logging.DEBUG if quiet else logging.INFO, "%s: still waiting for %s (%.0fs so far, %.0fs left)",
                         self.role, what, now - start, deadline - now)

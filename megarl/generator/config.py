@@ -75,8 +75,8 @@ class GeneratorConfig:
                              "'0-1' (TP=1) or '0|1' (TP=2); several replicas separated by ';'. "
                              "'auto' splits this process's cores evenly over replicas and TP ranks. "
                              "Default auto.")
-    start_timeout_s: float = knob(600.0, help="Longest an engine may take to start (seconds). "
-                                  "Default 600.")
+    start_timeout_s: float = knob(600.0, help="Longest an engine may take to start, counted from "
+                                  "its launch (the trainer starts alongside) (seconds). Default 600.")
     request_timeout_s: float = knob(600.0, help="Longest a wait for generation may go without any "
                                     "engine finishing a sample (seconds). Default 600.")
     update_timeout_s: float = knob(600.0, help="Longest a weight update may take on every engine "

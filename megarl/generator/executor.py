@@ -99,6 +99,7 @@ class GeneratorExecutor(ReplicaSupervision, ExecutorBase):
         self._own_log_dir = not log_dir  # a temporary folder, removed after a clean shutdown
         self._log_dir = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="megarl-gen-"))
         self._closing = False
+        self._launched_at = 0.0  # time.monotonic() of launch(): start_timeout_s counts from there
         self._init_supervision()
         self._weights = WeightUpdater(cfg, self)  # the executor as its UpdateHost
 
@@ -113,27 +114,62 @@ class GeneratorExecutor(ReplicaSupervision, ExecutorBase):
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> "GeneratorExecutor":
+        """Start every replica and wait (``start_timeout_s``) until each is ready; on any failure no
+        engine is left running (:meth:`launch`, then :meth:`await_ready`)."""
+        return self.launch().await_ready()
+
+    def launch(self) -> "GeneratorExecutor":
+        """Spawn the replicas (attach mode: accept those srun started on the generator nodes and send
+        each its start arguments) and return without waiting: they load vLLM while the controller
+        waits for the trainer (megarl/controller/startup.py). On a failure no engine is left running."""
+        if self._replicas:
+            return self
         cfg = self.cfg
         self._log_dir.mkdir(parents=True, exist_ok=True)
-        if self.launcher == "slurm":
-            return self._attach()
-        binds = threads_binds(cfg) if self.on_cpu else [None] * cfg.replicas
+        self._launched_at = time.monotonic()
         # The group kills every replica it spawned on shutdown(), on garbage collection and at
-        # interpreter exit, also those already running when start() is interrupted; each replica also
+        # interpreter exit, also those already running when start-up is interrupted; each replica also
         # watches this process (megarl.utils.procs.watch_parent), for the deaths that run no finalizer.
-        pdeathsig = spawned_from_main_thread()
         try:
-            for r in range(cfg.replicas):
-                self._spawn_replica(r, binds[r], pdeathsig)
-            self._await_started("generator")
+            if self.launcher == "slurm":
+                self._attach()
+            else:
+                binds = threads_binds(cfg) if self.on_cpu else [None] * cfg.replicas
+                pdeathsig = spawned_from_main_thread()
+                for r in range(cfg.replicas):
+                    self._spawn_replica(r, binds[r], pdeathsig)
         except BaseException:
             self.shutdown()  # a failed start leaves no engine behind
             raise
         return self
 
-    def _attach(self) -> "GeneratorExecutor":
-        """Attach mode: accept the replicas srun started on the generator nodes, send each its start
-        arguments (what a spawned replica gets as its arguments), wait until every one is ready."""
+    def await_ready(self, also_check: Callable[[], None] | None = None) -> "GeneratorExecutor":
+        """Wait until every replica reported ready, up to ``start_timeout_s`` counted from the launch.
+        ``also_check()`` runs at every look (it raises to end the wait: another executor failed).
+        On any failure no engine is left running."""
+        kind = "attached generator" if self.launcher == "slurm" else "generator"
+        what = f"{self.cfg.replicas} {kind} replica(s) to start (generator.start_timeout_s={self.cfg.start_timeout_s:.0f} from the launch)"
+        left = self._launched_at + self.cfg.start_timeout_s - time.monotonic()
+        log.info("generator: waiting up to %.0fs more for %s (logs in %s)", max(left, 0.0), what, self._log_dir)
+        try:
+            self._wait(lambda: all(h.info for h in self._replicas), left, what, progress_resets=False,
+                       also_check=also_check)
+        except BaseException:
+            self.shutdown()
+            raise
+        if self.launcher == "slurm":
+            log.info("generator: %d replica(s) ready on %s", self.cfg.replicas,
+                     ", ".join(sorted({h.process.host for h in self._replicas})))
+        return self
+
+    def has_exited(self) -> bool:
+        """Whether a replica has exited (attached: its connection closed). Reads no message: another
+        executor's wait asks it; this executor's own wait then says why."""
+        return bool(self._group.exited())
+
+    def _attach(self) -> None:
+        """Attach mode: accept the replicas srun started on the generator nodes and send each its start
+        arguments (what a spawned replica gets as its arguments)."""
         from megarl.executors.attach import AttachError, AttachSpec, accept_ranks, channel_port_var
 
         cfg = self.cfg
@@ -143,25 +179,11 @@ class GeneratorExecutor(ReplicaSupervision, ExecutorBase):
                                  timeout_knob="generator.start_timeout_s")
         except AttachError as e:
             raise GeneratorError(str(e)) from None
-        try:
-            for r, (conn, hello) in enumerate(conns):
-                log_path = self._log_dir / f"generator_replica{r}.log"
-                conn.send(("init", {"cfg": cfg, "model_dir": self.model_dir, "on_cpu": self.on_cpu,
-                                    "log_path": str(log_path), "deterministic": self.deterministic}))
-                self._group.attach(r, conn, hello, log_path, make=ReplicaHandle)
-            self._await_started("attached generator")
-        except BaseException:
-            self.shutdown()
-            raise
-        log.info("generator: %d replica(s) ready on %s", cfg.replicas,
-                 ", ".join(sorted({h.process.host for h in self._replicas})))
-        return self
-
-    def _await_started(self, kind: str) -> None:
-        """Wait until every replica reported ready (``kind``: 'generator' or 'attached generator')."""
-        what = f"{self.cfg.replicas} {kind} replica(s) to start"
-        log.info("generator: waiting up to %.0fs for %s (logs in %s)", self.cfg.start_timeout_s, what, self._log_dir)
-        self._wait(lambda: all(h.info for h in self._replicas), self.cfg.start_timeout_s, what, progress_resets=False)
+        for r, (conn, hello) in enumerate(conns):
+            log_path = self._log_dir / f"generator_replica{r}.log"
+            conn.send(("init", {"cfg": cfg, "model_dir": self.model_dir, "on_cpu": self.on_cpu,
+                                "log_path": str(log_path), "deterministic": self.deterministic}))
+            self._group.attach(r, conn, hello, log_path, make=ReplicaHandle)
 
     def shutdown(self) -> None:
         """Ask every replica to exit; kill those that do not within shutdown_timeout_s. A replica

@@ -158,7 +158,8 @@ class TrainerConfig:
     # --- supervision of the rank processes (megarl.trainer.executor.TrainerExecutor) ---
     start_timeout_s: float = knob(300.0, help="Seconds every trainer rank may take to start: spawn, "
                                   "import, join the process group, build model + optimizer and "
-                                  "resume (s). Default 300.")
+                                  "resume, counted from the launch (the generator starts alongside) "
+                                  "(s). Default 300.")
     step_timeout_s: float = knob(600.0, help="Seconds every trainer rank may take to answer one step "
                                  "command (the logprob passes and the optimizer step) before the job "
                                  "stops naming the silent rank (s). Default 600.")

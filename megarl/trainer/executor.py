@@ -38,7 +38,7 @@ import logging
 import os
 import pickle
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -175,6 +175,9 @@ class TrainerExecutor(ExecutorBase):
         self._step_count = 0
         self._failure: TrainerError | None = None
         self._pending: tuple[int, float, str] | None = None  # (seq, timeout, what) of an in-flight sync
+        self._pdeathsig = False  # launch(): whether the ranks die with this process (spawned from its main thread)
+        self._launches = 0  # local launches so far (a taken rendezvous port relaunches; 3 at most)
+        self._launched_at = 0.0  # time.monotonic() of the last launch: start_timeout_s counts from there
 
     @property
     def _ranks(self) -> list[_Rank]:
@@ -188,24 +191,43 @@ class TrainerExecutor(ExecutorBase):
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> "TrainerExecutor":
         """Spawn the ranks and wait (``start_timeout_s``) until each has built model + optimizer
-        and resumed; on any failure no rank is left running."""
+        and resumed; on any failure no rank is left running (:meth:`launch`, then :meth:`await_ready`)."""
+        return self.launch().await_ready()
+
+    def launch(self) -> "TrainerExecutor":
+        """Spawn the ranks (attach mode: accept them and send each its start arguments) and return
+        without waiting: they build model + optimizer while the controller starts the generator
+        (megarl/controller/startup.py). On a failure no rank is left running."""
         if self._ranks:
             return self
         from megarl.utils.procs import spawned_from_main_thread
 
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        pdeathsig = spawned_from_main_thread()
+        self._pdeathsig = spawned_from_main_thread()
         try:
-            if self.launcher == "slurm":
-                self._attach()
-            for attempt in range(3 if self.launcher == "local" else 0):
-                if self._launch(pdeathsig):
-                    break
-                log.warning("trainer: the rendezvous port was taken; relaunching the ranks (attempt %d)",
-                            attempt + 2)
-            else:
-                if self.launcher == "local":
+            self._attach() if self.launcher == "slurm" else self._spawn_ranks()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def await_ready(self, also_check: Callable[[], None] | None = None) -> "TrainerExecutor":
+        """Wait until every launched rank is ready, up to ``start_timeout_s`` counted from the launch;
+        a local launch whose rendezvous port was taken is relaunched (3 launches in all).
+        ``also_check()`` runs at every look (it raises to end the wait: another executor failed).
+        On any failure no rank is left running."""
+        try:
+            while not self._await_ready(also_check):
+                if self.launcher == "slurm":
+                    host = self._ranks[0].process.host
+                    port = os.environ.get(rendezvous_vars(self.role)[1], "?")
+                    self._raise(TrainerError(f"{self.role}: rank 0 on {host} could not bind the rendezvous port {port} "
+                                             f"(in use: another job on that node?); set cluster.port_base to a free range"))
+                if self._launches == 3:
                     raise TrainerError("trainer: the rendezvous port was taken 3 times in a row")
+                log.warning("trainer: the rendezvous port was taken; relaunching the ranks (attempt %d)",
+                            self._launches + 1)
+                self._spawn_ranks()
         except BaseException:
             self.close()
             raise
@@ -214,23 +236,30 @@ class TrainerExecutor(ExecutorBase):
                  self.world, self.cfg.tp, self.cfg.pp, self.cfg.dp, self._step_count, self.pids, self.log_dir)
         return self
 
+    def has_exited(self) -> bool:
+        """Whether a rank has exited (attached: its connection closed). Reads no message: another
+        executor's wait asks it; this executor's own wait then says why."""
+        return bool(self._group.exited())
+
     def _make_rank(self, index: int, process, conn, log_path: Path) -> _Rank:
         return _Rank(index, process, conn, log_path, rank_coords(index, self.cfg.tp, self.cfg.pp, self.cfg.dp))
 
-    def _launch(self, pdeathsig: bool) -> bool:
+    def _spawn_ranks(self) -> None:
         self._group.discard()
+        self._launches += 1
+        self._launched_at = time.monotonic()
         port = free_tcp_port()
         for r in range(self.world):
             log_path = self.log_dir / f"trainer_rank{r}.log"
             self._group.spawn(r, rank_main, (r, self.world, port, self.cfg, self.algo, self.model_dir,
                                              self.total_steps, str(self.run_dir), self.cores[r], str(log_path),
-                                             os.getpid(), pdeathsig, self.devices[r]),
+                                             os.getpid(), self._pdeathsig, self.devices[r]),
                               name=f"megarl-trainer-{r}", log_path=log_path, make=self._make_rank)
-        return self._await_ready()
 
     def _attach(self) -> None:
-        """Attach mode: accept the ranks started elsewhere, send each its start arguments (the
-        same as a spawned rank's), wait until every one is ready."""
+        """Attach mode: accept the ranks started elsewhere and send each its start arguments (the
+        same as a spawned rank's); :meth:`await_ready` waits until every one is ready."""
+        self._launched_at = time.monotonic()
         try:
             spec = AttachSpec.from_env(port_var=channel_port_var(self.role))
             conns = accept_ranks(spec, self.world, self.cfg.start_timeout_s, role=self.role)
@@ -243,16 +272,14 @@ class TrainerExecutor(ExecutorBase):
                 ("init", {"cfg": self.cfg, "algo": self.algo, "model_dir": self.model_dir,
                           "total_steps": self.total_steps, "run_dir": str(self.run_dir), "cores": self.cores[r],
                           "log_path": str(log_path)})))
-        if not self._await_ready():
-            host = self._ranks[0].process.host
-            port = os.environ.get(rendezvous_vars(self.role)[1], "?")
-            self._raise(TrainerError(f"{self.role}: rank 0 on {host} could not bind the rendezvous port {port} (in use: "
-                                     f"another job on that node?); set cluster.port_base to a free range"))
 
-    def _await_ready(self) -> bool:
-        self._wait(lambda: all(r.info for r in self._ranks), self.cfg.start_timeout_s,
-                   f"{self.world} trainer rank(s) to start (build model + optimizer, resume)",
-                   missing=lambda: [r for r in self._ranks if not r.info])
+    def _await_ready(self, also_check: Callable[[], None] | None = None) -> bool:
+        """Whether the launch came up (False: its rendezvous port was taken); raises on a failure."""
+        left = self._launched_at + self.cfg.start_timeout_s - time.monotonic()
+        self._wait(lambda: all(r.info for r in self._ranks), left,
+                   f"{self.world} trainer rank(s) to start (build model + optimizer, resume; "
+                   f"trainer.start_timeout_s={self.cfg.start_timeout_s:.0f} from the launch)",
+                   missing=lambda: [r for r in self._ranks if not r.info], also_check=also_check)
         if any(r.info.get("port_taken") for r in self._ranks):
             return False
         for r in self._ranks:
@@ -399,10 +426,14 @@ class TrainerExecutor(ExecutorBase):
                    f"answer: {what}", on_reply, missing=lambda: [r for r in self._ranks if r.index not in replies])
         return [replies[r.index] for r in self._ranks]
 
-    def _wait(self, done, timeout: float, what: str, on_reply=None, *, missing) -> None:
+    def _wait(self, done, timeout: float, what: str, on_reply=None, *, missing,
+              also_check: Callable[[], None] | None = None) -> None:
         """Handle messages until ``done()``; raise (killing every rank) on a dead, failed or frozen
-        rank (the group's heartbeat detector), or after ``timeout`` seconds."""
+        rank (the group's heartbeat detector), or after ``timeout`` seconds; ``also_check()`` runs at
+        every look."""
         def check() -> None:
+            if also_check is not None:
+                also_check()
             frozen = self._group.silent(self.cfg.heartbeat_timeout_s)
             if frozen:
                 self._raise(self._timeout(frozen, f"sent no heartbeat for {self.cfg.heartbeat_timeout_s:.0f}s "

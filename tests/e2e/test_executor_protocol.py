@@ -1,9 +1,19 @@
 """One executor protocol (megarl/executors/base.py) for the trainer, the generator and the reward
-pool: each starts, reports health and pids, closes; their failures are the base's classes."""
+pool: each starts, reports health and pids, closes; their failures are the base's classes. Trainer
+and generator start together (start_together): both launch before either is awaited, and one that
+dies while the other is awaited ends the start-up at once, leaving no process."""
+
+import os
+import signal
+from contextlib import ExitStack
+from pathlib import Path
 
 import pytest
 
-from megarl.executors.base import Executor, ExecutorBase, ExecutorError, ExecutorTimeout, ProcessDied
+from megarl.algorithms.config import AlgorithmConfig
+from megarl.config import load_config
+from megarl.executors.base import (Executor, ExecutorBase, ExecutorError, ExecutorTimeout, Launchable, ProcessDied,
+                                   start_together)
 from megarl.trainer.executor import TrainerExecutor, TrainerRankFailed, TrainerTimeout
 from megarl.generator.executor import GeneratorEngineDied, GeneratorExecutor, GeneratorTimeout
 from megarl.reward import RewardPool
@@ -29,3 +39,79 @@ def test_reward_pool_lifecycle():
         assert pool.score_texts(["3 + 4 = 7"], ["7"], ["stop"], [4])[0].correct
         assert all(h["alive"] for h in pool.health())
     assert pool.pids == []  # closed: no scoring process left
+
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _recorded(ex, name: str, events: list, after_launch=None):
+    """``ex`` whose launch and await_ready note, in ``events``, when they return (the real methods run);
+    ``ex.launched_pids``: the pids its launch started."""
+    launch, await_ready = ex.launch, ex.await_ready
+
+    def launched():
+        launch()
+        events.append(f"{name} launched")
+        ex.launched_pids = list(ex.pids)
+        if after_launch is not None:
+            after_launch(ex)
+        return ex
+
+    def ready(also_check=None):
+        await_ready(also_check)
+        events.append(f"{name} ready")
+        return ex
+
+    ex.launch, ex.await_ready = launched, ready
+    return ex
+
+
+def _executors(tiny_llama_dir, tmp_path, events, kill_generator=False):
+    cfg = load_config(REPO / "configs" / "tiny_test.yaml", [f"model.path={tiny_llama_dir}"])
+    trainer = TrainerExecutor(cfg.trainer, AlgorithmConfig(), tiny_llama_dir, total_steps=2, run_dir=tmp_path)
+    generator = GeneratorExecutor(cfg.generator, tiny_llama_dir)
+    kill = (lambda g: os.kill(g.pids[0], signal.SIGKILL)) if kill_generator else None
+    return _recorded(trainer, "trainer", events), _recorded(generator, "generator", events, after_launch=kill)
+
+
+def _alive(pids: list[int]) -> list[int]:
+    alive = []
+    for pid in pids:
+        try:
+            os.kill(pid, 0)
+            alive.append(pid)
+        except ProcessLookupError:
+            pass
+    return alive
+
+
+def test_trainer_and_generator_start_together(tiny_llama_dir, tmp_path):
+    """Both launch before either is awaited (the job starts in the slower one's time), both are usable,
+    and the stack closes both."""
+    events: list[str] = []
+    trainer, generator = _executors(tiny_llama_dir, tmp_path, events)
+    assert isinstance(trainer, Launchable) and isinstance(generator, Launchable)
+    with ExitStack() as stack:
+        start_together(stack, [trainer, generator])
+        assert events == ["trainer launched", "generator launched", "trainer ready", "generator ready"]
+        assert trainer.step_count == 0 and len(trainer.health()) == 1
+        (sample,) = generator.generate([[1, 504, 3180, 314]], n_samples=1, max_new_tokens=2)
+        assert len(sample.completion_ids) == 2
+        pids = trainer.launched_pids + generator.launched_pids
+        assert len(_alive(pids)) == 2
+    assert _alive(pids) == []  # closed with the stack
+
+
+def test_a_generator_dying_at_start_ends_the_trainers_wait(tiny_llama_dir, tmp_path):
+    """The replica is killed just after its launch: the trainer's wait (first) ends at once, before
+    its ranks are ready, and the error is the generator's own, naming the replica; nothing is left."""
+    events: list[str] = []
+    trainer, generator = _executors(tiny_llama_dir, tmp_path, events, kill_generator=True)
+    with pytest.raises(ProcessDied) as e:
+        with ExitStack() as stack:
+            start_together(stack, [trainer, generator])
+    assert events == ["trainer launched", "generator launched"]  # the trainer never became ready
+    assert isinstance(e.value, GeneratorEngineDied), repr(e.value)
+    assert "replica 0" in str(e.value) and "SIGKILL" in str(e.value), str(e.value)
+    launched = trainer.launched_pids + generator.launched_pids
+    assert len(launched) == 2 and _alive(launched) == []  # both closed: no rank, no replica left

@@ -153,6 +153,24 @@ def test_a_wait_past_its_timeout_names_the_silent_worker(group):
     assert "testrole process 0" not in str(e.value).splitlines()[0]  # the ones that answered are not named
 
 
+def test_a_wait_whose_deadline_passed_unread_still_counts_what_came(group):
+    """Replies queued before the deadline, by a caller that was busy elsewhere (the controller awaits
+    the trainer while the generator's replicas report ready), end the wait; with nothing queued it
+    times out."""
+    for m in group.members:
+        assert group.send(m, ("ping", 5))
+    deadline = time.monotonic() + 30
+    while group._inbox.qsize() < 3 and time.monotonic() < deadline:  # the three pongs, unread
+        time.sleep(0.05)
+    got = []
+    group.wait(lambda: len(got) == 3, 0, "pongs read late", lambda m, msg: got.append(msg[:2]),
+               on_timeout=lambda: AssertionError("timed out with the pongs queued"))
+    assert got == [("pong", 5)] * 3
+    with pytest.raises(ExecutorTimeout):
+        group.wait(lambda: False, 0, "nothing", lambda m, msg: None,
+                   on_timeout=lambda: ExecutorTimeout("nothing came"))
+
+
 def test_attach_mode_names_the_lost_connection():
     port, key = free_tcp_port(), b"megarl-test-key"
     launcher = mp.get_context("spawn").Process(target=_attached, args=(port, key), daemon=True)

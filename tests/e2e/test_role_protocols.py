@@ -23,7 +23,7 @@ from megarl.controller.evaluation import EvalResult, StrictScorer, score_replies
 from megarl.controller.startup import model_dims
 from megarl.ddma.layouts import GeneratorTopology, TrainerTopology
 from megarl.ddma.sync import SyncSpec, host_store
-from megarl.executors.base import ExecutorError, Generator, RewardScorer, Trainer
+from megarl.executors.base import ExecutorError, Generator, Launchable, RewardScorer, Trainer
 from megarl.generator.executor import GeneratorExecutor
 from megarl.reward import RewardConfig, RewardPool
 from megarl.rollout import Sample
@@ -141,6 +141,8 @@ def test_signatures_fit_their_protocols():
     assert_signatures_fit(GeneratorExecutor, Generator)
     for impl in (RewardPool, StrictScorer):
         assert_signatures_fit(impl, RewardScorer)
+    for impl in (TrainerExecutor, GeneratorExecutor):  # started together (megarl/controller/startup.py)
+        assert_signatures_fit(impl, Launchable)
 
 
 def test_local_trainer_is_a_trainer(cfg, gen, tiny_llama_dir, tmp_path):
