@@ -58,13 +58,14 @@ class Executors:
 
 
 def start_executors(cfg: MegaRLConfig, job: ResolvedJob, stack: ExitStack, run: RunFolder) -> Executors:
-    """Start trainer, generator and reward executor (the rule pool, or the judge with reward.model) on
-    ``stack`` (closed in reverse when the job ends). A new role starts here, on the same stack.
-    Trainer and generator start together (their start-ups overlap) unless they share devices."""
-    from megarl.critic.executor import start_critic
+    """Start trainer, generator, reward executor (the rule pool, or the judge with reward.model), teacher
+    and critic on ``stack`` (closed in reverse when the job ends). A new role is made here and started
+    with the others. They start together (their start-ups overlap: the job starts in the slowest one's
+    time), or one after the other when they share devices (cluster.share_devices)."""
+    from megarl.critic.executor import make_critic
     from megarl.generator.executor import GeneratorExecutor
     from megarl.reward.judge import reward_executor
-    from megarl.teacher.executor import start_teacher
+    from megarl.teacher.executor import make_teacher
     from megarl.trainer.executor import TrainerExecutor
 
     # the trainer's own input: the step folder the job pinned (cfg keeps what the user asked for)
@@ -83,26 +84,26 @@ def start_executors(cfg: MegaRLConfig, job: ResolvedJob, stack: ExitStack, run: 
     generator = GeneratorExecutor(cfg.generator, job.model_dir, cuda_devices=job.devices.generator,
                                   launcher=cfg.cluster.launcher, log_dir=run.path / "logs" if attached else None,
                                   deterministic=cfg.controller.deterministic)
+    # reward.model: the judge on its own vLLM replicas; else the rule-reward pool (reward.fn)
+    reward = reward_executor(cfg, job.devices, run.path / "logs" / "judge")
+    teacher = make_teacher(cfg, job, run)  # algorithm.teacher: forward-only ranks, or None
+    critic = make_critic(cfg, job, run)  # gae/vtrace: the value model's ranks, resumed at the trainer's step
+    launchable = [trainer, generator, *([reward] if cfg.reward.model else []), *filter(None, (teacher, critic))]
     if cfg.cluster.share_devices:
-        # one after the other: vLLM sizes its KV cache from the GPU memory free when it starts, so the
-        # trainer's must be taken by then (the memory plan, megarl/config/memory.py, assumes it)
-        start_together(stack, [trainer])
-        start_together(stack, [generator])
-    else:  # Megatron builds while vLLM loads: the job starts in the slower one's time
-        start_together(stack, [trainer, generator])
+        # one after the other: vLLM sizes its KV cache from the GPU memory free when it starts, so what
+        # the others hold must be taken by then (the memory plan, megarl/config/memory.py, assumes it)
+        for ex in launchable:
+            start_together(stack, [ex])
+    else:  # Megatron builds while vLLM loads
+        start_together(stack, launchable)
+    if not cfg.reward.model:
+        stack.enter_context(reward)  # the rule pool: a few scoring processes, started in a moment
     if cpus:
         log.info("trainer ranks pinned: %s", "; ".join(f"rank {h['rank']} cores {h['cores']}"
                                                        for h in trainer.health()))
     if trainer.step_count:
         log.info("trainer: resuming from the step-%d checkpoint (trainer.resume_from=%s)", trainer.step_count,
                  cfg.trainer.resume_from)
-    if cfg.reward.model:
-        log.info("starting the reward judge (%d vLLM replica(s), tp=%d) from %s", cfg.reward.judge_replicas,
-                 cfg.reward.judge_tp, cfg.reward.model)
-    # reward.model: the judge on its own vLLM replicas; else the rule-reward pool (reward.fn)
-    reward = stack.enter_context(reward_executor(cfg, job.devices, run.path / "logs" / "judge"))
-    teacher = start_teacher(cfg, job, stack, run)  # algorithm.teacher: forward-only ranks, or None
-    critic = start_critic(cfg, job, stack, run)  # gae/vtrace: the value model's ranks, resumed at the trainer's step
     return Executors(trainer, generator, reward, teacher, critic)
 
 

@@ -6,5 +6,5 @@
 - :mod:`megarl.critic.config`: the ``critic:`` knobs (torch-free);
 - :mod:`megarl.critic.targets`: a step's per-token advantages and the critic's targets from its values;
 - :mod:`megarl.critic.executor`: its ranks as their own process group, started by the controller
-  (``start_critic``) with algorithm.advantage gae or vtrace, checkpointed and resumed with the trainer.
+  (``make_critic``) with algorithm.advantage gae or vtrace, checkpointed and resumed with the trainer.
 """

@@ -1,6 +1,6 @@
 """The critic's executor: the value model's Megatron ranks, trained each step beside the policy (PPO).
 
-``algorithm.advantage: gae`` or ``vtrace`` starts one (:func:`start_critic`). It is the trainer's
+``algorithm.advantage: gae`` or ``vtrace`` starts one (:func:`make_critic`). It is the trainer's
 machinery by composition, as the distillation teacher's is: a ``TrainerExecutor`` given a
 :class:`CriticRanksConfig` spawns, supervises and kills its ranks as the trainer's, and each rank
 builds a :class:`megarl.critic.learner.CriticRank` (megarl/trainer/worker.py picks it by the config's
@@ -102,10 +102,22 @@ class CriticExecutor(ExecutorBase):
                                    role="critic")  # slurm: its pool's ranks attach
 
     def start(self) -> "CriticExecutor":
+        return self.launch().await_ready()
+
+    def launch(self) -> "CriticExecutor":
+        """Spawn (or accept) the ranks without waiting for them (megarl/executors/base.py: Launchable)."""
         log.info("starting the critic (value model, Megatron tp=%d pp=%d dp=%d, lr %g, value clip %g) from %s%s",
                  self.cfg.tp, self.cfg.pp, self.cfg.dp, self.cfg.lr, self.cfg.critic.value_clip, self.source,
                  f"; resuming from {self.cfg.resume_from}" if self.cfg.resume_from else "")
-        self._guarded(self._ranks.start)
+        self._guarded(self._ranks.launch)
+        return self
+
+    def has_exited(self) -> bool:
+        return self._ranks.has_exited()
+
+    def await_ready(self, also_check=None) -> "CriticExecutor":
+        """Wait for the ranks; their step must be the trainer's (advantages pair them)."""
+        self._guarded(self._ranks.await_ready, also_check)
         want = step_of(Path(self.cfg.resume_from).name) if self.cfg.resume_from else 0
         if self._ranks.step_count != want:  # the critic's step is the policy's: advantages pair them
             self.close()
@@ -191,20 +203,19 @@ def critic_resume(folder: Path, step: int) -> Path | None:
                           f"(trainer.resume_from=<its step folder>) or move {folder} away to start the critic afresh")
 
 
-def start_critic(cfg, job, stack, run) -> CriticExecutor | None:
-    """The job's critic on ``stack`` (closed with the other executors), or None unless algorithm.advantage
-    is gae or vtrace. It resumes at the trainer's step (``job.resume_dir``); its ranks take
+def make_critic(cfg, job, run) -> CriticExecutor | None:
+    """The job's critic, not started (megarl/controller/startup.py starts it with the others), or None
+    unless algorithm.advantage is gae or vtrace. It resumes at the trainer's step (``job.resume_dir``); its ranks take
     ``job.devices.critic`` (None: the CPU, or the trainer's devices' visibility)."""
     if not needs_critic(cfg.algorithm):
         return None
     from megarl.utils.procs import parse_cpu_list
 
     resume_step = (step_of(Path(job.resume_dir).name) or 0) if job.resume_dir else 0
-    return stack.enter_context(CriticExecutor(cfg.trainer, cfg.critic, cfg.algorithm, job.model_dir, run_dir=run.path,
-                                              total_steps=cfg.controller.steps, resume_step=resume_step,
-                                              cpus=parse_cpu_list(cfg.cluster.trainer_cpus) or None,
-                                              devices=getattr(job.devices, "critic", None),
-                                              launcher=cfg.cluster.launcher))
+    return CriticExecutor(cfg.trainer, cfg.critic, cfg.algorithm, job.model_dir, run_dir=run.path,
+                          total_steps=cfg.controller.steps, resume_step=resume_step,
+                          cpus=parse_cpu_list(cfg.cluster.trainer_cpus) or None,
+                          devices=getattr(job.devices, "critic", None), launcher=cfg.cluster.launcher)
 
 
-__all__ = ["CriticExecutor", "CriticFailed", "CriticRanksConfig", "critic_checkpoints", "critic_resume", "start_critic"]
+__all__ = ["CriticExecutor", "CriticFailed", "CriticRanksConfig", "critic_checkpoints", "critic_resume", "make_critic"]

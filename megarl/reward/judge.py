@@ -105,6 +105,10 @@ class JudgeScorer(ExecutorBase):
 
     # --- lifecycle (the executor protocol)
     def start(self) -> "JudgeScorer":
+        return self.launch().await_ready()
+
+    def launch(self) -> "JudgeScorer":
+        """Spawn the judge's replicas without waiting for them (megarl/executors/base.py: Launchable)."""
         from transformers import AutoTokenizer
 
         from megarl.generator.executor import GeneratorExecutor
@@ -115,8 +119,16 @@ class JudgeScorer(ExecutorBase):
         log.info("starting the reward judge %s (%d vLLM replica(s), tp=%d, greedy, up to %d tokens)", self.model_dir,
                  self.cfg.judge_replicas, self.cfg.judge_tp, self.cfg.judge_max_tokens)
         with self._naming():
-            self.executor = GeneratorExecutor(self.gen_cfg, self.model_dir, cuda_devices=self.cuda_devices).start()
+            self.executor = GeneratorExecutor(self.gen_cfg, self.model_dir, cuda_devices=self.cuda_devices).launch()
         return self
+
+    def await_ready(self, also_check=None) -> "JudgeScorer":
+        with self._naming():
+            self.executor.await_ready(also_check)
+        return self
+
+    def has_exited(self) -> bool:
+        return self.executor is not None and self.executor.has_exited()
 
     def close(self) -> None:
         if self.executor is not None:

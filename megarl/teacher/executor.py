@@ -58,10 +58,21 @@ class TeacherExecutor(ExecutorBase):
                                       launcher=launcher, role="teacher")  # slurm: its pool's ranks attach
 
     def start(self) -> "TeacherExecutor":
+        return self.launch().await_ready()
+
+    def launch(self) -> "TeacherExecutor":
+        """Spawn (or accept) the ranks without waiting for them (megarl/executors/base.py: Launchable)."""
         log.info("starting the teacher (forward-only Megatron, tp=%d pp=%d dp=%d) from %s", self.cfg.tp, self.cfg.pp,
                  self.cfg.dp, self.teacher_dir)
-        self._guarded(self._ranks.start)
+        self._guarded(self._ranks.launch)
         return self
+
+    def await_ready(self, also_check=None) -> "TeacherExecutor":
+        self._guarded(self._ranks.await_ready, also_check)
+        return self
+
+    def has_exited(self) -> bool:
+        return self._ranks.has_exited()
 
     def close(self) -> None:
         self._ranks.close()
@@ -97,14 +108,14 @@ def distill_metrics(train_metrics: dict) -> dict:
     return {} if value is None else {METRIC: value}
 
 
-def start_teacher(cfg, job, stack, run) -> TeacherExecutor | None:
-    """The job's teacher on ``stack`` (closed with the other executors), or None without
-    algorithm.teacher. Its ranks take the trainer's devices (cluster.share_devices) unless placed."""
+def make_teacher(cfg, job, run) -> TeacherExecutor | None:
+    """The job's teacher, not started (megarl/controller/startup.py starts it with the others), or None
+    without algorithm.teacher. Its ranks take the trainer's devices (cluster.share_devices) unless placed."""
     if not needs_teacher(cfg.algorithm):
         return None
     from megarl.utils.procs import parse_cpu_list
 
     devices = getattr(job.devices, "teacher", None)  # None under slurm: its pool's ranks take their node's GPUs
-    return stack.enter_context(TeacherExecutor(cfg.trainer, cfg.algorithm, job.model_dir, run_dir=run.path,
-                                               cpus=parse_cpu_list(cfg.cluster.trainer_cpus) or None,
-                                               devices=devices, launcher=cfg.cluster.launcher))
+    return TeacherExecutor(cfg.trainer, cfg.algorithm, job.model_dir, run_dir=run.path,
+                           cpus=parse_cpu_list(cfg.cluster.trainer_cpus) or None, devices=devices,
+                           launcher=cfg.cluster.launcher)

@@ -232,7 +232,7 @@ class TrainerExecutor(ExecutorBase):
             self.close()
             raise
         self._step_count = self._ranks[0].info["step"]
-        log.info("trainer: %d rank(s) ready (tp %d x pp %d x dp %d) at step %d; pids %s, logs in %s",
+        log.info("%s: %d rank(s) ready (tp %d x pp %d x dp %d) at step %d; pids %s, logs in %s", self.role,
                  self.world, self.cfg.tp, self.cfg.pp, self.cfg.dp, self._step_count, self.pids, self.log_dir)
         return self
 

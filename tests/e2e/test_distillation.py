@@ -230,6 +230,10 @@ def test_job_with_teacher_logs_reverse_kl(tiny_llama_dir, tmp_path):
     assert rows[0]["step"] == 1 and rows[0]["distill/reverse_kl"] == 0.0
     assert rows[0]["train/loss/distill/reverse_kl"] == 0.0
     assert "starting the teacher (forward-only Megatron" in out.stdout
+    # every executor launches before the first is awaited (megarl/controller/startup.py: start_together)
+    lines = out.stdout.splitlines()
+    at = lambda text: next(i for i, line in enumerate(lines) if text in line)  # noqa: E731
+    assert at("starting the teacher") < at("trainer: 1 rank(s) ready") < at("teacher: 1 rank(s) ready"), out.stdout
     # 2) another teacher (same tokenizer, other random weights): the tiny model's rewards are all equal (every
     #    reply cut at max_new_tokens), so the GRPO advantage is 0 and only the teacher's term moves the policy
     other = make_tiny_hf_checkpoint(tmp_path / "other_teacher", "llama", seed=7)

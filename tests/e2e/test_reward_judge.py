@@ -358,5 +358,9 @@ def test_train_with_the_judge_then_its_death_stops_the_job(tiny_llama_dir, plant
         assert r["reward/correct_frac"] == pytest.approx(finished, abs=1e-9)  # 0.7 >= CORRECT_AT
     assert proc.returncode == 3, err[-3000:]  # ProcessDied's exit code (megarl/utils/errors.py)
     assert "starting the reward judge" in out
+    # every executor launches before the first is awaited (megarl/controller/startup.py: start_together)
+    lines = out.splitlines()
+    at = lambda text: next(i for i, line in enumerate(lines) if text in line)  # noqa: E731
+    assert at("starting the reward judge") < at("trainer: 1 rank(s) ready"), out
     last = err.strip().splitlines()[-1]
     assert "reward judge replica 0 (pid" in last and "SIGKILL" in err, err[-3000:]

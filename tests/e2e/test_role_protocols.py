@@ -141,7 +141,12 @@ def test_signatures_fit_their_protocols():
     assert_signatures_fit(GeneratorExecutor, Generator)
     for impl in (RewardPool, StrictScorer):
         assert_signatures_fit(impl, RewardScorer)
-    for impl in (TrainerExecutor, GeneratorExecutor):  # started together (megarl/controller/startup.py)
+    from megarl.critic.executor import CriticExecutor
+    from megarl.reward.judge import JudgeScorer
+    from megarl.teacher.executor import TeacherExecutor
+
+    # started together (megarl/controller/startup.py)
+    for impl in (TrainerExecutor, GeneratorExecutor, JudgeScorer, TeacherExecutor, CriticExecutor):
         assert_signatures_fit(impl, Launchable)
 
 
