@@ -96,7 +96,7 @@ def test_trainer_and_generator_start_together(tiny_llama_dir, tmp_path):
         assert events == ["trainer launched", "generator launched", "trainer ready", "generator ready"]
         assert trainer.step_count == 0 and len(trainer.health()) == 1
         (sample,) = generator.generate([[1, 504, 3180, 314]], n_samples=1, max_new_tokens=2)
-        assert len(sample.completion_ids) == 2
+        assert 1 <= len(sample.completion_ids) <= 2
         pids = trainer.launched_pids + generator.launched_pids
         assert len(_alive(pids)) == 2
     assert _alive(pids) == []  # closed with the stack
