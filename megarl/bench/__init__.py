@@ -20,6 +20,7 @@ BENCHES = {
     "generator": "the generator executor (vLLM) vs raw vLLM and transformers on the same prompts",
     "sync": "DDMA weight sync vs gather+broadcast and the shm push, on equal work",
     "checkpoint": "the step with and without trainer.async_save",
+    "startup": "a job's start-up: trainer and generator one after the other vs together",
     "reward": "sandboxed code rewards: rewards/s, p50/p99 latency, the timeout share",
     "prox": "A-3PO's approximated proximal policy vs decoupled PPO's recompute forward",
     "packing": "sequence packing and token-budget micro-batches vs right-padded rows",

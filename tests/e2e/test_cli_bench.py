@@ -50,6 +50,21 @@ def test_bench_trainer_quick(tiny_llama_dir, tmp_path):
 
 
 @pytest.mark.slow  # CI time: a benchmark's smoke run (benchmarks check speed, by hand)
+def test_bench_startup_one_trial(tiny_llama_dir, tmp_path):
+    """One sequential and one together start of the tiny job's trainer and generator: about 30 s."""
+    r = _cli("startup", str(REPO / "configs" / "tiny_test.yaml"), f"model.path={tiny_llama_dir}", "--trials", 1,
+             "--out", tmp_path)
+    _ok(r)
+    result = json.loads((tmp_path / "bench_startup.json").read_text())
+    seq, tog = result["sequential"], result["together"]
+    # sequential: the generator was launched once the trainer was ready, so it is ready after it
+    assert 0 < seq["trainer_s"] < seq["generator_s"] <= seq["both_s"]
+    assert 0 < max(tog["trainer_s"], tog["generator_s"]) <= tog["both_s"]
+    assert result["ratio"] == seq["both_s"] / tog["both_s"]
+    assert (tmp_path / "bench_startup.png").stat().st_size > 1000
+
+
+@pytest.mark.slow  # CI time: a benchmark's smoke run (benchmarks check speed, by hand)
 def test_bench_generator_quick(tiny_llama_dir, tmp_path):
     """vLLM (CPU) against transformers on the tiny model: about 20 s on 2 cores."""
     r = _cli("generator", "--quick", "--model", tiny_llama_dir, "--out", tmp_path)
