@@ -37,7 +37,7 @@ MODES = ("sequential", "together")
 def start_once(cfg, model_dir: Path, run_dir: Path, mode: str) -> dict:
     """Start the trainer and the generator of ``cfg`` in ``mode``, close them; seconds from the first
     launch until each was ready, and until both were."""
-    from megarl.executors.base import start_together
+    from megarl.executors.base import start_in_turn, start_together
     from megarl.generator.executor import GeneratorExecutor
     from megarl.trainer.executor import TrainerExecutor
     from megarl.utils.procs import parse_cpu_list
@@ -45,22 +45,10 @@ def start_once(cfg, model_dir: Path, run_dir: Path, mode: str) -> dict:
     trainer = TrainerExecutor(cfg.trainer, cfg.algorithm, model_dir, total_steps=cfg.controller.steps, run_dir=run_dir,
                               cpus=parse_cpu_list(cfg.cluster.trainer_cpus) or None)
     generator = GeneratorExecutor(cfg.generator, model_dir)
-    ready: dict[str, float] = {}
-    for name, ex in (("trainer", trainer), ("generator", generator)):
-        def noted(also_check=None, _wait=ex.await_ready, _name=name, _ex=ex):
-            _wait(also_check)
-            ready[_name] = time.monotonic() - t0
-            return _ex
-        ex.await_ready = noted
+    start = start_together if mode == "together" else start_in_turn
     with ExitStack() as stack:
-        t0 = time.monotonic()
-        if mode == "together":
-            start_together(stack, [trainer, generator])
-        else:
-            start_together(stack, [trainer])
-            start_together(stack, [generator])
-        both = time.monotonic() - t0
-    return {"mode": mode, "both_s": both, "trainer_s": ready["trainer"], "generator_s": ready["generator"]}
+        ready = start(stack, {"trainer": trainer, "generator": generator})
+    return {"mode": mode, "both_s": max(ready.values()), "trainer_s": ready["trainer"], "generator_s": ready["generator"]}
 
 
 def mode_stats(runs: list[dict]) -> dict:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from megarl.config import ConfigError
 from megarl.config.job import ResolvedJob
 from megarl.config.schema import MegaRLConfig
-from megarl.executors.base import start_together
+from megarl.executors.base import start_in_turn, start_together
 from megarl.utils.procs import parse_cpu_list
 
 if TYPE_CHECKING:  # these import torch, which must wait until select_device has run
@@ -88,14 +88,16 @@ def start_executors(cfg: MegaRLConfig, job: ResolvedJob, stack: ExitStack, run: 
     reward = reward_executor(cfg, job.devices, run.path / "logs" / "judge")
     teacher = make_teacher(cfg, job, run)  # algorithm.teacher: forward-only ranks, or None
     critic = make_critic(cfg, job, run)  # gae/vtrace: the value model's ranks, resumed at the trainer's step
-    launchable = [trainer, generator, *([reward] if cfg.reward.model else []), *filter(None, (teacher, critic))]
-    if cfg.cluster.share_devices:
-        # one after the other: vLLM sizes its KV cache from the GPU memory free when it starts, so what
-        # the others hold must be taken by then (the memory plan, megarl/config/memory.py, assumes it)
-        for ex in launchable:
-            start_together(stack, [ex])
-    else:  # Megatron builds while vLLM loads
-        start_together(stack, launchable)
+    roles = {"trainer": trainer, "generator": generator, "judge": reward if cfg.reward.model else None,
+             "teacher": teacher, "critic": critic}
+    # cluster.share_devices: one after the other, so that what the others hold is taken when vLLM sizes
+    # its KV cache from the free memory (the memory plan, megarl/config/memory.py, assumes it); else
+    # every role has devices of its own (config/placement.py): Megatron builds while vLLM loads
+    start = start_in_turn if cfg.cluster.share_devices else start_together
+    ready = start(stack, {name: ex for name, ex in roles.items() if ex is not None})
+    log.info("executors ready in %.1fs (%s; %s)", max(ready.values()),
+             ", ".join(f"{name} {s:.1f}s" for name, s in ready.items()),
+             "one after the other: cluster.share_devices" if cfg.cluster.share_devices else "started together")
     if not cfg.reward.model:
         stack.enter_context(reward)  # the rule pool: a few scoring processes, started in a moment
     if cpus:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import ExitStack
 from pathlib import Path
@@ -216,17 +217,20 @@ class _Exited(Exception):
         self.executor = executor
 
 
-def start_together(stack: ExitStack, executors: Sequence[Launchable]) -> None:
+def start_together(stack: ExitStack, executors: dict[str, Launchable]) -> dict[str, float]:
     """Launch every executor, then wait for each: their start-ups overlap, so a job starts in the time
     of its slowest executor, not the sum (a trainer building Megatron while vLLM loads). Each is on
     ``stack`` (closed in reverse when the job ends) before it launches, so a failure closes them all.
     While one is awaited, a process of another that exits ends the wait at once, and the failed
-    one's own wait raises its cause (its traceback, its log)."""
-    for ex in executors:
+    one's own wait raises its cause (its traceback, its log). Returns, per name, the seconds from the
+    first launch until that executor was ready."""
+    t0 = time.monotonic()
+    for ex in executors.values():
         stack.push(ex)  # its __exit__ closes it; pushed first: a launch that fails half-way is closed too
         ex.launch()
-    for ex in executors:
-        others = [o for o in executors if o is not ex]
+    ready: dict[str, float] = {}
+    for name, ex in executors.items():
+        others = [o for o in executors.values() if o is not ex]
 
         def another_exited() -> None:
             for o in others:
@@ -239,6 +243,19 @@ def start_together(stack: ExitStack, executors: Sequence[Launchable]) -> None:
             e.executor.await_ready()  # raises its own failure, naming the process and why
             raise ProcessDied(f"{type(e.executor).__name__}: a process exited during start-up "
                               f"({type(ex).__name__} was starting)") from None
+        ready[name] = time.monotonic() - t0
+    return ready
+
+
+def start_in_turn(stack: ExitStack, executors: dict[str, Launchable]) -> dict[str, float]:
+    """Start each executor once the one before it is ready (for executors that share devices: vLLM
+    sizes its KV cache from the memory free when it starts); as :func:`start_together` otherwise."""
+    t0 = time.monotonic()
+    ready: dict[str, float] = {}
+    for name, ex in executors.items():
+        offset = time.monotonic() - t0
+        ready[name] = offset + start_together(stack, {name: ex})[name]
+    return ready
 
 
 class ExecutorBase:

@@ -46,6 +46,8 @@ def test_job_trains_a_critic_and_resumes_it_with_the_trainer(tiny_llama_dir, tmp
     lines = out.stdout.splitlines()
     at = lambda text: next(i for i, line in enumerate(lines) if text in line)  # noqa: E731
     assert at("starting the critic") < at("trainer: 1 rank(s) ready") < at("critic: 1 rank(s) ready"), out.stdout
+    ready = lines[at("executors ready in")]  # one line: each role's seconds from the first launch
+    assert all(f"{role} " in ready for role in ("trainer", "generator", "critic")) and "started together" in ready
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
         assert r["reward/mean"] == -1.0  # every reply truncated: GRPO's advantages would all be 0

@@ -13,7 +13,7 @@ import pytest
 from megarl.algorithms.config import AlgorithmConfig
 from megarl.config import load_config
 from megarl.executors.base import (Executor, ExecutorBase, ExecutorError, ExecutorTimeout, Launchable, ProcessDied,
-                                   start_together)
+                                   start_in_turn, start_together)
 from megarl.trainer.executor import TrainerExecutor, TrainerRankFailed, TrainerTimeout
 from megarl.generator.executor import GeneratorEngineDied, GeneratorExecutor, GeneratorTimeout
 from megarl.reward import RewardPool
@@ -92,14 +92,27 @@ def test_trainer_and_generator_start_together(tiny_llama_dir, tmp_path):
     trainer, generator = _executors(tiny_llama_dir, tmp_path, events)
     assert isinstance(trainer, Launchable) and isinstance(generator, Launchable)
     with ExitStack() as stack:
-        start_together(stack, [trainer, generator])
+        ready = start_together(stack, {"trainer": trainer, "generator": generator})
         assert events == ["trainer launched", "generator launched", "trainer ready", "generator ready"]
+        assert list(ready) == ["trainer", "generator"] and 0 < ready["trainer"] <= ready["generator"]
         assert trainer.step_count == 0 and len(trainer.health()) == 1
         (sample,) = generator.generate([[1, 504, 3180, 314]], n_samples=1, max_new_tokens=2)
         assert 1 <= len(sample.completion_ids) <= 2
         pids = trainer.launched_pids + generator.launched_pids
         assert len(_alive(pids)) == 2
     assert _alive(pids) == []  # closed with the stack
+
+
+def test_start_in_turn_launches_each_once_the_one_before_is_ready(tiny_llama_dir, tmp_path):
+    """cluster.share_devices' start: vLLM must find the trainer's memory taken when it sizes its cache."""
+    events: list[str] = []
+    trainer, generator = _executors(tiny_llama_dir, tmp_path, events)
+    with ExitStack() as stack:
+        ready = start_in_turn(stack, {"trainer": trainer, "generator": generator})
+        assert events == ["trainer launched", "trainer ready", "generator launched", "generator ready"]
+        assert 0 < ready["trainer"] < ready["generator"]  # from the first launch, as start_together counts
+        pids = trainer.launched_pids + generator.launched_pids
+    assert len(pids) == 2 and _alive(pids) == []
 
 
 def test_a_generator_dying_at_start_ends_the_trainers_wait(tiny_llama_dir, tmp_path):
@@ -109,7 +122,7 @@ def test_a_generator_dying_at_start_ends_the_trainers_wait(tiny_llama_dir, tmp_p
     trainer, generator = _executors(tiny_llama_dir, tmp_path, events, kill_generator=True)
     with pytest.raises(ProcessDied) as e:
         with ExitStack() as stack:
-            start_together(stack, [trainer, generator])
+            start_together(stack, {"trainer": trainer, "generator": generator})
     assert events == ["trainer launched", "generator launched"]  # the trainer never became ready
     assert isinstance(e.value, GeneratorEngineDied), repr(e.value)
     assert "replica 0" in str(e.value) and "SIGKILL" in str(e.value), str(e.value)
