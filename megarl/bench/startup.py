@@ -48,7 +48,8 @@ def start_once(cfg, model_dir: Path, run_dir: Path, mode: str) -> dict:
     start = start_together if mode == "together" else start_in_turn
     with ExitStack() as stack:
         ready = start(stack, {"trainer": trainer, "generator": generator})
-    return {"mode": mode, "both_s": max(ready.values()), "trainer_s": ready["trainer"], "generator_s": ready["generator"]}
+    return {"mode": mode, "both_s": max(ready.values()), "trainer_s": ready["trainer"],
+            "generator_s": ready["generator"]}
 
 
 def mode_stats(runs: list[dict]) -> dict:
@@ -66,7 +67,8 @@ def plot(result: dict, path: Path) -> None:
     for row, mode in enumerate(MODES):
         m = result[mode]
         if mode == "sequential":  # the generator is launched when the trainer is ready
-            spans = [(0.0, m["trainer_s"], "tab:blue"), (m["trainer_s"], m["generator_s"] - m["trainer_s"], "tab:orange")]
+            spans = [(0.0, m["trainer_s"], "tab:blue"),
+                     (m["trainer_s"], m["generator_s"] - m["trainer_s"], "tab:orange")]
         else:
             spans = [(0.0, m["trainer_s"], "tab:blue"), (0.0, m["generator_s"], "tab:orange")]
         for i, (start, width, color) in enumerate(spans):
@@ -104,7 +106,8 @@ def main() -> int:
         for mode in MODES:
             print(f"[{time.strftime('%H:%M:%S')}] {mode} start {trial + 1}/{a.trials}", flush=True)
             runs[mode].append(start_once(cfg, model_dir, out / "bench_startup_runs" / f"{mode}-{trial}", mode))
-    result = {"config": a.config, "overrides": a.overrides, "trials": a.trials, **{m: mode_stats(r) for m, r in runs.items()}}
+    result = {"config": a.config, "overrides": a.overrides, "trials": a.trials,
+              **{m: mode_stats(r) for m, r in runs.items()}}
     result["ratio"] = result["sequential"]["both_s"] / result["together"]["both_s"]
     result["load_avg_1m_at_end"] = round(os.getloadavg()[0], 2)
     result["bench_wall_s"] = time.monotonic() - t0

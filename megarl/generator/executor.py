@@ -148,7 +148,8 @@ class GeneratorExecutor(ReplicaSupervision, ExecutorBase):
         ``also_check()`` runs at every look (it raises to end the wait: another executor failed).
         On any failure no engine is left running."""
         kind = "attached generator" if self.launcher == "slurm" else "generator"
-        what = f"{self.cfg.replicas} {kind} replica(s) to start (generator.start_timeout_s={self.cfg.start_timeout_s:.0f} from the launch)"
+        what = (f"{self.cfg.replicas} {kind} replica(s) to start "
+                f"(generator.start_timeout_s={self.cfg.start_timeout_s:.0f} from the launch)")
         left = self._launched_at + self.cfg.start_timeout_s - time.monotonic()
         log.info("generator: waiting up to %.0fs more for %s (logs in %s)", max(left, 0.0), what, self._log_dir)
         try:

@@ -221,8 +221,9 @@ class TrainerExecutor(ExecutorBase):
                 if self.launcher == "slurm":
                     host = self._ranks[0].process.host
                     port = os.environ.get(rendezvous_vars(self.role)[1], "?")
-                    self._raise(TrainerError(f"{self.role}: rank 0 on {host} could not bind the rendezvous port {port} "
-                                             f"(in use: another job on that node?); set cluster.port_base to a free range"))
+                    self._raise(TrainerError(f"{self.role}: rank 0 on {host} could not bind the rendezvous port "
+                                             f"{port} (in use: another job on that node?); set cluster.port_base "
+                                             f"to a free range"))
                 if self._launches == 3:
                     raise TrainerError("trainer: the rendezvous port was taken 3 times in a row")
                 log.warning("trainer: the rendezvous port was taken; relaunching the ranks (attempt %d)",
