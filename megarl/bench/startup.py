@@ -25,6 +25,7 @@ import argparse
 import json
 import os
 import statistics
+import tempfile
 import time
 from contextlib import ExitStack
 from pathlib import Path
@@ -102,10 +103,11 @@ def main() -> int:
     out = Path(a.out)
     t0 = time.monotonic()
     runs: dict[str, list[dict]] = {m: [] for m in MODES}
-    for trial in range(a.trials):
-        for mode in MODES:
-            print(f"[{time.strftime('%H:%M:%S')}] {mode} start {trial + 1}/{a.trials}", flush=True)
-            runs[mode].append(start_once(cfg, model_dir, out / "bench_startup_runs" / f"{mode}-{trial}", mode))
+    with tempfile.TemporaryDirectory(prefix="megarl-bench-startup-") as tmp:  # the ranks' logs: not kept
+        for trial in range(a.trials):
+            for mode in MODES:
+                print(f"[{time.strftime('%H:%M:%S')}] {mode} start {trial + 1}/{a.trials}", flush=True)
+                runs[mode].append(start_once(cfg, model_dir, Path(tmp) / f"{mode}-{trial}", mode))
     result = {"config": a.config, "overrides": a.overrides, "trials": a.trials,
               **{m: mode_stats(r) for m, r in runs.items()}}
     result["ratio"] = result["sequential"]["both_s"] / result["together"]["both_s"]
