@@ -230,7 +230,8 @@ def start_together(stack: ExitStack, executors: dict[str, Launchable]) -> dict[s
         ex.launch()
     ready: dict[str, float] = {}
     for name, ex in executors.items():
-        others = [o for o in executors.values() if o is not ex]
+        # those not yet ready: a ready one that dies is caught at its next use, naming the cause
+        others = [o for n, o in executors.items() if o is not ex and n not in ready]
 
         def another_exited() -> None:
             for o in others:

@@ -50,7 +50,7 @@ from megarl.executors.base import ExecutorBase, ExecutorError, ExecutorTimeout, 
 from megarl.executors.group import Member, ProcessGroup, member_cause, member_node, member_where
 from megarl.batch import RolloutBatch
 from megarl.trainer.config import TrainerConfig
-from megarl.trainer.worker import rank_main
+from megarl.trainer.worker import PORT_TAKEN_EXIT, rank_main
 from megarl.utils.devices import cuda_visible
 from megarl.utils.dist import free_tcp_port
 from megarl.utils.errors import exception_line, remote_error
@@ -238,9 +238,10 @@ class TrainerExecutor(ExecutorBase):
         return self
 
     def has_exited(self) -> bool:
-        """Whether a rank has exited (attached: its connection closed). Reads no message: another
-        executor's wait asks it; this executor's own wait then says why."""
-        return bool(self._group.exited())
+        """Whether a rank has failed by exiting (attached: its connection closed); a rank 0 that found
+        the rendezvous port taken is not one: :meth:`await_ready` relaunches. Reads no message:
+        another executor's wait asks it; this executor's own wait then says why."""
+        return any(r.process.exitcode != PORT_TAKEN_EXIT for r in self._group.exited())
 
     def _make_rank(self, index: int, process, conn, log_path: Path) -> _Rank:
         return _Rank(index, process, conn, log_path, rank_coords(index, self.cfg.tp, self.cfg.pp, self.cfg.dp))

@@ -38,6 +38,7 @@ from megarl.algorithms.config import AlgorithmConfig
 from megarl.trainer.config import TrainerConfig
 
 log = logging.getLogger(__name__)
+PORT_TAKEN_EXIT = 3  # rank 0's exit code when the rendezvous port was taken: the executor relaunches (0 ok, 1 failed)
 
 HEARTBEAT_S = 1.0  # seconds between heartbeats (the executor's heartbeat_timeout_s is far longer)
 COMMANDS = ("step", "save", "wait_saves", "sync", "logprobs", "values", "topology", "shards", "health")  # plus "exit"
@@ -254,7 +255,7 @@ def _serve(chan: _Channel, rank: int, world: int, master_port: int, cfg: Trainer
         if rank == 0 and "address already in use" in str(e).lower():
             chan.send("port_taken")
             sys.stderr.flush()
-            os._exit(3)
+            os._exit(PORT_TAKEN_EXIT)
         raise
     init_model_parallel(cfg.tp, cfg.pp, seed=cfg.seed, ep=cfg.ep)
     trainer = _learner(cfg)(cfg, algo, model_dir, total_steps=total_steps, run_dir=run_dir)

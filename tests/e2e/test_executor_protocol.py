@@ -15,6 +15,7 @@ from megarl.config import load_config
 from megarl.executors.base import (Executor, ExecutorBase, ExecutorError, ExecutorTimeout, Launchable, ProcessDied,
                                    start_in_turn, start_together)
 from megarl.trainer.executor import TrainerExecutor, TrainerRankFailed, TrainerTimeout
+from megarl.trainer.worker import PORT_TAKEN_EXIT
 from megarl.generator.executor import GeneratorEngineDied, GeneratorExecutor, GeneratorTimeout
 from megarl.reward import RewardPool
 from megarl.reward.config import RewardConfig
@@ -128,3 +129,22 @@ def test_a_generator_dying_at_start_ends_the_trainers_wait(tiny_llama_dir, tmp_p
     assert "replica 0" in str(e.value) and "SIGKILL" in str(e.value), str(e.value)
     launched = trainer.launched_pids + generator.launched_pids
     assert len(launched) == 2 and _alive(launched) == []  # both closed: no rank, no replica left
+
+
+def _exit_with(conn, code: int) -> None:
+    os._exit(code)
+
+
+@pytest.mark.parametrize("code, failed", [(PORT_TAKEN_EXIT, False), (1, True)])
+def test_a_trainer_rank_that_found_its_port_taken_is_not_a_failure_to_the_others(tiny_llama_dir, tmp_path, code,
+                                                                                  failed):
+    """Rank 0 exits with PORT_TAKEN_EXIT when the rendezvous port was taken, and the trainer's own wait
+    relaunches it: another executor's wait must not stop the start-up for it (a teacher's or critic's
+    collision while the trainer is awaited), but must for any other exit."""
+    cfg = load_config(REPO / "configs" / "tiny_test.yaml", [f"model.path={tiny_llama_dir}"])
+    trainer = TrainerExecutor(cfg.trainer, AlgorithmConfig(), tiny_llama_dir, total_steps=2, run_dir=tmp_path)
+    rank = trainer._group.spawn(0, _exit_with, (code,), name="megarl-test-rank", make=trainer._make_rank)
+    rank.process.join(60)
+    assert rank.process.exitcode == code
+    assert trainer.has_exited() is failed
+    trainer.close()
