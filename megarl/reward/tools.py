@@ -13,6 +13,7 @@ from __future__ import annotations
 import ast
 import operator
 import re
+from decimal import Decimal
 from fractions import Fraction
 from typing import Any, List, Optional, Sequence
 
@@ -24,15 +25,27 @@ INSTRUCTION = ("You may use a calculator: write <calc>EXPRESSION</calc> and stop
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
         ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}
 MAX_POW = 64      # largest exponent the calculator takes (a bound on its time and memory)
+# Largest numerator or denominator, in bits (~1233 digits), of any number the calculator reads or
+# computes: MAX_POW alone bounds one power, not a tower of them (((9**64)**64)**64 has 830k bits and
+# one more **64 would take hours), and 4096 bits keeps every value printable (str() refuses > 4300 digits)
+MAX_BITS = 4096
 _PLACEHOLDER = "\u2063MEGARL_REPLY\u2063"  # never in a real reply: where the sampled tokens sit
 
 
 def calculate(expr: str) -> Optional[Fraction]:
     """An arithmetic expression's exact value (numbers, + - * / // % **, parentheses); None when it
     is anything else, divides by zero or has an exponent above MAX_POW. Never ``eval``."""
+    def bits(v: Fraction) -> int:
+        return max(v.numerator.bit_length(), v.denominator.bit_length())
+
+    def bounded(v: Fraction) -> Fraction:
+        if bits(v) > MAX_BITS:
+            raise ValueError("too large")
+        return v
+
     def ev(node: ast.AST) -> Fraction:
         if isinstance(node, ast.Constant) and type(node.value) in (int, float):
-            return Fraction(str(node.value))
+            return bounded(Fraction(str(node.value)))
         if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
             v = ev(node.operand)
             return -v if isinstance(node.op, ast.USub) else v
@@ -40,7 +53,8 @@ def calculate(expr: str) -> Optional[Fraction]:
             left, right = ev(node.left), ev(node.right)
             if isinstance(node.op, ast.Pow) and (right.denominator != 1 or abs(right) > MAX_POW):
                 raise ValueError("exponent")
-            return Fraction(_OPS[type(node.op)](left, right))
+            # each operand within MAX_BITS: the worst result, a power, has 64 x 4096 bits (milliseconds)
+            return bounded(Fraction(_OPS[type(node.op)](left, right)))
         raise ValueError("not arithmetic")
 
     try:
@@ -52,7 +66,12 @@ def calculate(expr: str) -> Optional[Fraction]:
 def _fmt(value: Optional[Fraction]) -> str:
     if value is None:
         return "error"
-    return str(value.numerator) if value.denominator == 1 else f"{float(value):.10g}"
+    if value.denominator == 1:
+        return str(value.numerator)
+    try:
+        return f"{float(value):.10g}"
+    except OverflowError:  # beyond a double (~1.8e308), within MAX_BITS: 10 digits from the exact value
+        return f"{Decimal(value.numerator) / Decimal(value.denominator):.10g}"
 
 
 def turn_ids(tokenizer: Any, messages: List[dict], content: str, reply_ids: Sequence[int]) -> List[int]:
