@@ -232,9 +232,10 @@ class RewardPool(ExecutorBase):
         while pending or any(w.task is not None for w in workers):
             now = time.monotonic()
             for w in workers:
-                if w.ready and w.task is None and pending:
+                if w.ready and w.task is None and not w.broken and pending:
                     i = pending.popleft()
-                    w.give(i, completions[i], golds[i], self.cfg.strict)
+                    if not w.give(i, completions[i], golds[i], self.cfg.strict):
+                        pending.appendleft(i)  # it died idle: its EOF (below) replaces it
             due = [w.given + timeout for w in workers if w.task is not None] + \
                   [w.spawned + START_TIMEOUT_S for w in workers if not w.ready]
             got = self._group.get(max(0.0, min(due) - now) if due else START_TIMEOUT_S)
@@ -318,11 +319,18 @@ class _Worker(Member):
         super().__init__(index, process, conn, log_path)
         self.spawned, self.given = time.monotonic(), 0.0
         self.ready = False
+        self.broken = False  # its pipe refused a sample: it died while idle, its EOF is on its way
         self.task: Optional[int] = None
 
-    def give(self, i: int, completion: str, gold: str, strict: bool) -> None:
-        self.conn.send((i, completion, gold, strict))
+    def give(self, i: int, completion: str, gold: str, strict: bool) -> bool:
+        """Send sample ``i``; False when the process is gone (e.g. OOM-killed between batches)."""
+        try:
+            self.conn.send((i, completion, gold, strict))
+        except OSError:  # BrokenPipeError, ConnectionResetError: the pipe's reader exited
+            self.broken = True
+            return False
         self.task, self.given = i, time.monotonic()
+        return True
 
 
 def _reap(proc) -> Optional[int]:

@@ -10,6 +10,7 @@ import signal
 import sys
 import textwrap
 import threading
+import time
 
 import pytest
 
@@ -114,6 +115,31 @@ def test_a_scoring_process_killed_mid_sample_loses_nothing(faulty):
         assert [s.correct for s in got] == [True]
         assert pool.last_counts == {"reward/timeouts": 0, "reward/errors": 0, "reward/worker_deaths": 1}
         assert victim not in pool.pids and len(pool.pids) == 1
+
+
+def test_a_scoring_process_killed_while_idle_is_replaced_at_the_next_batch(faulty):
+    """Killed between batches (an OOM kill): the next batch's sample goes to a closed pipe, which must
+    not stop the job; the death is counted and the sample scored on a fresh process."""
+    with RewardPool(RewardConfig(fn=faulty, workers=1, timeout_s=10.0), 10) as pool:
+        assert [s.correct for s in _score(pool, ["19"])] == [True]  # the process is up, now idle
+        (victim,) = pool.pids
+        os.kill(victim, signal.SIGKILL)
+        deadline = time.monotonic() + 10.0
+        while _state(victim) not in ("Z", None) and time.monotonic() < deadline:  # dead, not yet reaped
+            time.sleep(0.02)
+        assert _state(victim) in ("Z", None)
+        assert [s.correct for s in _score(pool, ["19"])] == [True]
+        assert pool.last_counts == {"reward/timeouts": 0, "reward/errors": 0, "reward/worker_deaths": 1}
+        assert victim not in pool.pids and len(pool.pids) == 1
+
+
+def _state(pid: int) -> str | None:
+    """A process's state letter from /proc (Z: a zombie), None once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return None
 
 
 def test_max_error_frac_is_validated():
