@@ -257,7 +257,7 @@ def _serve(chan: _Channel, rank: int, world: int, master_port: int, cfg: Trainer
             sys.stderr.flush()
             os._exit(PORT_TAKEN_EXIT)
         raise
-    init_model_parallel(cfg.tp, cfg.pp, seed=cfg.seed, ep=cfg.ep)
+    init_model_parallel(cfg.tp, cfg.pp, seed=cfg.seed, ep=cfg.ep, timeout_s=pg_timeout)  # Megatron's groups too
     trainer = _learner(cfg)(cfg, algo, model_dir, total_steps=total_steps, run_dir=run_dir)
     from megatron.core import parallel_state as ps
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import math
 import queue as queue_lib
 import random
 import socket
@@ -53,9 +54,12 @@ def init_distributed(rank: int, world_size: int, master_addr: str = "127.0.0.1",
         rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s))
 
 
-def init_model_parallel(tp: int = 1, pp: int = 1, seed: int = 1234, ep: int = 1) -> None:
+def init_model_parallel(tp: int = 1, pp: int = 1, seed: int = 1234, ep: int = 1,
+                        timeout_s: float | None = None) -> None:
     """Create megatron's TP/PP/DP groups (and, with ``ep`` > 1, expert-parallel groups inside the DP
-    ranks) over the default group and seed every RNG.
+    ranks) over the default group and seed every RNG. ``timeout_s``: how long a collective of those
+    groups waits for a silent peer (whole minutes, rounded up: Megatron's unit); None: Megatron's
+    default (30 min), not the default group's.
 
     The same seed on every rank gives the same master weights under use_cpu_initialization
     (megatron draws the full tensor, then slices it), so TP=1 and TP=2 models start identical.
@@ -78,8 +82,9 @@ def init_model_parallel(tp: int = 1, pp: int = 1, seed: int = 1234, ep: int = 1)
     if ep < 1 or (world // (tp * pp)) % ep:
         raise ValueError(f"expert parallel ({ep}) must divide the data parallel size ({world // (tp * pp)}); "
                          f"change trainer ep or the number of trainer ranks")
+    minutes = {} if timeout_s is None else {"distributed_timeout_minutes": max(1, math.ceil(timeout_s / 60.0))}
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                             expert_model_parallel_size=ep)
+                                             expert_model_parallel_size=ep, **minutes)
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)

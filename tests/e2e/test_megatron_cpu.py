@@ -312,3 +312,22 @@ def test_run_multiprocess_retries_when_the_port_is_taken(monkeypatch):
         monkeypatch.setattr(dist_mod, "free_tcp_port", next_port)
         assert run_multiprocess(_rank_id, 1, timeout_s=120) == [0]
     assert chosen[0] == taken and len(chosen) == 2
+
+
+def _group_timeouts(rank: int, world_size: int, timeout_s: float | None) -> list:
+    from megatron.core import parallel_state as ps
+
+    from megarl.utils.dist import init_model_parallel
+
+    init_model_parallel(1, 1, seed=0, timeout_s=timeout_s)
+    groups = [ps.get_tensor_model_parallel_group(), ps.get_pipeline_model_parallel_group(),
+              ps.get_data_parallel_group(), ps.get_data_parallel_group_gloo()]
+    return [g._get_backend(torch.device("cpu")).options._timeout.total_seconds() for g in groups]
+
+
+def test_megatron_groups_wait_as_long_as_the_trainer_says():
+    """The trainer's collective timeout (worker.py: longer than its executor's own) reaches Megatron's
+    TP/PP/DP groups, in whole minutes rounded up; without it they would wait Megatron's 30 minutes."""
+    assert run_multiprocess(_group_timeouts, 1, 150.0, timeout_s=300) == [[180.0] * 4]
+    assert run_multiprocess(_group_timeouts, 1, None, timeout_s=300) == [[1800.0] * 4]
+
