@@ -17,6 +17,7 @@ import logging
 import os
 import pickle
 import socket
+import struct
 import threading
 import time
 from dataclasses import dataclass
@@ -131,7 +132,8 @@ def accept_ranks(spec: AttachSpec, world: int, timeout_s: float, role: str = "tr
                 sock, peer = srv.accept()
             except (socket.timeout, BlockingIOError):
                 continue
-            conn, hello = _handshake(sock, peer, spec, role)
+            # One peer that connects and says nothing must not hold the wait past its deadline
+            conn, hello = _handshake(sock, peer, spec, role, min(_HANDSHAKE_S, deadline - time.monotonic()))
             if conn is None:
                 continue
             r = hello.get("rank")
@@ -152,44 +154,96 @@ def accept_ranks(spec: AttachSpec, world: int, timeout_s: float, role: str = "tr
     return [got[r] for r in range(world)]
 
 
-def _handshake(sock: socket.socket, peer, spec: AttachSpec, role: str = "trainer") -> tuple[Connection | None, dict]:
+def _handshake(sock: socket.socket, peer, spec: AttachSpec, role: str = "trainer",
+               bound_s: float = _HANDSHAKE_S) -> tuple[Connection | None, dict]:
+    """Authenticate an accepted socket (the challenge both ways) and read its hello, all within
+    ``bound_s``; (connection, hello), or (None, {}) for a peer refused: a foreign key, a stray client,
+    or one that stays silent (a probe, a rank whose node hung right after connecting)."""
+    give_up = time.monotonic() + bound_s
     sock.setblocking(True)
     conn = Connection(sock.detach())
     try:
+        _bound_io(conn, bound_s)  # the challenge's reads take no timeout of their own
         deliver_challenge(conn, spec.authkey)
         answer_challenge(conn, spec.authkey)
-        if not conn.poll(_HANDSHAKE_S):
+        if not conn.poll(max(0.0, give_up - time.monotonic())):
             raise TimeoutError("no hello")
+        _bound_io(conn, give_up - time.monotonic())
         kind, hello = pickle.loads(conn.recv_bytes())
         if kind != "hello" or not isinstance(hello, dict):
             raise ValueError(f"expected hello, got {kind!r}")
         if spec.job_id and str(hello.get("job", "")) != spec.job_id:
             raise ValueError(f"it belongs to job {hello.get('job')!r}, not {spec.job_id}")
-    except Exception as e:  # noqa: BLE001 - a stray or foreign client is refused, the wait goes on
-        log.warning("%s: refused a connection from %s: %s", role, peer, e)
+        _bound_io(conn, None)  # from here the protocol's reads wait as long as the rank lives
+    except Exception as e:  # noqa: BLE001 - a stray, foreign or silent client is refused, the wait goes on
+        why = f"it did not authenticate and say hello within {bound_s:.1f}s" if _timed_out(e) else e
+        log.warning("%s: refused a connection from %s: %s", role, peer, why)
         conn.close()
         return None, {}
     return conn, hello
 
 
+def _bound_io(sock: socket.socket | Connection, seconds: float | None) -> None:
+    """Bound each blocking read and write of ``sock`` by ``seconds`` (None: no bound) with SO_RCVTIMEO /
+    SO_SNDTIMEO, the one bound that a :class:`Connection`'s raw ``os.read`` / ``os.write`` obey: past
+    it they raise BlockingIOError (EAGAIN)."""
+    # A timeval of 0 means "no bound": a bound that has run out becomes the smallest one
+    us = 0 if seconds is None else max(1, int(seconds * 1e6))
+    timeval = struct.pack("ll", us // 1_000_000, us % 1_000_000)
+    s = socket.socket(fileno=os.dup(sock.fileno()))  # the options are the socket's, shared by every fd of it
+    try:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
+    finally:
+        s.close()
+
+
+def _timed_out(e: BaseException) -> bool:
+    """Whether ``e`` is a bound of :func:`_bound_io` (EAGAIN from a raw read or write) or a poll's."""
+    return isinstance(e, (TimeoutError, BlockingIOError))
+
+
+def _dial(host: str, port: int, authkey: bytes, timeout_s: float) -> Connection:
+    """``multiprocessing.connection.Client((host, port), authkey)`` with every step bounded by
+    ``timeout_s``: the TCP connect, and the challenge both ways (in Client's order), whose reads take no
+    timeout of their own, so a listener that accepts and never speaks would hold the rank forever."""
+    sock = socket.create_connection((host, port), timeout=timeout_s)
+    try:
+        sock.setblocking(True)  # Connection reads the raw fd: the bound is _bound_io's, not the socket's timeout
+        _bound_io(sock, timeout_s)
+        conn = Connection(sock.detach())
+    finally:
+        sock.close()  # a no-op once detached
+    try:
+        answer_challenge(conn, authkey)
+        deliver_challenge(conn, authkey)
+    except BaseException as e:
+        conn.close()
+        if _timed_out(e):
+            raise TimeoutError(f"{host}:{port} accepted the connection but did not complete the authentication "
+                               f"handshake within {timeout_s:.1f}s") from e
+        raise
+    _bound_io(conn, None)  # from here the protocol's reads wait as long as the controller lives
+    return conn
+
+
 def connect(host: str, port: int, authkey: bytes, timeout_s: float,
             timeout_knob: str = "trainer.start_timeout_s") -> Connection:
     """A rank's connection to the executor: retried (the controller may still be starting) for up
-    to ``timeout_s``; raises AttachError naming the address and the knob."""
-    from multiprocessing.connection import Client
-
+    to ``timeout_s``, each try (connect and authentication) bounded by the time left; raises
+    AttachError naming the address and the knob. A wrong key raises AuthenticationError at once."""
     start = time.monotonic()
     deadline, last_log, err = start + timeout_s, start, None
     log.info("waiting up to %.0fs to reach the controller at %s:%d", timeout_s, host, port)
-    while time.monotonic() < deadline:
+    while (left := deadline - time.monotonic()) > 0:
         try:
-            return Client((host, port), authkey=authkey)
-        except (ConnectionRefusedError, ConnectionResetError, socket.gaierror, TimeoutError, OSError) as e:
+            return _dial(host, port, authkey, left)
+        except (OSError, EOFError) as e:  # refused, reset, unresolved, timed out; EOF: closed mid-handshake
             err = e
         if time.monotonic() - last_log > _LOG_EVERY_S:
             log.info("still waiting for the controller at %s:%d (%s)", host, port, err)
             last_log = time.monotonic()
-        time.sleep(0.5)
+        time.sleep(max(0.0, min(0.5, deadline - time.monotonic())))
     raise AttachError(f"could not reach the controller at {host}:{port} within {timeout_s:.0f}s "
                       f"({timeout_knob}): {err}")
 
