@@ -80,9 +80,9 @@ def start_executors(cfg: MegaRLConfig, job: ResolvedJob, stack: ExitStack, run: 
         log.info("controller.deterministic: per-request seeds from generator.seed=%d, one sequence at a time per "
                  "engine (generator.max_num_seqs=%d not used), no prefix cache, every sync waits for the rounds in "
                  "flight: slower, reproducible across kill + resume", cfg.generator.seed, cfg.generator.max_num_seqs)
-    attached = cfg.cluster.launcher == "slurm"  # replicas started by srun on the generator nodes attach here
+    # the replicas' logs beside the trainer ranks' (under Slurm, srun's replicas attach and log there too)
     generator = GeneratorExecutor(cfg.generator, job.model_dir, cuda_devices=job.devices.generator,
-                                  launcher=cfg.cluster.launcher, log_dir=run.path / "logs" if attached else None,
+                                  launcher=cfg.cluster.launcher, log_dir=cfg.generator.log_dir or run.path / "logs",
                                   deterministic=cfg.controller.deterministic)
     # reward.model: the judge on its own vLLM replicas; else the rule-reward pool (reward.fn)
     reward = reward_executor(cfg, job.devices, run.path / "logs" / "judge")

@@ -92,8 +92,9 @@ class GeneratorConfig:
                              "0 = never restart: any replica failure stops the job. Default 3.")
     restart_window_s: float = knob(3600.0, help="Supervision: the window max_restarts counts over (seconds). "
                                    "Default 3600.")
-    log_dir: str = knob("", help="Folder for the engines' logs (one file per replica); '' = a "
-                        "temporary folder. Default ''.")
+    log_dir: str = knob("", help="Folder for the engines' logs (one file per replica); '' = the run's logs "
+                        "folder under megarl train (beside the trainer ranks'), a temporary folder for an "
+                        "executor started alone. Default ''.")
 
     def trainer_logprob_temperature(self) -> float:
         """The temperature the trainer must divide logits by to reproduce ``behav_logprobs``."""
