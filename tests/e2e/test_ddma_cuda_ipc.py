@@ -228,16 +228,25 @@ def test_cuda_ipc_open_maps_on_the_workers_device(monkeypatch):
 def test_ptrace_probe_and_failure_message_name_the_fallback():
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:
-        allowed = ptrace_permitted(child.pid)
-        assert allowed in (True, False, None)
+        assert ptrace_permitted(child.pid) is not False  # our own child: readable (None: a kernel without pidfd)
         msg = explain_open_failure(child.pid, RuntimeError("pidfd_getfd: Operation not permitted"))
         assert "sync.transport=nccl" in msg and f"pid {child.pid}" in msg
-        if allowed is False:
-            assert "ptrace" in msg
     finally:
         child.kill()
         child.wait()
     assert ptrace_permitted(child.pid) in (False, None)  # a dead pid is never readable
+
+
+@pytest.mark.parametrize("scope, says", [(1, "Yama ptrace_scope=1"), (2, "CAP_SYS_PTRACE"),
+                                         (None, "may not take trainer pid 77's file descriptors")])
+def test_a_refused_ptrace_names_its_cause(monkeypatch, scope, says):
+    """A denied probe (as in a container without CAP_SYS_PTRACE) explains why by Yama's scope."""
+    import megarl.ddma.transport.cuda_ipc as ipc
+
+    monkeypatch.setattr(ipc, "ptrace_permitted", lambda pid: False)
+    monkeypatch.setattr(ipc, "yama_ptrace_scope", lambda: scope)
+    msg = explain_open_failure(77, RuntimeError("pidfd_getfd: Operation not permitted"))
+    assert says in msg and "sync.transport=nccl" in msg, msg
 
 
 @pytest.mark.gpu

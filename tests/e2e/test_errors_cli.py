@@ -258,7 +258,8 @@ def test_non_finite_steps_in_a_trainer_rank(raised):
                      "loss or gradient (the last: a gradient)", "while waiting for 1 trainer rank(s) to answer: train step 1",
                      _controller_log(root, "nonfinite"), _rank_log(root, "nonfinite", "trainer_rank0.log"),
                      "TrainerRankFailed <- NonFiniteStepError")
-    assert "pid 4242" not in line  # a real rank's pid
+    pid = re.search(r"; pid (\d+)", line).group(1)  # the failed rank's own pid, as the controller logged it ready
+    assert f"trainer: 1 rank(s) ready (tp 1 x pp 1 x dp 1) at step 0; pids [{pid}]" in _full_log(line), pid
     assert 'raise NonFiniteStepError(' in _full_log(line)  # the rank's traceback: in the log, not on the console
 
 
@@ -274,7 +275,10 @@ def test_a_checksum_mismatch_in_a_replica(raised):
     root, done = raised
     line = _one_line(done["verify"], 10, "generator replica 0 (pid ", "raised megarl.ddma.verify.DdmaVerifyError: ",
                      _controller_log(root, "verify"), "GeneratorEngineDied <- DdmaVerifyError")
-    assert "pid 4242" not in line and "raise DdmaVerifyError(" in _full_log(line)
+    pid = re.search(r"replica 0 \(pid (\d+)", line).group(1)  # the replica's own pid, as its log names it
+    replica_log = root / "verify" / "tiny-test" / "logs" / "generator_replica0.log"
+    assert f"replica 0 (pid {pid}): landing weights v" in replica_log.read_text(), pid
+    assert "raise DdmaVerifyError(" in _full_log(line)
 
 
 def test_a_reward_that_fails_on_the_batch(raised):

@@ -29,5 +29,6 @@ def test_no_tracked_file_names_this_checkout_home_or_temp_runs():
     needles = [str(REPO) + "/", str(data_dir()) + "/", "/pytest-of-", "/megarl-soak-"]
     for needle in needles:
         out = subprocess.run(["git", "grep", "-I", "-l", "-F", needle], cwd=REPO, capture_output=True, text=True)
+        assert out.returncode in (0, 1), out.stderr  # 1: no match; anything else: git searched nothing
         hits = [f for f in out.stdout.splitlines() if f != "tests/e2e/test_portable_paths.py"]
         assert not hits, (needle, hits)

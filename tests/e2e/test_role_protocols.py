@@ -187,11 +187,12 @@ def test_generator_executor_is_a_generator(cfg, gen, tiny_llama_dir, tmp_path):
 
     trainer = LocalTrainer(cfg.trainer, cfg.algorithm, tiny_llama_dir, total_steps=1, run_dir=tmp_path)
     try:
-        assert g.update_weights(trainer.hf_weights(), version=5) >= 0
+        assert g.update_weights(trainer.hf_weights(), version=5) > 0  # seconds it took
+        assert all(v == 5 for v in g.generate(PROMPTS[:1], n_samples=1)[0].versions)
         store = host_store()
         spec = _spec(model_dims(tiny_llama_dir), trainer.topology(), store)
         trainer.start_sync(spec, 6)
-        assert g.update_weights_from_source(spec.weight_source(6), 6, peer_check=trainer.raise_if_dead) >= 0
+        assert g.update_weights_from_source(spec.weight_source(6), 6, peer_check=trainer.raise_if_dead) > 0
         trainer.finish_sync()
     finally:
         trainer.close()

@@ -208,11 +208,13 @@ def _one_step_worker(rank, world, model_dir, batch, runs):
         cfg = TrainerConfig(dp=world, lr=LR, adam_eps=INVARIANCE_ADAM_EPS, grad_clip=0.0, micro_batch_size=mbs)
         objs = build_training(cfg, model, total_steps=1)
         algo = AlgorithmConfig(loss=loss, tv_delta=0.6)
+        # numpy, not tensors: torch's queue would share their storage with a process about to exit
+        weights = lambda: {k: v.numpy().copy() for k, v in reassemble(list(local_shard_specs(model))).items()}  # noqa: E731
+        if rank == 0 and "initial" not in out:
+            out["initial"] = weights()
         metrics = train_step(objs, batch, loss_name=loss, loss_params=loss_params(algo), micro_batch_size=mbs,
                              current_version=0)
-        # numpy, not tensors: torch's queue would share their storage with a process about to exit
-        weights = {k: v.numpy().copy() for k, v in reassemble(list(local_shard_specs(model))).items()}
-        out[(loss, mbs)] = (weights, metrics) if rank == 0 else None
+        out[(loss, mbs)] = (weights(), metrics) if rank == 0 else None
     return out
 
 
@@ -234,6 +236,8 @@ def test_vaco_and_ppo_steps_do_not_depend_on_micro_batch_size_or_dp(tiny_llama_d
         want, metrics = dp1[(loss, 8)]  # one micro-batch on one rank: the statistic is the batch's
         # one Adam update: the bound param_atol derives, with the grad norm bounding the largest element
         atol = param_atol(metrics["grad_norm"], INVARIANCE_ADAM_EPS, updates=1)
+        moved = max(float(abs(w - dp1["initial"][n]).max()) for n, w in want.items())
+        assert metrics["grad_norm"] > 0 and moved > 3 * atol, (loss, moved, atol)  # a step that did move
         for other in [dp1[(loss, 1)], dp1[(loss, 2)], dp2[(loss, 2)]]:
             worst = max(float(abs(other[0][n] - w).max()) for n, w in want.items())
             assert worst <= atol, (loss, worst, atol)

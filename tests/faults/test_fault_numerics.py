@@ -69,6 +69,7 @@ def _worker(rank, world, hf_dir, plan):
             a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a) for a, b in zip(before[1], after[1]))
         out.append({"skipped": m["skipped"], "skipped_steps": m["skipped_steps"], "ok": m["update_successful"],
                     "loss": m["loss"], "grad_norm": m["grad_norm"], "same_weights": same_w, "same_adam": same_adam,
+                    "adam_tensors": sum(len(a) for a in before[1]),  # what same_adam compared
                     "sched": (before[2], after[2]),
                     "finite_weights": all(bool(torch.isfinite(p).all()) for p in model.parameters()),
                     "weights_sum": sum(float(p.detach().double().sum()) for p in model.parameters())})
@@ -88,6 +89,7 @@ def test_inf_advantage_skips_the_step_and_consecutive_skips_stop(tiny_llama_tied
         for row, total in ((skip1, 1.0), (skip2, 2.0)):
             assert row["skipped"] == 1.0 and row["skipped_steps"] == total and not row["ok"]
             assert row["same_weights"] and row["same_adam"] and row["finite_weights"]
+            assert row["adam_tensors"] > 0  # Adam's moments exist after the first step: same_adam compared them
             assert row["sched"][1] == row["sched"][0]  # the LR schedule did not advance
             assert math.isnan(row["grad_norm"])
         assert "2 steps in a row had a NaN/inf loss or gradient" in stop["stopped"]
@@ -102,6 +104,7 @@ def test_a_nan_on_one_rank_after_the_reduction_skips_every_rank(tiny_llama_tied_
     assert [r["skipped"] for r in r0] == [r["skipped"] for r in r1] == [0.0, 1.0, 0.0]
     assert math.isfinite(r1[1]["loss"])  # rank 1 saw nothing wrong of its own
     assert r1[1]["same_weights"] and r1[1]["same_adam"] and r1[1]["sched"][1] == r1[1]["sched"][0]
+    assert r1[1]["adam_tensors"] > 0
     assert not r1[2]["same_weights"]  # the step after it trains
     # the replicas hold the same weights after every step (DP keeps them bit-identical)
     assert [r["weights_sum"] for r in r0] == [r["weights_sum"] for r in r1]

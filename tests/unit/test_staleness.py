@@ -60,13 +60,6 @@ class StalenessGate:
                              f"accepted={self.accepted}, running={self.running})")
         self.running += n
 
-    def cancel(self, n: int = 1) -> None:
-        """``n`` admitted samples will not come back (aborted, or lost with a dead engine and not
-        resubmitted): release their slots."""
-        if not 0 <= n <= self.running:
-            raise ValueError(f"cancel({n}) with {self.running} sample(s) running")
-        self.running -= n
-
     # ----------------------------------------------------------------------- the lag bound
     def trainable(self, versions: Sequence[int], trainer_version: int) -> bool:
         """Whether a sample with these per-token versions may be trained at ``trainer_version``."""
@@ -107,27 +100,6 @@ class StalenessGate:
         for s in samples:
             (keep if self.accept(get(s), trainer_version, buffered=buffered) else again).append(s)
         return keep, again
-
-    # ----------------------------------------------------------------------- checkpoint
-    def state_dict(self) -> dict[str, int]:
-        """The counters, for the controller's checkpoint (JSON-serializable)."""
-        return {"max_policy_lag": self.max_policy_lag, "batch_size": self.batch_size,
-                "running": self.running, "accepted": self.accepted, "rejected_stale": self.rejected_stale}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        """Restore the counters. The batch size must match (``accepted`` counts samples of past
-        batches); ``max_policy_lag`` may change between runs (the config's wins). ``running``
-        is restored as saved: the loop either resubmits the in-flight samples it checkpointed or
-        releases them with :meth:`cancel`."""
-        if int(state["batch_size"]) != self.batch_size:
-            raise ValueError(f"staleness state was saved with batch_size={state['batch_size']}, "
-                             f"this job has {self.batch_size}: admission counts would be wrong")
-        for key in ("running", "accepted", "rejected_stale"):
-            if int(state[key]) < 0:
-                raise ValueError(f"staleness state: {key}={state[key]} is negative")
-        self.running = int(state["running"])
-        self.accepted = int(state["accepted"])
-        self.rejected_stale = int(state["rejected_stale"])
 
 
 def test_capacity_formula_by_hand():
@@ -221,42 +193,20 @@ def test_filter_partitions_in_order_and_drops_nothing():
     assert (gate.accepted, gate.running, gate.rejected_stale) == (3, 0, 2)
 
 
-def test_bookkeeping_errors():
+def test_the_reference_refuses_misbooking():
+    """A self-check of the reference (no megarl code): it refuses what would make the comparisons below
+    book wrongly, so they cannot pass on a miscounted gate."""
     gate = StalenessGate(0, 2)
     with pytest.raises(ValueError, match="never admitted"):
         gate.accept([0], 0)
     with pytest.raises(ValueError, match="no sample is accepted"):
         gate.accept([0], 0, buffered=True)
-    gate.admit(2, 0)
-    gate.cancel(1)
-    assert gate.running == 1 and gate.capacity(0) == 1
-    with pytest.raises(ValueError):
-        gate.cancel(2)
     with pytest.raises(ValueError):
         gate.admit(-1, 0)
     with pytest.raises(ValueError):
         StalenessGate(-1, 2)
     with pytest.raises(ValueError):
         StalenessGate(0, 0)
-
-
-def test_state_round_trip():
-    gate = StalenessGate(max_policy_lag=2, batch_size=4)
-    gate.admit(10, 0)
-    for versions in ([0], [0, 1], [0]):
-        gate.accept(versions, 1)
-    gate.accept([0], 3)  # stale at lag 3
-    state = json.loads(json.dumps(gate.state_dict()))  # it goes into a JSON checkpoint
-    assert state == {"max_policy_lag": 2, "batch_size": 4, "running": 6, "accepted": 3, "rejected_stale": 1}
-    other = StalenessGate(max_policy_lag=2, batch_size=4)
-    other.load_state_dict(state)
-    assert other.state_dict() == gate.state_dict()
-    assert other.capacity(1) == gate.capacity(1) == (2 + 1 + 1) * 4 - 9 == 7
-    relaxed = StalenessGate(max_policy_lag=3, batch_size=4)  # the lag may change on resume
-    relaxed.load_state_dict(state)
-    assert relaxed.capacity(1) == 5 * 4 - 9 == 11
-    with pytest.raises(ValueError, match="batch_size=4"):
-        StalenessGate(max_policy_lag=2, batch_size=8).load_state_dict(state)
 
 
 class _Engines:
@@ -278,7 +228,20 @@ class _Engines:
 
     def collect(self, min_samples=None, timeout_s=None) -> list[Sample]:
         out, self._done = self._done, []
+        assert out, "a wait for samples that no submitted group will produce"  # the queue lost a group
         return out
+
+    def poll(self) -> list[Sample]:
+        """Finished, not yet read (RolloutQueue.state_dict)."""
+        out, self._done = self._done, []
+        return out
+
+    def snapshot(self, groups) -> dict:
+        return {}  # every group finished at submit: no partial rollout
+
+    def restore(self, state, groups) -> dict[int, int]:
+        """As GeneratorExecutor.restore: each checkpointed group gets an id of this engine."""
+        return {g: next(self._groups) for g in groups}
 
 
 class _Prompts:
@@ -338,3 +301,36 @@ def test_sync_every_admits_from_the_generators_version(every, lag):
             engines.version = step
     assert [s for s in range(1, steps + 1) if push_due(s, steps, every)] == \
         sorted({*range(every, steps + 1, every), steps})
+
+
+class _OtherPrompts(_Prompts):
+    def batch(self, index: int, size: int):
+        return [SimpleNamespace(answer="1")] * size, [[2, 100 + index]] * size
+
+
+def test_queue_state_round_trips_through_a_json_checkpoint():
+    """RolloutQueue.state_dict (the controller's part of a checkpoint) into a new queue on new engines:
+    the batch admitted ahead comes back with its finished samples (none generated again), the data
+    cursor continues where it stood, and a checkpoint of another prompt stream is refused."""
+    per_step, n = 2, 3
+    queue = RolloutQueue(_Engines(), _Prompts(), prompts_per_step=per_step, n_samples=n, max_policy_lag=1,
+                         last_step=6)
+    queue.fill(1)  # lag 1: steps 1 and 2 admitted
+    queue.take(1, 0)
+    state = json.loads(json.dumps(queue.state_dict()))  # as the checkpoint file holds it
+
+    engines = _Engines()
+    resumed = RolloutQueue(engines, _Prompts(), prompts_per_step=per_step, n_samples=n, max_policy_lag=1,
+                           last_step=6)
+    assert resumed.load_state_dict(state) == {"batches": 1, "finished": per_step * n, "unfinished": 0}
+    _, prompt_ids, samples, _ = resumed.take(2, 1)
+    assert prompt_ids == [[1, 101]] * per_step  # step 2's prompts: stream batch 1
+    assert sorted(s.uid for s in samples) == sorted(f"s2p{p}k{k}" for p in range(per_step) for k in range(n))
+    assert engines.admitted == []  # trained as generated, none submitted again
+    resumed.fill(2)
+    assert engines.admitted == [per_step * n] and resumed.pending[3][1] == [[1, 102]] * per_step  # the cursor went on
+
+    with pytest.raises(ValueError, match="prompts differ"):
+        RolloutQueue(_Engines(), _OtherPrompts(), prompts_per_step=per_step, n_samples=n, max_policy_lag=1,
+                     last_step=6).load_state_dict(state)
+
