@@ -10,8 +10,11 @@ The group owns, once for all of them:
   process, EOF for its exit). A member replaced at its index (a restarted replica) keeps the index.
 * **messaging** -- one reader thread per member drains its channel into the group's inbox (so a
   member never blocks on a full pipe); :meth:`send` / :meth:`send_bytes` say False when the
-  member's end is closed (it died or is dying); :meth:`get` takes the next ``(member, message)``;
-  a member's EOF arrives as ``(member, ("eof",))``.
+  member's end is closed (it died or is dying); given ``stall_s``, they write from the member's own
+  writer thread and raise :class:`Stalled` when the member neither reads nor says anything for
+  that long (a hung process's pipe fills: the caller would block in the write, past every hang
+  check); :meth:`get` takes the next ``(member, message)``; a member's EOF arrives as
+  ``(member, ("eof",))``.
 * **waits that name what they wait for** -- :meth:`wait` logs ``<role>: waiting up to Ns for
   <what>`` and every 30 s that it still waits, and raises the caller's timeout error at the end.
 * **one hang detector: heartbeats** -- every message a member sends (the trainer ranks' ``beat``,
@@ -97,6 +100,44 @@ def member_cause(m) -> str:
     return exit_cause(m.process.exitcode)
 
 
+class Stalled(ExecutorTimeout):
+    """A message to ``member`` that it did not read while it said nothing for ``silent_s`` seconds: it
+    hangs, and its channel is unusable (a message half written); the caller fails the member."""
+
+    def __init__(self, member, silent_s: float):
+        super().__init__(f"did not read its channel and sent nothing for {silent_s:.0f}s (frozen)")
+        self.member, self.silent_s = member, silent_s
+
+
+class _Writer:
+    """A member's writes, in order, on a thread of their own, so the caller's wait stays bounded."""
+
+    def __init__(self, name: str):
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._run, daemon=True, name=name).start()
+
+    def submit(self, write: Callable[[], None]) -> dict:
+        """Queue ``write``; the returned dict gets ``ok`` (False: the end was closed) once it ran."""
+        done: dict = {"event": threading.Event()}
+        self._jobs.put((write, done))
+        return done
+
+    def stop(self) -> None:
+        self._jobs.put((None, None))
+
+    def _run(self) -> None:
+        while True:
+            write, done = self._jobs.get()
+            if write is None:
+                return
+            try:
+                write()
+                done["ok"] = True
+            except (OSError, ValueError):  # closed: by the member's exit, or by ours (ValueError)
+                done["ok"] = False
+            done["event"].set()
+
+
 class ProcessGroup:
     """The processes of one role (``role``: the word that starts its log lines and messages).
     ``beats``: message kinds that only say "alive" (noted in ``last_heard``, never queued)."""
@@ -164,21 +205,32 @@ class ProcessGroup:
             if not (isinstance(msg, tuple) and msg and msg[0] in self.beats):
                 self._inbox.put((m, msg))
 
-    def send(self, m, msg: Any) -> bool:
-        """One message to ``m``; False when its end is closed (it died or is dying)."""
-        try:
-            m.conn.send(msg)
-            return True
-        except OSError:
-            return False
+    def send(self, m, msg: Any, *, stall_s: float | None = None) -> bool:
+        """One message to ``m``; False when its end is closed (it died or is dying). ``stall_s``:
+        raise :class:`Stalled` when ``m`` neither takes it nor sends anything for that long."""
+        return self._write(m, lambda: m.conn.send(msg), stall_s)
 
-    def send_bytes(self, m, data: bytes) -> bool:
+    def send_bytes(self, m, data: bytes, *, stall_s: float | None = None) -> bool:
         """Like :meth:`send` for a message pickled once for many members."""
-        try:
-            m.conn.send_bytes(data)
-            return True
-        except OSError:
-            return False
+        return self._write(m, lambda: m.conn.send_bytes(data), stall_s)
+
+    def _write(self, m, write: Callable[[], None], stall_s: float | None) -> bool:
+        if stall_s is None:
+            try:
+                write()
+                return True
+            except OSError:
+                return False
+        writer = getattr(m, "writer", None)
+        if writer is None:
+            writer = m.writer = _Writer(f"megarl-{self.role}-writer-{m.index}")
+        done, start = writer.submit(write), time.monotonic()
+        # a member busy elsewhere (a replica inside an engine step) takes it later, and says so meanwhile
+        while not done["event"].wait(POLL_S):
+            silent = time.monotonic() - max(m.last_heard, start)
+            if silent > stall_s:
+                raise Stalled(m, silent)
+        return done["ok"]
 
     def get(self, timeout: float) -> tuple | None:
         """The next ``(member, message)``, waiting up to ``timeout`` seconds; None if none came."""
@@ -327,6 +379,8 @@ class ProcessGroup:
         if m.remote:
             shutdown(m.conn)
         m.conn.close()
+        if getattr(m, "writer", None) is not None:
+            m.writer.stop()
 
     def kill_all(self) -> None:
         """SIGKILL every process spawned here; shut the attached members' connections (they exit
@@ -344,7 +398,10 @@ class ProcessGroup:
         self.closing = True
         going = [m for m in self.members if leaving(m)]
         for m in going:
-            self.send(m, exit_msg)
+            try:
+                self.send(m, exit_msg, stall_s=timeout_s)
+            except Stalled as e:  # a hung member does not read: it is killed below
+                log.warning("%s: %s %s; not waiting for it to exit", self.role, member_where(m), e)
         if going:
             log.debug("%s: waiting up to %.0fs for %d process(es) to exit", self.role, timeout_s, len(going))
         deadline = time.monotonic() + timeout_s
@@ -365,8 +422,10 @@ class ProcessGroup:
             if m.remote:
                 shutdown(m.conn)
             m.conn.close()
+            if getattr(m, "writer", None) is not None:
+                m.writer.stop()
         return members
 
 
-__all__ = ["LOG_EVERY_S", "SLOW_WAIT_S", "Member", "POLL_S", "ProcessGroup", "log_tail", "member_cause", "member_node",
-           "member_where"]
+__all__ = ["LOG_EVERY_S", "SLOW_WAIT_S", "Member", "POLL_S", "ProcessGroup", "Stalled", "log_tail", "member_cause",
+           "member_node", "member_where"]

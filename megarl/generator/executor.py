@@ -43,7 +43,7 @@ from typing import Any
 import torch
 
 from megarl.executors.base import ExecutorBase
-from megarl.executors.group import ProcessGroup, member_cause
+from megarl.executors.group import ProcessGroup, Stalled, member_cause
 from megarl.generator.config import GeneratorConfig
 from megarl.generator.threads import threads_binds
 from megarl.generator.replicas import ReplicaHandle, Track, model_vocab_size, remove_shm_files, request_seed
@@ -468,8 +468,15 @@ class GeneratorExecutor(ReplicaSupervision, ExecutorBase):
         self._send(self._replicas[replica], ("submit", specs))
 
     def _send(self, h: ReplicaHandle, msg: tuple) -> None:
-        """A command to one replica; a closed pipe means it died: raise naming it and how."""
-        if not self._group.send(h, msg):
+        """A command to one replica; a closed pipe means it died, one it does not read while silent for
+        heartbeat_timeout_s that it hangs: it is replaced, or the job stops naming it and how."""
+        try:
+            sent = self._group.send(h, msg, stall_s=self.cfg.heartbeat_timeout_s)
+        except Stalled as e:
+            self._fail(h, f"{e} (generator.heartbeat_timeout_s={self.cfg.heartbeat_timeout_s:.0f})")
+            self._check_failed()
+            return
+        if not sent:
             self._fail(h, self._exit_cause(h))
             self._check_failed()
 

@@ -3,7 +3,8 @@ in real processes: ready, request/reply, a death, a raise, a hang, orderly close
 
 Each worker beats every 0.2 s from a thread and answers ``("ping", n)`` with ``("pong", n, pid)``;
 ``("die", pid)`` / ``("raise", pid)`` / ``("hang", pid)`` make the worker of that pid exit with code
-3, raise, or stop beating and answering (the others answer a pong).
+3, raise, or stop beating and answering (the others answer a pong); ``("nap", pid, s)`` keeps it from
+reading for s seconds while it beats.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import pytest
 
 from megarl.executors.attach import AttachSpec, accept_ranks, connect
 from megarl.executors.base import ExecutorTimeout, ProcessDied
-from megarl.executors.group import ProcessGroup
+from megarl.executors.group import ProcessGroup, Stalled
 from megarl.utils.dist import free_tcp_port
 
 BEAT_S = 0.2
@@ -58,6 +59,8 @@ def _serve(conn, beat_s: float = BEAT_S) -> None:
         if msg[0] == "hang" and mine:
             frozen.set()
             time.sleep(3600)
+        if msg[0] == "nap" and mine:  # busy: beats, reads nothing for a while
+            time.sleep(msg[2])
         send(("pong", msg[1], os.getpid()))
 
 
@@ -169,6 +172,62 @@ def test_a_wait_whose_deadline_passed_unread_still_counts_what_came(group):
     with pytest.raises(ExecutorTimeout):
         group.wait(lambda: False, 0, "nothing", lambda m, msg: None,
                    on_timeout=lambda: ExecutorTimeout("nothing came"))
+
+
+BIG = 8 << 20  # bytes: far more than a pipe holds (socket buffers of ~200 KB), so a write waits for the reader
+
+
+def _within(seconds: float, fn):
+    """``fn()``'s result or exception, failing (not hanging) if it runs past ``seconds``."""
+    out: dict = {}
+
+    def run():
+        try:
+            out["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the test
+            out["error"] = e
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(seconds)
+    assert not t.is_alive(), f"still blocked after {seconds}s"
+    if "error" in out:
+        raise out["error"]
+    return out["value"]
+
+
+def test_a_send_to_a_worker_that_hangs_stalls_instead_of_blocking(group):
+    """A hung worker's pipe fills: the write would block the caller forever, past every hang check.
+    Bounded by stall_s (10 beats: 2 s) of silence, it raises Stalled naming the worker; the others
+    still take the same message, and close() does not wait on the stuck channel."""
+    victim, others = group.members[0], group.members[1:]
+    assert group.send(victim, ("hang", victim.process.pid))
+    t0 = time.monotonic()
+    with pytest.raises(Stalled) as e:
+        _within(60, lambda: group.send(victim, ("ping", 1, b"x" * BIG), stall_s=10 * BEAT_S))
+    assert e.value.member is victim and time.monotonic() - t0 >= 10 * BEAT_S
+    assert "did not read its channel and sent nothing for 2s (frozen)" in str(e.value)
+    for m in others:
+        assert _within(60, lambda: group.send(m, ("ping", 2, b"x" * BIG), stall_s=10 * BEAT_S)) is True
+    procs = [m.process for m in group.members]
+    _within(60, lambda: group.close(("exit",), timeout_s=10 * BEAT_S))  # the exit waits behind the stuck write
+    assert procs[0].exitcode == -signal.SIGKILL and [p.exitcode for p in procs[1:]] == [0, 0]
+
+
+def test_a_send_to_a_busy_worker_that_beats_waits_for_it(group):
+    """Not reading is not hanging: a worker that beats while busy (a replica inside an engine step)
+    takes the message when it is done, however long past stall_s."""
+    m = group.members[1]
+    assert group.send(m, ("nap", m.process.pid, 20 * BEAT_S))
+    t0 = time.monotonic()
+    assert _within(60, lambda: group.send(m, ("ping", 3, b"x" * BIG), stall_s=5 * BEAT_S)) is True
+    assert time.monotonic() - t0 > 5 * BEAT_S  # it waited past stall_s: the nap's beats kept it
+    deadline, got = time.monotonic() + 30, []
+    while ("pong", 3) not in got and time.monotonic() < deadline:  # and it read it whole
+        item = group.get(1.0)
+        if item is not None and item[0] is m:
+            got.append(item[1][:2])
+    assert ("pong", 3) in got, got
 
 
 def test_attach_mode_names_the_lost_connection():
