@@ -15,10 +15,10 @@ def _sample_batch(vocab: int, seed: int = 0) -> RolloutBatch:
     return RolloutBatch.from_sequences(tokens, masks)
 
 
-def _hf_logits(hf_dir, batch: RolloutBatch) -> torch.Tensor:
+def _hf_logits(hf_dir, batch: RolloutBatch, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype)
     model.eval()
     with torch.no_grad():
         attn = (torch.arange(batch.input_ids.shape[1])[None] < batch.lengths[:, None]).long()
