@@ -87,7 +87,7 @@ def test_train_multi_rank_trainer_over_ddma(tiny_llama_dir, tmp_path, layout):
         assert "trainer ranks pinned: rank 0 cores [0]" in out.stderr + out.stdout
     for r in rows:
         assert r["sync/verified"] == 1.0 and r["sync/bytes_sent"] > 0
-        assert r["sync/probe_gap"] < 0.25  # bf16 engine bound (controller/weight_sync.py)
+        assert r["sync/probe_gap"] < 1e-3  # fp32 engine and trainer: the probe's fp32 bound (controller/weight_sync.py)
         assert r["train/grad_norm"] > 0
 
 

@@ -120,7 +120,7 @@ def exercise_trainer(impl, gen, dims, abandon_fails: bool) -> None:
     # the engine now holds the trained weights: its logprobs of a fresh greedy reply are the trainer's
     probe = RolloutBatch.from_samples(gen.generate(PROMPTS[1:], n_samples=1, sampling={"temperature": 0.0}))
     gap = ((t.logprobs(probe, temperature=1.0) - probe.behav_logprobs).abs() * probe.loss_mask).max()
-    assert float(gap) < 1e-3
+    assert float(gap) < 1e-3  # fp32 on both sides: the sync probe's fp32 bound (controller/weight_sync.py)
 
     # the receivers' failure path: the sender is stopped instead of waiting out its timeout
     t.start_sync(spec, 2)
