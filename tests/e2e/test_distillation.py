@@ -127,12 +127,18 @@ def test_teacher_executor_logprobs_and_its_death_names_it(tiny_llama_dir, tmp_pa
     batch = _batch()
     with TeacherExecutor(cfg, algo, tiny_llama_dir, run_dir=tmp_path) as teacher:
         filled = teacher.fill(batch)
-        # the reference: the policy's own logprob code on the same weights, in this process
+        # the reference: the policy's own logprob code on the same weights, in this process, on as many
+        # intra-op threads as the teacher's one rank runs (trainer/worker.py _pin: every allowed core),
+        # since a reduction split another way is no longer bit-identical (torch's default count ignores
+        # the affinity; the two differ on SMT or containerised hosts)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(len(os.sched_getaffinity(0)))
         local = LocalTrainer(cfg, AlgorithmConfig(), tiny_llama_dir, total_steps=1, run_dir=tmp_path / "policy")
         try:
             want = local.logprobs(batch)
         finally:
             local.close()
+            torch.set_num_threads(threads)
         m = batch.loss_mask.bool()
         assert bool((want[m] != 0).all())  # the reference is not 0
         assert torch.equal(filled.teacher_logprobs[m], want[m])  # the same code and weights: bit-identical at fp32
