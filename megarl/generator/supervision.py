@@ -151,8 +151,9 @@ class ReplicaSupervision:
 
     def _check_frozen(self) -> None:
         """A replica that holds work and has said nothing for heartbeat_timeout_s is frozen (the
-        group's heartbeat detector; a decoding replica's progress messages are its heartbeats)."""
-        if self._updating or self._recovering or self.launcher != "local":
+        group's heartbeat detector; a decoding replica's progress messages are its heartbeats). An
+        attached one (Slurm) cannot be restarted from here: it stops the job, naming it (_fail)."""
+        if self._updating or self._recovering:
             return
         busy = lambda h: bool(h.active and h.info) and h.index not in self._to_recover  # noqa: E731
         for h in self._group.silent(self.cfg.heartbeat_timeout_s, busy):

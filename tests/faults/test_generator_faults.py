@@ -124,3 +124,44 @@ def test_restart_budget_counts_within_the_window():
 def test_supervision_knobs_are_validated(key, value, words):
     problems = GeneratorConfig(**{key: value}).problems(on_cpu=True)
     assert any(f"generator.{key}=" in p and words in p for p in problems), problems
+
+
+def test_an_attached_replica_that_freezes_stops_the_job_naming_it(tiny_llama_dir, tmp_path, monkeypatch):
+    """Attach mode (Slurm): a replica srun started cannot be restarted from here, but one that freezes
+    must still be found by the heartbeat detector, not generator.request_timeout_s (600 s here) after
+    the other replicas' progress stops. The replica runs as srun would run it (attached_replica_main in
+    its own process, connecting to the executor's port); it is SIGSTOPped while it decodes."""
+    from megarl.config import load_config
+    from megarl.executors.attach import channel_port_var
+    from megarl.generator.errors import GeneratorEngineDied
+    from megarl.generator.executor import GeneratorExecutor
+    from megarl.utils.dist import free_tcp_port
+
+    port, key = free_tcp_port(), "megarl-test-key"
+    monkeypatch.setenv(channel_port_var("generator"), str(port))
+    monkeypatch.setenv("MEGARL_AUTHKEY", key)
+    cfg = load_config(REPO / "configs" / "tiny_test.yaml", [
+        f"model.path={tiny_llama_dir}", f"generator.heartbeat_timeout_s={HEARTBEAT_S}",
+        "generator.request_timeout_s=600", "generator.max_new_tokens=48"]).generator
+    code = ("from megarl.generator.engine import attached_replica_main; "
+            f"attached_replica_main(0, controller=('127.0.0.1', {port}), authkey={key.encode()!r}, job_id='', "
+            "connect_timeout_s=300, threads_bind=None, cuda_devices=None)")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", MEGARL_FAULT_PAUSE=f"replica_decoding@r0v0={PAUSE_S}")
+    with open(tmp_path / "replica.out", "w") as out:
+        replica = subprocess.Popen([sys.executable, "-c", code], stdout=out, stderr=subprocess.STDOUT, cwd=REPO,
+                                   env=env)
+    try:
+        with GeneratorExecutor(cfg, tiny_llama_dir, launcher="slurm", log_dir=tmp_path / "gen") as gen:
+            gen.submit([[1, 100 + i, 200, 300] for i in range(4)], n_samples=1)
+            decoding = re.compile(r"replica 0 \(pid (\d+)\): decoding (\d+) request\(s\) at v0")
+            m = _wait_for_line(tmp_path / "gen" / "generator_replica0.log", decoding, replica, timeout_s=300)
+            assert int(m.group(1)) == replica.pid and int(m.group(2)) >= 1
+            os.kill(replica.pid, signal.SIGSTOP)
+            t0 = time.monotonic()
+            with pytest.raises(GeneratorEngineDied, match=r"replica 0 .*made no progress for \d+s while holding "
+                                                          r"\d+ request\(s\) \(frozen"):
+                gen.collect(timeout_s=HEARTBEAT_S + 120)  # past this, the detector did not fire
+            assert time.monotonic() - t0 < HEARTBEAT_S + 120
+    finally:
+        replica.kill()
+        replica.wait(timeout=30)
