@@ -117,7 +117,8 @@ class _Writer:
         threading.Thread(target=self._run, daemon=True, name=name).start()
 
     def submit(self, write: Callable[[], None]) -> dict:
-        """Queue ``write``; the returned dict gets ``ok`` (False: the end was closed) once it ran."""
+        """Queue ``write``; once it ran, the returned dict has ``ok`` (False: the end was closed) or
+        ``error`` (what else it raised, e.g. a message that does not pickle), and its event is set."""
         done: dict = {"event": threading.Event()}
         self._jobs.put((write, done))
         return done
@@ -133,9 +134,12 @@ class _Writer:
             try:
                 write()
                 done["ok"] = True
-            except (OSError, ValueError):  # closed: by the member's exit, or by ours (ValueError)
+            except OSError:  # closed: by the member's exit, or by ours
                 done["ok"] = False
-            done["event"].set()
+            except BaseException as e:  # noqa: BLE001 - raised in the caller, as an unbounded send would
+                done["error"] = e
+            finally:
+                done["event"].set()
 
 
 class ProcessGroup:
@@ -230,6 +234,8 @@ class ProcessGroup:
             silent = time.monotonic() - max(m.last_heard, start)
             if silent > stall_s:
                 raise Stalled(m, silent)
+        if "error" in done:
+            raise done["error"]
         return done["ok"]
 
     def get(self, timeout: float) -> tuple | None:

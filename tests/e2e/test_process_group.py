@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import signal
 import threading
 import time
@@ -212,6 +213,15 @@ def test_a_send_to_a_worker_that_hangs_stalls_instead_of_blocking(group):
     procs = [m.process for m in group.members]
     _within(60, lambda: group.close(("exit",), timeout_s=10 * BEAT_S))  # the exit waits behind the stuck write
     assert procs[0].exitcode == -signal.SIGKILL and all(p.exitcode is not None for p in procs)
+
+
+def test_a_bounded_send_raises_what_the_write_raised(group):
+    """A message that does not pickle raises in the caller, as an unbounded send does, and the
+    member's writer goes on with the next message."""
+    m = group.members[2]
+    with pytest.raises((TypeError, AttributeError, pickle.PicklingError)):
+        _within(30, lambda: group.send(m, ("ping", 5, lambda: None), stall_s=START_S))
+    assert _within(30, lambda: group.send(m, ("ping", 6), stall_s=START_S)) is True
 
 
 def test_a_send_to_a_busy_worker_that_beats_waits_for_it(group):
