@@ -85,8 +85,9 @@ class GeneratorConfig:
                                      "killed (seconds). Default 30.")
     heartbeat_timeout_s: float = knob(120.0, help="Supervision: a replica that holds work and sends nothing "
                                       "(a replica reports every 5 s while decoding, and each finished request) "
-                                      "for this long is taken as frozen, killed and restarted (seconds; must "
-                                      "exceed 5 and the longest single engine step or weight load). Default 120.")
+                                      "for this long is taken as frozen, killed and restarted (attached under "
+                                      "Slurm: the job stops, naming it) (seconds; must exceed 5 and the longest "
+                                      "single engine step or weight load). Default 120.")
     max_restarts: int = knob(3, help="Supervision: restarts of one replica allowed within restart_window_s; the "
                              "failure after them stops the job, naming the replica and its causes (restarts). "
                              "0 = never restart: any replica failure stops the job. Default 3.")
