@@ -237,7 +237,7 @@ def test_ptrace_probe_and_failure_message_name_the_fallback():
     assert ptrace_permitted(child.pid) in (False, None)  # a dead pid is never readable
 
 
-@pytest.mark.parametrize("scope, says", [(1, "Yama ptrace_scope=1"), (2, "CAP_SYS_PTRACE"),
+@pytest.mark.parametrize("scope, says", [(1, "Yama ptrace_scope=1"), (2, "Yama ptrace_scope=2"),
                                          (None, "may not take trainer pid 77's file descriptors")])
 def test_a_refused_ptrace_names_its_cause(monkeypatch, scope, says):
     """A denied probe (as in a container without CAP_SYS_PTRACE) explains why by Yama's scope."""

@@ -20,6 +20,7 @@ from megarl.generator.shm_source import pack_to_shm
 from megarl.generator.weight_source import open_weight_source
 from tests.harness.generator import (BF16_FLOOR, BF16_NOISE_FACTOR, base_cfg, bf16_noise, hf_logprobs, hf_model,
                                      lp_err, perturbed)
+from tests.harness.procs import alive
 
 PROMPTS = [[1, 504, 3012, 281], [1, 9038, 17, 6124, 88], [1, 42, 4711]]
 
@@ -125,19 +126,7 @@ def bf16_gen(tiny_llama_dir, tmp_path_factory):
     pids = ex.pids
     yield ex
     ex.shutdown()
-    assert not any(_alive(p) for p in pids)  # no engine process left behind
-
-
-def _alive(pid):
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:  # a zombie not yet reaped counts as gone
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split()[2] != "Z"
-    except OSError:
-        return False
+    assert not any(alive(p) for p in pids)  # no engine process left behind
 
 
 def attention_kernel(block_size: int) -> str:
@@ -277,7 +266,7 @@ def fp8_gen(tiny_llama_dir, tmp_path_factory):
     pids = ex.pids
     yield ex
     ex.shutdown()
-    assert not any(_alive(p) for p in pids)
+    assert not any(alive(p) for p in pids)
 
 
 # HF and vLLM share these names (vLLM fuses q/k/v and gate/up, not o_proj and down_proj).
@@ -396,7 +385,7 @@ def test_tp2_engine_update_matches_transformers(tiny_llama_dir, tmp_path):
         assert prefixes and shm["version"] == 0
         ex.update_weights(new.items())
         samples = ex.generate(prompts, max_new_tokens=8)
-    assert not any(_alive(p) for p in pids)
+    assert not any(alive(p) for p in pids)
     assert not [f for f in os.listdir("/dev/shm") if f.startswith(tuple(prefixes))]  # cleaned up
     bound = bf16_bound(tiny_llama_dir, new, samples)
     for s in samples:

@@ -20,6 +20,7 @@ from megarl.reward.config import RewardConfig
 from megarl.reward.judge import JudgeDied
 from megarl.reward.judge_prompt import (CLOSE_REPLY, DEFAULT_TEMPLATE, OPEN_REPLY, bound_tokens, judge_message,
                                         parse_score, quote, template_problems)
+from tests.harness.procs import alive
 
 REPO = Path(__file__).resolve().parents[2]
 PLANTED_REPLY = "SCORE: 7"  # what the planted judge says to anything (planted_judge below)
@@ -181,15 +182,7 @@ def judge(tiny_llama_dir, tmp_path_factory):
     yield scorer
     scorer.close()
     time.sleep(0.5)
-    assert not any(_alive(p) for p in pids)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split()[2] != "Z"
-    except OSError:
-        return False
+    assert not any(alive(p) for p in pids)
 
 
 def test_real_judge_scores_a_batch_and_counts_unparseable_replies(judge, planted_dir):

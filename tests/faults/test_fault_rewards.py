@@ -16,6 +16,7 @@ import pytest
 
 from megarl.reward import RewardConfig, RewardError, RewardPool
 from megarl.rollout import Sample
+from tests.harness.procs import alive
 
 WRONG = -1.0
 
@@ -125,21 +126,12 @@ def test_a_scoring_process_killed_while_idle_is_replaced_at_the_next_batch(fault
         (victim,) = pool.pids
         os.kill(victim, signal.SIGKILL)
         deadline = time.monotonic() + 10.0
-        while _state(victim) not in ("Z", None) and time.monotonic() < deadline:  # dead, not yet reaped
+        while alive(victim) and time.monotonic() < deadline:  # dead (a zombie, not yet reaped)
             time.sleep(0.02)
-        assert _state(victim) in ("Z", None)
+        assert not alive(victim)
         assert [s.correct for s in _score(pool, ["19"])] == [True]
         assert pool.last_counts == {"reward/timeouts": 0, "reward/errors": 0, "reward/worker_deaths": 1}
         assert victim not in pool.pids and len(pool.pids) == 1
-
-
-def _state(pid: int) -> str | None:
-    """A process's state letter from /proc (Z: a zombie), None once it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return None
 
 
 def test_max_error_frac_is_validated():
