@@ -290,7 +290,7 @@ def _start_time(cluster, job: int) -> float:
 def _job_steps(job: int) -> list[int]:
     """The slurmstepd processes of Slurm job ``job`` still alive on any node (all run on this host;
     a step's command line reads 'slurmstepd: [JOB.STEP]')."""
-    from tests.harness.slurm_cluster import _alive
+    from tests.harness.procs import alive as _alive
 
     out = []
     for proc in Path("/proc").iterdir():
@@ -308,7 +308,8 @@ def _job_steps(job: int) -> list[int]:
 def _job_pids(job: int) -> list[int]:
     """Every live process whose environment says it belongs to Slurm job ``job`` (any node: they
     all run on this host), slurmstepd excluded."""
-    from tests.harness.slurm_cluster import _alive, process_environs
+    from tests.harness.procs import alive as _alive
+    from tests.harness.slurm_cluster import process_environs
 
     return [pid for pid, env in process_environs() if env.get("SLURM_JOB_ID") == str(job) and _alive(pid)]
 

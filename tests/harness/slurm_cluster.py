@@ -28,6 +28,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from tests.harness.procs import alive
+
 ADDR_BASE = 10           # node nI lives at 127.0.0.(ADDR_BASE + I)
 HOSTS_MARK = "# megarl-slurm-test"
 START_TIMEOUT_S = 60.0   # daemons up and every node idle (seen: ~5 s)
@@ -127,7 +129,7 @@ class SlurmCluster:
         state = self.root / "cluster.json"
         if state.is_file():
             pids += json.loads(state.read_text()).get("pids", [])
-        if self.conf.is_file() and shutil.which("scancel") and any(_alive(p) for p in pids):
+        if self.conf.is_file() and shutil.which("scancel") and any(alive(p) for p in pids):
             try:  # jobs first, while slurmctld still answers
                 subprocess.run(["scancel", "--full", "-u", "root"], env=self.env(), capture_output=True, timeout=15)
             except subprocess.TimeoutExpired:
@@ -139,9 +141,9 @@ class SlurmCluster:
                 pass
         deadline = time.monotonic() + 15
         for pid in dict.fromkeys(pids):
-            while time.monotonic() < deadline and _alive(pid):
+            while time.monotonic() < deadline and alive(pid):
                 time.sleep(0.1)
-            if _alive(pid):
+            if alive(pid):
                 os.kill(pid, signal.SIGKILL)
         for p in self.procs:
             try:
@@ -383,18 +385,6 @@ def _comm(pid: int) -> str:
         return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
     except OSError:
         return ""
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().split()[2] != "Z"
-    except OSError:
-        return False
 
 
 def main(argv: list[str] | None = None) -> int:
