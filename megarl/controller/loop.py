@@ -201,7 +201,8 @@ def environment_turns(cfg: MegaRLConfig, generator: Generator, prompts: PromptSo
     log.info("environment %s: up to generator.max_turns=%d replies per rollout, observations masked out of the loss",
              r.env, g.max_turns)
     return EnvironmentTurns(generator, env, max_turns=g.max_turns, max_new_tokens=g.max_new_tokens,
-                            max_model_len=g.max_model_len, truncated_score=r.wrong if r.truncated is None else r.truncated)
+                            max_model_len=g.max_model_len, truncated_score=r.wrong if r.truncated is None else r.truncated,
+                            step_timeout_s=r.env_step_timeout_s)
 
 
 def evaluate(generator: Generator, prompts: PromptSource, run: RunFolder, *, step: int) -> dict[str, float]:

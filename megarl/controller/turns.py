@@ -34,9 +34,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+import queue
+import sys
+import threading
+import time
+import traceback
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
+from megarl.reward.config import ENV_STEP_TIMEOUT_S
 from megarl.rollout import Sample, merge_rounds
 
 log = logging.getLogger(__name__)
@@ -46,10 +51,21 @@ log = logging.getLogger(__name__)
 ENV_STEP_THREADS = 16
 
 
+class EnvironmentFailed(RuntimeError):
+    """The environment's ``reset`` or ``step`` raised: the job stops (exit 8, as a reward that cannot
+    run), the message naming the environment, the rollout's task and the environment's traceback."""
+
+
+class EnvironmentStepTimeout(TimeoutError):
+    """The environment's ``reset`` or ``step`` ran past ``reward.env_step_timeout_s``: the job stops
+    (exit 4), the message naming the rollout's task and where the environment's thread was stuck."""
+
+
 @dataclasses.dataclass
 class _Rollout:
     state: Any
     prompt: List[int]
+    task: Any = None  # what reset() was given: named in an environment's error
     ids: List[int] = dataclasses.field(default_factory=list)
     mask: List[int] = dataclasses.field(default_factory=list)
     logprobs: List[float] = dataclasses.field(default_factory=list)
@@ -71,22 +87,24 @@ class _Rollout:
 
 def multi_turn(generator, env, tasks: Sequence[Any], prompts: Sequence[Sequence[int]], *, max_turns: int,
                max_new_tokens: int, max_model_len: int, truncated_score: float = 0.0,
-               sampling: Optional[dict] = None) -> List[Sample]:
+               sampling: Optional[dict] = None, step_timeout_s: float = ENV_STEP_TIMEOUT_S) -> List[Sample]:
     """One multi-turn rollout per (task, prompt token ids), driven turn by turn on ``generator``
     (a :class:`~megarl.executors.base.Generator`: its ``generate``) with ``env`` (an
-    :class:`~megarl.reward.environment.Environment`); returns one Sample per task, in order."""
+    :class:`~megarl.reward.environment.Environment`); returns one Sample per task, in order. Each
+    ``reset``/``step`` is bounded by ``step_timeout_s`` (:class:`EnvironmentStepTimeout`)."""
     if max_turns < 1:
         raise ValueError(f"generator.max_turns={max_turns}: must be >= 1")
-    runs = [_Rollout(env.reset(task), [int(t) for t in prompt]) for task, prompt in zip(tasks, prompts)]
+    states = _bounded(env, "reset", [lambda t=t: env.reset(t) for t in tasks], tasks, workers=1, timeout_s=step_timeout_s)
+    runs = [_Rollout(state, [int(t) for t in prompt], task=task) for state, prompt, task in zip(states, prompts, tasks)]
     _play(generator, env, runs, turns=range(max_turns), max_turns=max_turns, max_new_tokens=max_new_tokens,
-          max_model_len=max_model_len, sampling=sampling)
+          max_model_len=max_model_len, sampling=sampling, timeout_s=step_timeout_s)
     return [_sample(r, Sample(r.prompt, [], [], [], "stop", group_id=i, prompt_index=i), truncated_score)
             for i, r in enumerate(runs)]
 
 
 def continue_rollouts(generator, env, tasks: Sequence[Any], firsts: Sequence[Sample], *, max_turns: int,
                       max_new_tokens: int, max_model_len: int, truncated_score: float = 0.0,
-                      sampling: Optional[dict] = None) -> List[Sample]:
+                      sampling: Optional[dict] = None, step_timeout_s: float = ENV_STEP_TIMEOUT_S) -> List[Sample]:
     """The rollouts whose first reply the generator already sampled (``firsts``, e.g. a step's samples
     from the rollout queue, admitted and lag-checked as in single turn; ``tasks[s.prompt_index]`` is
     each one's task), carried on turn by turn as :func:`multi_turn` does. Each returned Sample keeps
@@ -94,14 +112,16 @@ def continue_rollouts(generator, env, tasks: Sequence[Any], firsts: Sequence[Sam
     now: a turn sampled after a weight update carries the new version on its tokens."""
     if max_turns < 1:
         raise ValueError(f"generator.max_turns={max_turns}: must be >= 1")
+    own = [tasks[s.prompt_index] for s in firsts]
+    states = _bounded(env, "reset", [lambda t=t: env.reset(t) for t in own], own, workers=1, timeout_s=step_timeout_s)
     runs = []
-    for s in firsts:
-        r = _Rollout(env.reset(tasks[s.prompt_index]), [int(t) for t in s.prompt_ids])
+    for s, state, task in zip(firsts, states, own):
+        r = _Rollout(state, [int(t) for t in s.prompt_ids], task=task)
         _take_reply(r, s)
         runs.append(r)
-    _step_all(env, runs, last_turn=max_turns == 1, max_model_len=max_model_len)
+    _step_all(env, runs, last_turn=max_turns == 1, max_model_len=max_model_len, timeout_s=step_timeout_s)
     _play(generator, env, runs, turns=range(1, max_turns), max_turns=max_turns, max_new_tokens=max_new_tokens,
-          max_model_len=max_model_len, sampling=sampling)
+          max_model_len=max_model_len, sampling=sampling, timeout_s=step_timeout_s)
     return [_sample(r, s, truncated_score) for r, s in zip(runs, firsts)]
 
 
@@ -120,10 +140,10 @@ class EnvironmentTurns:
     environment (the generator and the environment are passed in; the controller owns both)."""
 
     def __init__(self, generator, env, *, max_turns: int, max_new_tokens: int, max_model_len: int,
-                 truncated_score: float):
+                 truncated_score: float, step_timeout_s: float = ENV_STEP_TIMEOUT_S):
         self.generator, self.env = generator, env
         self.limits = dict(max_turns=max_turns, max_new_tokens=max_new_tokens, max_model_len=max_model_len,
-                           truncated_score=truncated_score)
+                           truncated_score=truncated_score, step_timeout_s=step_timeout_s)
 
     def play(self, tasks: Sequence[Any], samples: Sequence[Sample]) -> Tuple[List[Sample], Dict[str, float]]:
         """(the finished, scored rollouts in the order of ``samples``, the step's turn metrics)."""
@@ -132,7 +152,7 @@ class EnvironmentTurns:
 
 
 def _play(generator, env, runs: List[_Rollout], *, turns: range, max_turns: int, max_new_tokens: int,
-          max_model_len: int, sampling: Optional[dict]) -> None:
+          max_model_len: int, sampling: Optional[dict], timeout_s: float) -> None:
     for turn in turns:
         live = [r for r in runs if not r.done]
         if not live:
@@ -149,7 +169,7 @@ def _play(generator, env, runs: List[_Rollout], *, turns: range, max_turns: int,
                                          sampling=sampling)
             for r, s in zip(group, samples):
                 _take_reply(r, s)
-            _step_all(env, group, last_turn=turn == max_turns - 1, max_model_len=max_model_len)
+            _step_all(env, group, last_turn=turn == max_turns - 1, max_model_len=max_model_len, timeout_s=timeout_s)
 
 
 def _sample(r: _Rollout, base: Sample, truncated_score: float) -> Sample:
@@ -181,16 +201,80 @@ def _take_reply(r: _Rollout, s: Sample) -> None:
         r.done, r.finish = True, "length"
 
 
-def _step_all(env, runs: List[_Rollout], *, last_turn: bool, max_model_len: int) -> None:
-    """:func:`_step` for each rollout: in parallel threads when the environment allows it (each call
-    touches only its own rollout), else in order on this thread. A step's exception ends the turn."""
-    if getattr(env, "concurrent_steps", False) and len(runs) > 1:
-        with ThreadPoolExecutor(max_workers=min(ENV_STEP_THREADS, len(runs)), thread_name_prefix="env-step") as pool:
-            for f in [pool.submit(_step, env, r, last_turn=last_turn, max_model_len=max_model_len) for r in runs]:
-                f.result()
-        return
-    for r in runs:
-        _step(env, r, last_turn=last_turn, max_model_len=max_model_len)
+def _step_all(env, runs: List[_Rollout], *, last_turn: bool, max_model_len: int, timeout_s: float) -> None:
+    """:func:`_step` for each live rollout: up to ENV_STEP_THREADS at once when the environment allows
+    it (each call touches only its own rollout), else one at a time; either way each step is bounded by
+    ``timeout_s`` (:func:`_bounded`)."""
+    live = [r for r in runs if not r.done]
+    workers = min(ENV_STEP_THREADS, len(live)) if getattr(env, "concurrent_steps", False) else 1
+    calls = [lambda r=r: _step(env, r, last_turn=last_turn, max_model_len=max_model_len) for r in live]
+    _bounded(env, "step", calls, [r.task for r in live], workers=workers, timeout_s=timeout_s)
+
+
+def _bounded(env, what: str, calls: Sequence[Callable[[], Any]], tasks: Sequence[Any], *, workers: int,
+             timeout_s: float) -> List[Any]:
+    """Each of ``calls`` (the environment's ``what``, one per rollout, for ``tasks``), at most
+    ``workers`` at a time, on daemon threads: the caller waits for them with a timeout, so an
+    environment that never returns stops the job (:class:`EnvironmentStepTimeout`, naming the task and
+    the stuck thread's stack) instead of hanging it, and the abandoned thread does not hold up the
+    process's exit. The first call that raises stops the rest (:class:`EnvironmentFailed`)."""
+    results: List[Any] = [None] * len(calls)
+    if not calls:
+        return results
+    finished: "queue.SimpleQueue[Tuple[int, Optional[BaseException]]]" = queue.SimpleQueue()
+    started: Dict[int, Tuple[int, float]] = {}  # call -> (its thread's ident, when it started)
+    order, lock, stop = iter(range(len(calls))), threading.Lock(), threading.Event()
+
+    def work() -> None:
+        while not stop.is_set():
+            with lock:
+                i = next(order, None)
+                if i is None:
+                    return
+                started[i] = (threading.get_ident(), time.monotonic())
+            try:
+                results[i] = calls[i]()
+                finished.put((i, None))
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller, who raises it
+                finished.put((i, exc))
+
+    for _ in range(min(workers, len(calls))):
+        threading.Thread(target=work, name=f"env-{what}", daemon=True).start()
+    name = getattr(env, "name", type(env).__name__)
+    pending = set(range(len(calls)))
+    try:
+        while pending:
+            with lock:
+                running = [(t0, i, ident) for i, (ident, t0) in started.items() if i in pending]
+            oldest = min(running, default=None)
+            wait = min(timeout_s, 1.0) if oldest is None else oldest[0] + timeout_s - time.monotonic()
+            try:
+                i, exc = finished.get(timeout=max(wait, 0.0))
+            except queue.Empty:
+                if oldest is not None and time.monotonic() - oldest[0] >= timeout_s:
+                    _, i, ident = oldest
+                    raise EnvironmentStepTimeout(
+                        f"reward.env={name!r}: {what}() for task {_describe(tasks[i])} has run for {timeout_s:g} s "
+                        f"(reward.env_step_timeout_s): an environment's {what} must return within its own "
+                        f"timeout (docs/environments.md, the contract); where it was stuck:\n{_stack(ident)}") from None
+                continue
+            pending.discard(i)
+            if exc is not None:
+                raise EnvironmentFailed(f"reward.env={name!r}: {what}() raised {type(exc).__name__}: {exc} "
+                                        f"(task {_describe(tasks[i])})") from exc
+    finally:
+        stop.set()  # a failure or timeout: hand out no more calls
+    return results
+
+
+def _describe(task: Any) -> str:
+    text = str(getattr(task, "question", task))
+    return repr(text if len(text) <= 80 else text[:77] + "...")
+
+
+def _stack(ident: int) -> str:
+    frame = sys._current_frames().get(ident)
+    return "".join(traceback.format_stack(frame)) if frame is not None else "(the thread has just finished)"
 
 
 def _step(env, r: _Rollout, *, last_turn: bool, max_model_len: int) -> None:

@@ -16,6 +16,9 @@ from megarl.utils.knobs import knob
 
 AUTO = "auto"              # reward.fn: follow the data (megarl/config/data_choice.py resolves it)
 AUTO_FALLBACK = "arithmetic"  # what 'auto' means for a RewardConfig no loader resolved (the default data's)
+# reward.env_step_timeout_s's default (s): far above a sandbox run (sandbox.WALL_TIMEOUT_S, 4 s) or a
+# slow remote tool, so only an environment that does not bound itself meets it.
+ENV_STEP_TIMEOUT_S = 300.0
 
 @dataclasses.dataclass
 class RewardConfig:
@@ -36,6 +39,12 @@ class RewardConfig:
                     "sample with reward.correct / reward.wrong, a truncated rollout gets reward.truncated. A "
                     "reward's name is refused here: a reward is the one-step environment, set it as reward.fn. "
                     "Default ''")
+    env_step_timeout_s: float = knob(ENV_STEP_TIMEOUT_S, help="reward.env: longest one reset() or step() of the "
+                                     "environment may run (each runs on a thread of the controller's, so a hung "
+                                     "tool cannot hang the job); past it the job stops (exit 4) naming the task and "
+                                     "where the environment was stuck. An environment bounds its own tools (its "
+                                     "sandbox's or remote call's timeout, docs/environments.md); this catches one "
+                                     "that does not (seconds, > 0); default 300")
     strict: bool = knob(False, help="strict answer format: arithmetic: the reply is only the number; gsm8k: "
                         "only the number after '####'; math: the last \\boxed{} ends the reply; dapo: only the last line's "
                         "'Answer: ...'; default False")
@@ -122,7 +131,8 @@ class RewardConfig:
         if env_problem:
             found.append(f"reward.env={self.env!r}: {env_problem}")
         helps = {f.name: f.metadata.get("help", "") for f in dataclasses.fields(self)}
-        checks = [("timeout_s", self.timeout_s > 0), ("overlong_buffer", self.overlong_buffer >= 0),
+        checks = [("timeout_s", self.timeout_s > 0), ("env_step_timeout_s", self.env_step_timeout_s > 0),
+                  ("overlong_buffer", self.overlong_buffer >= 0),
                   ("overlong_penalty", self.overlong_penalty >= 0),
                   ("max_error_frac", 0 <= self.max_error_frac <= 1)]
         checks.append(("code_sandbox_uid_base", isinstance(self.code_sandbox_uid_base, int)

@@ -61,7 +61,8 @@ class Environment(Protocol):
     run for several rollouts at once (no shared mutable state, or its own locking) says so with a class
     attribute ``concurrent_steps = True``: the multi-turn loop then steps a turn's rollouts in parallel
     threads (megarl/controller/turns.py), so a slow tool (a sandbox, a remote call) costs one wait per
-    turn, not one per rollout. Absent or False: one rollout at a time, on the calling thread."""
+    turn, not one per rollout. Absent or False: one rollout at a time. Either way each call runs on a
+    thread of the controller's, bounded by ``reward.env_step_timeout_s``."""
 
     name: str
 

@@ -80,10 +80,11 @@ FAILURES: tuple[Failure, ...] = (
     Failure(7, ("CheckpointError",),
             "a checkpoint is missing, incomplete or does not fit the model",
             "resume from another step folder (trainer.resume_from=PATH) or start over (`megarl train --fresh`)"),
-    Failure(8, ("RewardError",),
-            "the reward function failed on too much of a batch, or could not be loaded",
-            "fix reward.fn (the first traceback is in the full log) or raise reward.max_error_frac, then rerun "
-            "the same command (it resumes)"),
+    Failure(8, ("RewardError", "EnvironmentFailed"),
+            "the reward function failed on too much of a batch, or could not be loaded; or the environment "
+            "(reward.env) raised",
+            "fix reward.fn or reward.env (the first traceback is in the full log) or raise reward.max_error_frac, "
+            "then rerun the same command (it resumes)"),
     Failure(9, ("ProbeMismatch",),
             "after a weight sync the generator's logprobs are not the trainer's: the engine holds wrong weights",
             "this model or layout is not synced right: train on with sync.method=shm and report it with the full "
