@@ -39,14 +39,23 @@ from megarl.rollout import Sample
 # A plain decimal number with optional thousands groups; a minus sign only when it is not a
 # subtraction (not right after a digit, letter or closing bracket).
 _NUMBER = re.compile(r"(?<![\w)\]])[-\u2212]?\d{1,3}(?:,\d{3})+(?:\.\d+)?|(?<![\w)\]])[-\u2212]?\d+(?:\.\d+)?")
+# Longest digit string read as a number: Python refuses to convert more than 4300 digits
+# (sys.get_int_max_str_digits(), its default); a greedy reply that repeats digits must score wrong,
+# not stop the evaluation. No gold answer is that long.
+_MAX_DIGITS = 4000
+
+
+def _exact(digits: str) -> Fraction | None:
+    return Fraction(digits) if len(digits) <= _MAX_DIGITS else None
 
 
 def last_number(text: str) -> Fraction | None:
-    """The last number written in ``text`` (exactly, as a fraction), or None when there is none."""
+    """The last number written in ``text`` (exactly, as a fraction), or None when there is none (or
+    it has more than _MAX_DIGITS digits)."""
     found = _NUMBER.findall(text)
     if not found:
         return None
-    return Fraction(found[-1].replace(",", "").replace("\u2212", "-"))
+    return _exact(found[-1].replace(",", "").replace("\u2212", "-"))
 
 
 _FRAC = re.compile(r"^(-?)\\[dt]?frac\{(\d+)\}\{(\d+)\}$")
@@ -67,10 +76,11 @@ def _tex_number(text: str) -> Fraction | None:
     key = _tex_key(text)
     m = _FRAC.match(key)
     if m:
-        value = Fraction(int(m.group(2)), int(m.group(3))) if int(m.group(3)) else None
+        num, den = _exact(m.group(2)), _exact(m.group(3))
+        value = num / den if num is not None and den else None
         return -value if value is not None and m.group(1) else value
     if re.fullmatch(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?|-?\d+(?:\.\d+)?|-?\.\d+", key):
-        return Fraction(key.replace(",", ""))
+        return _exact(key.replace(",", ""))
     return None
 
 

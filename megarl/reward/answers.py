@@ -35,6 +35,11 @@ _DIGITS = r"(?P<digits>\d{1,3}(?:,\d{3})+(?!\d)(?:\.\d+)?|\d+(?:\.\d+)?|\.\d+)"
 _NUMBER = re.compile(r"(?P<sign>-\s?)?\$?\s?" + _DIGITS)
 _ONLY_NUMBER = re.compile(r"=?\s*(?P<sign>-)?\s?\$?\s?" + _DIGITS + r"\s*\.?")
 _HASH_ANSWER = re.compile(r"####\s*(?P<answer>[^\n]*)")
+# Longest digit run read as a number: Python refuses to convert more than 4300 digits
+# (sys.get_int_max_str_digits(), its default), so a degenerate reply of repeated digits would raise
+# in the reward and could stop the job; no gold answer is that long, so a longer run is read as a
+# number that equals none (None: the reply is wrong, never crashed).
+MAX_DIGITS = 4000
 
 
 def normalize(text: str) -> str:
@@ -48,8 +53,12 @@ def to_number(text: str) -> Optional[Fraction]:
     return _value(m) if m else None
 
 
-def _value(m: re.Match, negative: bool = True) -> Fraction:
-    value = Fraction(m.group("digits").replace(",", ""))
+def _value(m: re.Match, negative: bool = True) -> Optional[Fraction]:
+    """The match's number; None when it has more than MAX_DIGITS digits (it equals no gold answer)."""
+    digits = m.group("digits").replace(",", "")
+    if len(digits) > MAX_DIGITS:
+        return None
+    value = Fraction(digits)
     return -value if negative and m.group("sign") else value
 
 
@@ -63,15 +72,17 @@ def _is_binary_minus(text: str, at: int) -> bool:
     return bool(stripped) and (stripped[-1].isdigit() or stripped[-1] in ")]}")
 
 
-def numbers(text: str) -> list[Fraction]:
-    """Every number in ``text``, in order ("12-7=5" -> 12, 7, 5; "x = -5" -> -5)."""
+def numbers(text: str) -> list[Optional[Fraction]]:
+    """Every number in ``text``, in order ("12-7=5" -> 12, 7, 5; "x = -5" -> -5); None for one of more
+    than MAX_DIGITS digits."""
     text = normalize(text)
     return [_value(m, negative=not (m.group("sign") and _is_binary_minus(text, m.start())))
             for m in _NUMBER.finditer(text)]
 
 
 def last_number(text: str) -> Optional[Fraction]:
-    """The last number in ``text`` (None when it has none): "12 + 7 = 19." -> 19; "19 or 20" -> 20."""
+    """The last number in ``text`` (None when it has none, or when it is longer than MAX_DIGITS):
+    "12 + 7 = 19." -> 19; "19 or 20" -> 20."""
     found = numbers(text)
     return found[-1] if found else None
 

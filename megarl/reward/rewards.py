@@ -12,8 +12,12 @@ with the gold answer; nothing else the reply says can make it right.
 - ``math``: math-verify on the content of the last ``\\boxed{...}`` only, never on free text; no
   boxed answer is wrong. The gold answer (bare, ``$...$`` or itself boxed) is parsed the same way.
   ``strict``: the last ``\\boxed{}`` must also end the reply (only whitespace, '.', '$', '\\]' may
-  follow). The boxed content is compared symbolically, so an unsimplified but equal boxed
-  expression (``\\boxed{12+7}`` for 19) counts, as in MATH grading.
+  follow). The boxed content is compared symbolically (``\\frac{1}{2}`` = ``0.5``), with two guards
+  against answers a policy learns to write instead of solving (:func:`_verify`): when the gold is a
+  number, the answer must be a number written out, not an expression left to evaluate
+  (``\\boxed{12+7}``, ``\\boxed{\\dbinom{8}{4}}``, ``\\boxed{3 \\lor 19}`` are wrong for a numeric gold:
+  boxing the question's own arithmetic would score, though sympy and MATH's grader take it); and a
+  percent sign counts only when the gold has one (math-verify reads ``3\\%`` as both 3 and 0.03).
 - ``dapo``: as ``math``, on the answer DAPO-Math-17k's prompt asks for: the reply's last non-empty
   line when it reads ``Answer: ...`` (its content, ``$`` and a final period dropped, a ``\\boxed{}``
   in it unwrapped), else the last ``\\boxed{...}``. An ``Answer:`` anywhere but the last line (a
@@ -105,8 +109,26 @@ def dapo(completion: str, gold: str, *, strict: bool = False) -> bool:
     return _verify(extract_dapo(completion, strict=strict), gold)
 
 
+# What is not the number itself in a written-out answer: units and words (\\text{...}), degrees,
+# currency, TeX spacing and sizing, '$' delimiters; a leading 'x =' is dropped separately.
+_NOT_THE_NUMBER = re.compile(r"\\(?:text|mbox|mathrm)\{[^{}]*\}|\^\{?\\circ\}?|\\\$|\\left|\\right|\\[!,; ]|\$|\s+")
+# A number written out: an integer or decimal (thousands groups allowed), a fraction a/b or
+# \frac{a}{b} (also \dfrac, \tfrac, and TeX's \frac12 shorthand), with a sign, a percent sign allowed.
+_WRITTEN_NUMBER = re.compile(r"-?(?:(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|\.\d+|\d+/\d+"
+                             r"|\\[dt]?frac(?:\{\d+\}\{\d+\}|\d\d))(?:\\?%)?")
+
+
+def _written_number(text: str) -> Optional[str]:
+    """``text`` as the number it writes out (units, currency, degrees and a leading ``x =`` dropped),
+    or None when it is anything else: an expression, a set, a symbol."""
+    key = re.sub(r"^[a-zA-Z]\s*=", "", _NOT_THE_NUMBER.sub("", text).removesuffix("."))
+    return key if _WRITTEN_NUMBER.fullmatch(key) else None
+
+
 def _verify(content: Optional[str], gold: str) -> bool:
-    """math-verify of one extracted final answer against gold (bare, ``$...$`` or boxed)."""
+    """math-verify of one extracted final answer against gold (bare, ``$...$`` or boxed), with the
+    module doc's two guards: a numeric gold needs a number written out; a percent sign only counts
+    when the gold has one."""
     from math_verify import parse, verify
 
     if content is None:
@@ -116,6 +138,13 @@ def _verify(content: Optional[str], gold: str) -> bool:
         gold_content = gold_content.strip("$").strip()
     if not gold_content:
         return False
+    gold_number = _written_number(gold_content)
+    if gold_number is not None:
+        number = _written_number(content)
+        if number is None:  # an expression for a numeric gold: the question's own arithmetic would score
+            return False
+        if number.endswith("%") and not gold_number.endswith("%"):
+            content = number.rstrip("%").removesuffix("\\")  # 3% is 3 here, never also 0.03
     timeout = MATH_TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
     # Boxed on both sides: math-verify then parses exactly this content (its boxed extraction
     # handles bare numbers, fractions, tuples and radicals that a bare string would lose).

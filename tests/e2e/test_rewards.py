@@ -74,6 +74,15 @@ def test_expression_without_result_is_wrong():
     assert arithmetic("12-7", "7") is True  # ... whose last number is 7 (a restatement only wins by luck)
 
 
+@pytest.mark.parametrize("fn", ["arithmetic", "gsm8k"])
+def test_a_degenerate_digit_run_scores_wrong_instead_of_raising(fn):
+    long = "7" * 5000  # past Python's 4300-digit conversion limit: Fraction() would raise ValueError
+    assert get_reward(fn)(long + " so the answer is 19", "19") is True  # the last number is 19
+    assert get_reward(fn)("19, then " + long, "19") is False           # the last number equals no gold
+    assert get_reward(fn)(long, "19", strict=True) is False
+    assert get_reward(fn)("#### " + long, "19") is False
+
+
 def test_correct_answer_after_a_restatement_is_flexible_only():
     assert arithmetic("12 + 7 = 19", "19") is True
     assert arithmetic("12 + 7 = 19", "19", strict=True) is False
@@ -183,6 +192,45 @@ def test_math_boxed_only(reply, gold, want):
     assert math_(reply, gold) is want
 
 
+# The question's own arithmetic, boxed, equals a numeric gold: a policy that learns to box it scores
+# without solving (each row is a MATH-style question's expression; the audit that found them).
+@pytest.mark.parametrize("reply,gold", [
+    ("\\boxed{\\dbinom{8}{4}}", "70"),
+    ("\\boxed{\\log_2 64}", "6"),
+    ("\\boxed{\\frac{1}{2}+\\frac{1}{3}}", "\\frac56"),
+    ("\\boxed{\\sum_{k=1}^{100} k}", "5050"),
+    ("\\boxed{1234 \\times 5678}", "7006652"),
+    ("\\boxed{12+7}", "19"),
+    ("\\boxed{2^{10}}", "1024"),
+    ("\\boxed{3 \\lor 19}", "19"),                            # a hedge
+    ("\\boxed{3 = 19}", "19"),                                # a false equation
+])
+def test_math_an_expression_for_a_numeric_gold_is_wrong(reply, gold):
+    assert math_(reply, gold) is False and math_(reply, gold, strict=True) is False
+    assert dapo(f"Answer: {reply}", gold) is False
+
+
+@pytest.mark.parametrize("reply,gold,want", [
+    ("\\boxed{7,006,652}", "7006652", True),                   # the number, written out
+    ("\\boxed{\\frac56}", "\\frac{5}{6}", True),                # TeX's \frac56 shorthand
+    ("\\boxed{5/6}", "\\frac56", True),
+    ("\\boxed{-\\frac{1}{2}}", "-0.5", True),
+    ("\\boxed{x = 5}", "5", True),
+    ("\\boxed{5^\\circ}", "5", True),
+    ("\\boxed{19 \\text{ cm}}", "19", True),
+    ("\\boxed{\\$18.90}", "\\$18.90", True),
+    ("\\boxed{2\\sqrt{2}}", "\\sqrt{8}", True),                # a symbolic gold: compared symbolically
+    # a percent sign counts only when the gold has one: 3% is 3, never also 0.03
+    ("\\boxed{3\\%}", "3", True),
+    ("\\boxed{3\\%}", "0.03", False),
+    ("\\boxed{19\\%}", "\\frac{19}{100}", False),
+    ("\\boxed{1900\\%}", "19", False),
+    ("\\boxed{25\\%}", "25\\%", True),
+])
+def test_math_numbers_written_out_and_percent(reply, gold, want):
+    assert math_(reply, gold) is want
+
+
 def test_math_strict_requires_the_box_to_end_the_reply():
     assert math_("\\boxed{19} and that is all I can say", "19") is True
     assert math_("\\boxed{19} and that is all I can say", "19", strict=True) is False
@@ -221,6 +269,7 @@ DAPO_ECHO = ("Solve the following math problem step by step. The last line of yo
     ("Answer:", "19", False),
     ("Answer: 1", "19", False),                                     # a truncated number
     ("Answer: \\boxed{19", "19", False),                           # an unclosed box
+    ("Answer: 48/2 + 48", "72", False),                             # the question's arithmetic, not the number
 ])
 def test_dapo_answer_line_or_last_box(reply, gold, want):
     assert dapo(reply, gold) is want

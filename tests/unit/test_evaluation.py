@@ -85,6 +85,16 @@ def test_last_number_is_exact():
     assert last_number("no digits") is None
 
 
+def test_a_degenerate_digit_run_scores_wrong_instead_of_stopping_the_evaluation():
+    # past Python's 4300-digit conversion limit: Fraction() would raise ValueError
+    long = "1" * 5000
+    assert last_number(long) is None and last_number(long + " so 19") == 19
+    assert strict_correct(long, "19", "stop") == (False, False)
+    assert strict_correct(long + " so 19", "19", "stop") == (True, True)
+    assert strict_correct(f"\\boxed{{{long}}}", "19", "stop", style="boxed") == (False, True)
+    assert strict_correct(f"\\boxed{{\\frac{{{long}}}{{2}}}}", "\\frac{1}{2}", "stop", style="boxed") == (False, True)
+
+
 def test_score_replies_summary():
     result, correct = score_replies(["19", "7", "19", "..."], ["19", "19", "19", "1"],
                                     ["stop", "stop", "length", "stop"], [2, 2, 24, 3])
