@@ -184,10 +184,17 @@ def reply_main(entry, req_fd, resp_fd):
             send(resp_fd, ["raise", "TypeError", f"the candidate returned {e}"])
 
 
+# Exceptions that end an iteration instead of failing it: raised inside a test's map() or generator
+# (``all(map(lambda c: candidate(*c) == want, cases))``) they would end the loop early and pass it,
+# so the test sees them as RuntimeError, as PEP 479 does for a generator.
+_ENDS_ITERATION = (StopIteration, StopAsyncIteration)
+
+
 def _raised(name, text):
-    """The exception to raise in the test for the reply's ``name``: that builtin type, else RuntimeError."""
+    """The exception to raise in the test for the reply's ``name``: that builtin type, else (and for
+    StopIteration / StopAsyncIteration) RuntimeError."""
     kind = getattr(builtins, name, None)
-    if isinstance(kind, type) and issubclass(kind, Exception):
+    if isinstance(kind, type) and issubclass(kind, Exception) and not issubclass(kind, _ENDS_ITERATION):
         return kind(text)
     return RuntimeError(f"{name}: {text}")
 

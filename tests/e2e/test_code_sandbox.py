@@ -28,6 +28,9 @@ TASK = {"prompt": "def add(a, b):\n    \"\"\"a + b\"\"\"\n",
 # Tests that compare only through helpers (math.isclose, abs): what monkeypatching them would fake.
 HELPER_TASK = {**TASK, "test": "import math\n\ndef check(candidate):\n    assert math.isclose(candidate(5, 7), 12)\n"
                                 "    assert abs(candidate(1, 2) - 3) < 1e-9\n"}
+# Tests that loop through map(): a StopIteration raised inside would end the loop and pass it.
+MAP_TASK = {**TASK, "test": "def check(candidate):\n    cases = [((1, 2), 3), ((5, 7), 12)]\n"
+                             "    assert all(map(lambda c: candidate(*c[0]) == c[1], cases))\n"}
 ESCAPE = f"/tmp/megarl-test-escape-{os.getpid()}"  # a file the reply must not leave behind
 GOOD = "def add(a, b):\n    return a + b\n"
 WRONG = "def add(a, b):\n    return 0\n"
@@ -48,6 +51,7 @@ ADVERSARIAL = {
                                                 "def add(a, b):\n    return 12\n"),            # tests in another process
     "monkeypatched math.isclose": (HELPER_TASK, "import math\nmath.isclose = lambda *a, **k: True\n"
                                                 "def add(a, b):\n    return 3\n"),              # tests in another process
+    "raises StopIteration inside the tests' map()": (MAP_TASK, "def add(a, b):\n    raise StopIteration\n"),  # RuntimeError
     "redefines check": (TASK, "def check(candidate):\n    pass\n" + WRONG),                   # the tester has its own check
     "prints PASS": (TASK, "print('PASS')\nprint('all tests passed')\n" + WRONG),
     "writes outside the temp dir": (TASK, f"open('{ESCAPE}', 'w').write('x')\n" + GOOD),       # no /tmp in its view
@@ -73,18 +77,19 @@ def _uids_alive() -> list[int]:
 
 def test_adversarial_replies_score_zero_and_leave_nothing_running(tmp_path):
     cases = tmp_path / "cases.jsonl"
-    rows = [(TASK, GOOD), (HELPER_TASK, GOOD)] + list(ADVERSARIAL.values())
+    rows = [(TASK, GOOD), (HELPER_TASK, GOOD), (MAP_TASK, GOOD)] + list(ADVERSARIAL.values())
     cases.write_text("".join(json.dumps({**task, "reply": r}) + "\n" for task, r in rows))
     done = _cli("reward", "check", "--fn", "code", "--cases", str(cases))
     assert done.returncode == 0, done.stderr
     out = [json.loads(line) for line in done.stdout.splitlines()]
     assert [o["case"] for o in out] == list(range(1, len(rows) + 1))  # one per case, in order
-    assert [(o["score"], o["reason"]) for o in out[:2]] == [(1.0, "all tests passed")] * 2
-    for name, o in zip(ADVERSARIAL, out[2:]):
+    assert [(o["score"], o["reason"]) for o in out[:3]] == [(1.0, "all tests passed")] * 3
+    for name, o in zip(ADVERSARIAL, out[3:]):
         assert o["score"] == 0.0 and not o["correct"], (name, o)
-    reasons = dict(zip(ADVERSARIAL, (o["reason"] for o in out[2:])))
+    reasons = dict(zip(ADVERSARIAL, (o["reason"] for o in out[3:])))
     assert "timed out" in reasons["infinite loop"]
     assert "plain builtin" in reasons["__eq__ always True"]
+    assert "RuntimeError" in reasons["raises StopIteration inside the tests' map()"], reasons
     assert "No such file or directory" in reasons["writes outside the temp dir"]
     assert "Network is unreachable" in reasons["opens a network socket"]
     assert not Path(ESCAPE).exists()
