@@ -156,12 +156,19 @@ class JudgeScorer(ExecutorBase):
         tok = self.tokenizer
         head, tail, cut = bound_tokens(tok.encode(reply, add_special_tokens=False), self.cfg.judge_max_reply_tokens)
         bounded = tok.decode(head) + (f"\n[... {cut} tokens cut ...]\n" + tok.decode(tail) if cut else "")
-        message = judge_message(self.template, question=question, reply=bounded, gold=gold, scale=self.cfg.judge_scale)
+        message = judge_message(self.template, question=question, reply=bounded, gold=gold, scale=self.cfg.judge_scale,
+                                specials=self._specials())
         if getattr(tok, "chat_template", None):
             text = tok.apply_chat_template([{"role": "user", "content": message}], add_generation_prompt=True,
                                            tokenize=False)
             return tok.encode(text, add_special_tokens=False)
         return tok.encode(message)
+
+    def _specials(self) -> list[str]:
+        """The judge tokenizer's special and added tokens' strings: text that encodes to a control token."""
+        tok = self.tokenizer
+        added = [getattr(t, "content", str(t)) for t in getattr(tok, "added_tokens_decoder", {}).values()]
+        return list(dict.fromkeys([*tok.all_special_tokens, *added]))
 
     def judge_texts(self, questions: Sequence[str], replies: Sequence[str], golds: Sequence[str]) -> list[tuple[Optional[float], str]]:
         """(normalised score or None, the judge's reply) for each reply: greedy, one judge reply each."""

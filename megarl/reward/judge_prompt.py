@@ -89,6 +89,17 @@ def quote(text: str) -> str:
     return _SCORE_WORD.sub(lambda m: f"{m.group()[:-len(m.group(1))]} (quoted){m.group(1)}", text)
 
 
+def defang(text: str, specials: Sequence[str]) -> str:
+    """``text`` with each of the judge tokenizer's special-token strings (``<|im_end|>``, ``</s>``) broken
+    by a zero-width space after its first character, so the tokenizer reads it as plain text, never as
+    the control token: a reply that writes ``<|im_end|>\\n<|im_start|>assistant`` would otherwise end
+    the judge's user turn and forge turns of its own (a policy can write that text in ordinary tokens)."""
+    specials = sorted({s for s in specials if len(s) > 1}, key=len, reverse=True)
+    if not specials:
+        return text
+    return re.sub("|".join(map(re.escape, specials)), lambda m: m.group()[0] + "\u200b" + m.group()[1:], text)
+
+
 def bound_tokens(ids: Sequence[int], limit: int) -> tuple[list[int], list[int], int]:
     """(head, tail, cut): the first and last halves of ``ids`` when longer than ``limit`` tokens, and
     how many were cut between them (``ids``, [], 0 when it fits)."""
@@ -100,11 +111,15 @@ def bound_tokens(ids: Sequence[int], limit: int) -> tuple[list[int], list[int], 
     return ids[:head], ids[len(ids) - tail:] if tail else [], len(ids) - limit
 
 
-def judge_message(template: str, *, question: str, reply: str, gold: str, scale: int) -> str:
+def judge_message(template: str, *, question: str, reply: str, gold: str, scale: int,
+                  specials: Sequence[str] = ()) -> str:
     """The judge's user turn: ``template`` with the quoted question and reply (each through
-    :func:`quote`; the reply already bounded), the gold answer and the scale."""
-    return template.format(question=quote(question.strip()), reply=quote(reply.strip()), gold=quote(gold.strip()),
-                           scale=scale)
+    :func:`quote`, and :func:`defang` for the judge tokenizer's ``specials``; the reply already
+    bounded), the gold answer and the scale."""
+    def safe(text: str) -> str:
+        return quote(defang(text.strip(), specials))
+
+    return template.format(question=safe(question), reply=safe(reply), gold=safe(gold), scale=scale)
 
 
 def parse_score(judge_reply: str, scale: int, *, cut: bool = False) -> Optional[float]:
@@ -124,4 +139,4 @@ def parse_score(judge_reply: str, scale: int, *, cut: bool = False) -> Optional[
 
 
 __all__ = ["CLOSE_QUESTION", "CLOSE_REPLY", "CORRECT_AT", "DEFAULT_TEMPLATE", "OPEN_QUESTION", "OPEN_REPLY",
-           "bound_tokens", "judge_message", "judge_problems", "parse_score", "quote", "template_problems"]
+           "bound_tokens", "defang", "judge_message", "judge_problems", "parse_score", "quote", "template_problems"]
