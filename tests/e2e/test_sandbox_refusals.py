@@ -60,6 +60,7 @@ def test_a_jail_step_the_kernel_refuses_is_refused_at_start_unless_accepted(fres
                                     timeout_s=10)
     assert verdict.passed, verdict.reason  # the weaker sandbox, in a host dir, as accepted
     assert "running WITHOUT ['mount']" in caplog.text
+    assert "a dataset's gold solutions included" in caplog.text  # what a weaker view costs, said where it is chosen
 
 
 def test_slot_uids_that_are_users_are_refused(fresh_sandbox):
