@@ -241,9 +241,16 @@ def _cmd_config_explain(args: argparse.Namespace) -> int:
     from megarl.config import describe
     from megarl.config.schema import MegaRLConfig
 
-    for key, default, text in describe(MegaRLConfig):
-        if args.section and not key.startswith(args.section + "."):
-            continue
+    rows = describe(MegaRLConfig)
+    if args.section:
+        want = args.section.rstrip(".")
+        picked = [row for row in rows if row[0] == want or row[0].startswith(want + ".")]
+        if not picked:
+            sections = sorted({key.split(".")[0] for key, _, _ in rows if "." in key})
+            raise ConfigError([f"config explain {args.section!r}: no such section or knob; known sections: "
+                               f"{', '.join(sections)} (or a knob, e.g. trainer.lr)"])
+        rows = picked
+    for key, default, text in rows:
         print(f"{key} = {default}\n    {text}")
     return 0
 
@@ -417,6 +424,13 @@ def _cmd_plan_sync(args: argparse.Namespace) -> int:
     import json
 
     try:
+        if args.json:  # checked before computing, so that bad input costs nothing
+            from megarl.config.validate import unwritable
+
+            why = "it is a folder" if Path(args.json).is_dir() else unwritable(Path(args.json).parent)
+            if why:
+                raise ValueError(f"--json {args.json}: cannot write the JSON there: {why}; pass a file path in a "
+                                 f"folder you can write")
         ttp, tpp, tdp = _parse_topology("--trainer", args.trainer, ("TP", "PP", "DP"))
         gtp, reps = _parse_topology("--generator", args.generator, ("TP", "REPLICAS"))
         if not args.link_gbps > 0:

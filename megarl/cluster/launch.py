@@ -160,8 +160,11 @@ def launch_local(config: str, overrides: Sequence[str], *, trainer_nodes: int = 
     unless cluster.teacher_nodes / critic_nodes say), same role map, same ``megarl rank`` command."""
     from megarl.cluster.slurm import PORTS_PER_JOB, format_srun, rank_pools_needed
     from megarl.controller.startup import controller_log_path
-    from megarl.config import load_config
+    from megarl.config import ConfigError, load_config
 
+    if trainer_nodes < 1:
+        raise ConfigError([f"--trainer-nodes {trainer_nodes}: must be >= 1 (simulated nodes of the trainer pool; "
+                           f"default 1)"])
     cfg0 = load_config(config, list(overrides))
     t, g = cfg0.trainer, cfg0.generator
     n_train = t.tp * t.pp * t.dp

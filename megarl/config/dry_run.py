@@ -11,23 +11,25 @@ from megarl.config.memory import GB, plan_for
 from megarl.config.role_memory import critic_memory, judge_memory, teacher_memory
 
 
-def _local_device_line(cfg, per_node: int) -> str:
+def _local_device_line(cfg, per_node: int) -> tuple[str, bool]:
     """The dry run's device plan of a local job (the controller spawns every executor on its own node): the
     GPUs each role gets on a node of ``per_node`` GPUs (config/placement.py ``device_plan``, the rule the job
-    itself applies to the GPUs it sees), or why it cannot be placed there. A Slurm job's is the launcher's."""
+    itself applies to the GPUs it sees), or why it cannot be placed there, and whether it can. A Slurm job's
+    is the launcher's."""
     from megarl.config.placement import device_plan
 
     where = (f"one node of {per_node} GPUs (cluster.ranks_per_node"
              f"{'' if cfg.cluster.ranks_per_node else ' 0: 8 assumed'})")
     try:
-        return f"device plan on {where}: {device_plan(cfg, per_node).note}"
+        return f"device plan on {where}: {device_plan(cfg, per_node).note}", True
     except ValueError as e:
-        return f"device plan: not placeable on {where}: {e}"
+        return f"device plan: not placeable on {where}: {e}", False
 
 
 def dry_run_report(cfg) -> tuple[list[str], list[str]]:
     """(lines to print, problems) for ``megarl train CONFIG --dry-run``: ranks and nodes, what was
-    not on this machine, the data choice, and on GPUs the memory plan."""
+    not on this machine, the data choice, and on GPUs the memory plan. Problems: a local GPU job that
+    cannot be placed on one node (the device plan's line), a role whose memory plan does not fit."""
     from megarl.config.validate import absent_paths, cuda_expected, rank_counts
 
     counts = rank_counts(cfg)
@@ -47,23 +49,25 @@ def dry_run_report(cfg) -> tuple[list[str], list[str]]:
              f"{g.replicas} replica(s) = {counts['generator']}{extra}; {counts['gpus']} GPUs: {nodes} (launcher "
              f"{c.launcher}), {per_node} GPUs a node (cluster.ranks_per_node"
              f"{'' if c.ranks_per_node else ' 0: 8 assumed'})"]
+    unplaceable: list[str] = []  # a local job that would stop at its start on a node this size: the line says why
     if cfg.cluster.launcher != "slurm" and cuda_expected(cfg.cluster.device):
-        lines.append(_local_device_line(cfg, per_node))
+        line, placeable = _local_device_line(cfg, per_node)
+        (lines if placeable else unplaceable).append(line)
     lines += [f"not here: {line}" for line in absent_paths(cfg)]
     if cfg.data.choice:
         lines.append(f"data: {cfg.data.choice}")
     if not cuda_expected(cfg.cluster.device):
-        return lines + ["memory plan: none (cluster.device is not cuda)"], []
+        return lines + ["memory plan: none (cluster.device is not cuda)"], unplaceable
     plan = plan_for(cfg)
     if plan is None:
-        return lines + ["memory plan: none (the model's config.json is not here nor in configs/models/)"], []
+        return lines + ["memory plan: none (the model's config.json is not here nor in configs/models/)"], unplaceable
     lines.append(f"memory plan against {plan.gpu_bytes / GB:g} GB per GPU ({plan.gpu_source}); estimates, "
                  f"megarl/config/memory.py (role_memory.py for the other roles) says how each is counted:")
     judge_lines, judge_problems = judge_memory(cfg, plan.gpu_bytes)  # reward.model: the judge's engines
     teacher_lines, teacher_problems = teacher_memory(cfg, plan.gpu_bytes)  # algorithm.teacher: forward-only ranks
     critic_lines, critic_problems = critic_memory(cfg, plan.gpu_bytes)  # gae/vtrace: the value model's ranks
     return (lines + [f"  {ln}" for ln in plan.lines() + judge_lines + teacher_lines + critic_lines],
-            plan.problems + judge_problems + teacher_problems + critic_problems)
+            unplaceable + plan.problems + judge_problems + teacher_problems + critic_problems)
 
 
 __all__ = ["dry_run_report"]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from pathlib import Path
@@ -34,13 +35,24 @@ def load_yaml_tree(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict:
     """Read a YAML config, first merging the files named in its ``defaults:`` (a path or a list
     of paths, relative to this file), in order; this file's own keys win."""
     path = Path(path).resolve()
+    if path.is_dir():
+        raise ConfigError([f"config file {path} is a folder, not a YAML file: name a .yaml file in it"])
     if not path.is_file():
         raise ConfigError([f"config file {path} does not exist: check the path"])
     if path in _seen:
         chain = " -> ".join(p.name for p in (*_seen, path))
         raise ConfigError([f"defaults: cycle {chain}: remove one of the references"])
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError([f"{path} is not UTF-8 text (byte {exc.start} is {exc.object[exc.start]:#04x}): save it "
+                           f"as UTF-8"]) from None
+    try:
+        data = yaml.load(text, Loader=_UniqueKeyLoader) or {}
+    except _DuplicateKey as exc:
+        raise ConfigError([f"{path}:{exc.line}: key {exc.key!r} is given twice in one mapping (first on line "
+                           f"{exc.first}); YAML would silently keep only the last one: delete or merge one of "
+                           f"them"]) from None
     except yaml.YAMLError as exc:
         raise ConfigError([f"{path.name} is not valid YAML: {exc}"]) from None
     if not isinstance(data, dict):
@@ -48,10 +60,40 @@ def load_yaml_tree(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict:
     parents = data.pop("defaults", None) or []
     if isinstance(parents, str):
         parents = [parents]
+    if not isinstance(parents, list) or not all(isinstance(p, str) and p for p in parents):
+        raise ConfigError([f"{path}: defaults: {parents!r} must be a list of YAML paths (relative to this file), "
+                           f"e.g. 'defaults: [base.yaml]', or one path"])
     merged: dict = {}
     for parent in parents:
         merged = deep_merge(merged, load_yaml_tree(path.parent / parent, (*_seen, path)))
     return deep_merge(merged, data)
+
+
+class _DuplicateKey(yaml.YAMLError):
+    def __init__(self, key: Any, line: int, first: int):
+        super().__init__(f"duplicate key {key!r} on line {line} (first on line {first})")
+        self.key, self.line, self.first = key, line, first
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.safe_load, but a key given twice in one mapping (two ``trainer:`` blocks, ``tp: 1`` then
+    ``tp: 3``) is an error instead of the last one silently winning. Keys a ``<<:`` merge brings in
+    may still be overridden (that is what a merge is for)."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            first: dict = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=deep)
+                try:
+                    if key in first:
+                        raise _DuplicateKey(key, key_node.start_mark.line + 1, first[key])
+                    first[key] = key_node.start_mark.line + 1
+                except TypeError:  # an unhashable key: the base class names it
+                    continue
+        return super().construct_mapping(node, deep=deep)
 
 
 def deep_merge(base: dict, override: dict) -> dict:
@@ -98,6 +140,10 @@ def apply_overrides(tree: dict, overrides: list[str]) -> dict:
 def build(cls: type, data: Any, prefix: str = "") -> tuple[Any, list[str]]:
     """Instantiate dataclass ``cls`` from ``data``; returns (instance or None, problems)."""
     where = prefix or "<top level>"
+    if data is None and prefix:  # `controller:` with every key commented out: would reset it to the defaults
+        return None, [f"{prefix}: empty (null) where a section of keys is expected (every key commented out?); it "
+                      f"would reset the whole section, what defaults: gave it included, to the built-in defaults: "
+                      f"delete the '{prefix}:' line or give it keys"]
     if data is None:
         data = {}
     if not isinstance(data, dict):
@@ -139,6 +185,8 @@ def _coerce(tp: Any, value: Any, dotted: str) -> tuple[Any, list[str]]:
             coerced, errs = _coerce(arg, value, dotted)
             if not errs:
                 return coerced, []
+        if float in args and _non_finite(value):  # Optional[float]: say why, not just the type
+            return _coerce(float, value, dotted)
         return value, [f"{dotted}: {value!r} does not fit type {_name(tp)}"]
     if origin is typing.Literal:
         if value in args:
@@ -160,13 +208,20 @@ def _coerce(tp: Any, value: Any, dotted: str) -> tuple[Any, list[str]]:
         return dict(value), []
     if tp is Any:
         return value, []
-    if tp is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value), []
-    if tp is float and isinstance(value, str):  # YAML 1.1 reads `1e-5` (no dot) as a string
-        try:
-            return float(value), []
+    if tp is float and (isinstance(value, (int, float, str)) and not isinstance(value, bool)):
+        try:  # YAML 1.1 reads `1e-5` (no dot) as a string
+            number = float(value)
+        except OverflowError:  # an integer past a float's range
+            number = math.inf
         except ValueError:
-            pass
+            number = None
+        if number is not None:
+            # Every float knob is a finite number: NaN passes every `x <= 0` range check, and no knob has an
+            # infinite default or a documented meaning for inf (one that gets one must be let through here).
+            if not math.isfinite(number):
+                return value, [f"{dotted}: {value!r} is not a finite number; give a number (see `megarl config "
+                               f"explain {dotted.split('.')[0]}` for its range)"]
+            return number, []
     if tp is bool and not isinstance(value, bool):
         return value, [f"{dotted}: expected true or false, got {value!r}"]
     if tp is int and isinstance(value, bool):
@@ -176,6 +231,16 @@ def _coerce(tp: Any, value: Any, dotted: str) -> tuple[Any, list[str]]:
     if isinstance(tp, type) and not isinstance(value, tp):
         return value, [f"{dotted}: expected {_name(tp)}, got {value!r} ({type(value).__name__})"]
     return value, []
+
+
+def _non_finite(value: Any) -> bool:
+    """A NaN or infinity however written: YAML's .nan / .inf, or an override's 'nan' / 'inf' / '1e999'."""
+    try:
+        return not math.isfinite(float(value))
+    except OverflowError:
+        return True
+    except (TypeError, ValueError):
+        return False
 
 
 def _name(tp: Any) -> str:

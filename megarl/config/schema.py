@@ -53,8 +53,8 @@ class DataConfig:
         "(eval/accuracy, ...: the plot, the summary and the reward-hacking watch). Every set is kept "
         "disjoint from the training prompts; data.eval_size caps each. Names: letters, digits, '_', '-', "
         "'.', distinct. Default [] (none)."))
-    eval_size: int = knob(64, help="Number of held-out prompts for greedy evaluation, per held-out set (prompts). "
-                          "Default 64.")
+    eval_size: int = knob(64, help="Number of held-out prompts for greedy evaluation, per held-out set (prompts, "
+                          ">= 1). Default 64.")
     eval_answer: str = knob("auto", choices=("auto", "number", "boxed"), help=(
         "How held-out replies are scored (megarl/controller/evaluation.py): 'number' = the last number of a "
         "finished reply, exactly equal to the gold; 'boxed' = the last \\boxed{} of a finished reply, "
@@ -62,7 +62,7 @@ class DataConfig:
         "copied from the question does not count); 'auto' = each held-out set's row schema's own (boxed for "
         "MATH and verl rows, number for GSM8K, plain and arithmetic rows). Set boxed when a numeric-answer "
         "set is prompted for \\boxed{} (GSM8K with a chain-of-thought prompt). Default auto."))
-    max_prompt_tokens: int = knob(256, help="Prompts longer than this are dropped (tokens).")
+    max_prompt_tokens: int = knob(256, help="Prompts longer than this are dropped (tokens, >= 1). Default 256.")
     chat_template: bool = knob(True, help="Wrap each prompt in the tokenizer's chat template.")
     seed: int = knob(1234, help="Shuffling seed for the prompt stream.")
     dedupe: bool = knob(True, help=(
@@ -110,7 +110,7 @@ class ControllerConfig:
         "explicit). Logged at start and printed in the run summary. Default ''."))
     eval_every: int = knob(10, help=(
         "Greedy held-out evaluation every N steps, plus a baseline before the first step and one after the "
-        "last, scored strictly (last number of a finished reply; never the training reward) (steps; "
+        "last, scored strictly (last number of a finished reply; never the training reward) (steps, >= 0; "
         "0 = never). Default 10."))
     deterministic: bool = knob(False, help=(
         "Reproducible runs: every sample round is generated with its own seed (from generator.seed and the "
@@ -196,10 +196,11 @@ class ClusterConfig:
 
 @dataclass
 class LoggingConfig:
-    out_dir: str = knob("runs", help="Root folder for run outputs; a run writes to <out_dir>/<name>.")
+    out_dir: str = knob("runs", help="Root folder for run outputs; a run writes to <out_dir>/<name>, which the "
+                        "validator checks can be created and written. Default runs.")
     jsonl: bool = knob(True, help="Write per-step metrics to metrics.jsonl.")
     tensorboard: bool = knob(True, help="Write per-step metrics to TensorBoard event files.")
-    log_every: int = knob(1, help="Print the per-step phase line every N steps (steps).")
+    log_every: int = knob(1, help="Print the per-step phase line every N steps (steps, >= 1). Default 1.")
     overwrite: bool = knob(False, help=(
         "A run that starts over (`megarl train --fresh`, trainer.resume_from=null, or 'auto' finding no "
         "checkpoint) in a run folder that holds an earlier run's files (metrics.jsonl, trained_samples.jsonl, "

@@ -20,7 +20,7 @@ from megarl.config.teacher import teacher_problems, tokenizer_mismatch
 from megarl.data.tasks import data_problems
 from megarl.models.dims import ModelDims, divisors, expert_parallel_problems, parallel_problems, vllm_tp_problems
 from megarl.models.families import architecture_problem
-from megarl.trainer.config import router_replay_problems
+from megarl.trainer.config import lr_decay_updates, router_replay_problems, run_updates
 from megarl.utils.model_source import REPO_ROOT, hub_cache, is_hub_id, local_model_dir, shipped_config
 
 # Shape of the built-in model, so a config using it validates before the (slow) first conversion.
@@ -96,9 +96,15 @@ def check(cfg: MegaRLConfig, *, dry_run: bool = False, scan_data: bool = True) -
                                   on_cuda=None if cfg.cluster.device == "auto" else cfg.cluster.device == "cuda")
     for key, value in (("controller.steps", cfg.controller.steps),
                        ("controller.prompts_per_step", cfg.controller.prompts_per_step),
-                       ("reward.workers", cfg.reward.workers)):
+                       ("reward.workers", cfg.reward.workers), ("data.eval_size", cfg.data.eval_size),
+                       ("data.max_prompt_tokens", cfg.data.max_prompt_tokens),
+                       ("logging.log_every", cfg.logging.log_every)):
         if value < 1:
             problems.append(f"{key}={value}: must be >= 1")
+    if cfg.controller.eval_every < 0:
+        problems.append(f"controller.eval_every={cfg.controller.eval_every}: must be >= 0 (steps between evals; "
+                        f"0 = never)")
+    problems += lr_schedule_problems(cfg)
     if cfg.controller.max_policy_lag != "auto" and cfg.controller.max_policy_lag < 0:
         problems.append(f"controller.max_policy_lag={cfg.controller.max_policy_lag}: must be >= 0 (0 = synchronous) "
                         f"or auto")
@@ -144,17 +150,11 @@ def check(cfg: MegaRLConfig, *, dry_run: bool = False, scan_data: bool = True) -
         problems.append(f"cluster.teardown_timeout_s={c.teardown_timeout_s}: must be > 0 (seconds)")
 
     if cfg.cluster.trainer_cpus:
-        from megarl.utils.procs import parse_cpu_list
+        from megarl.utils.procs import cpu_list_problem
 
-        try:
-            cores = parse_cpu_list(cfg.cluster.trainer_cpus)
-        except ValueError as e:
-            problems.append(f"cluster.trainer_cpus={cfg.cluster.trainer_cpus!r}: {e}")
-        else:
-            allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else cores
-            if set(cores) - set(allowed):
-                problems.append(f"cluster.trainer_cpus={cfg.cluster.trainer_cpus!r}: cores "
-                                f"{sorted(set(cores) - set(allowed))} are not available here (allowed: {allowed})")
+        problem = cpu_list_problem(cfg.cluster.trainer_cpus, f"cluster.trainer_cpus={cfg.cluster.trainer_cpus!r}")
+        if problem:
+            problems.append(problem)
 
     if cfg.cluster.trainer_devices or cfg.cluster.generator_devices:
         try:  # syntax and overlap now; the device count is checked when the job starts (needs CUDA)
@@ -166,6 +166,7 @@ def check(cfg: MegaRLConfig, *, dry_run: bool = False, scan_data: bool = True) -
                             "clear them or use cluster.device=cuda")
 
     # Paths.
+    problems += output_dir_problems(cfg, dry_run=dry_run)
     if cfg.model.path != BUILTIN_SMOLLM2:
         mp = local_model_dir(cfg.model.path)
         if mp is None:
@@ -260,6 +261,76 @@ def critic_problems(cfg: MegaRLConfig, *, dry_run: bool = False) -> list[str]:
     return out
 
 
+def lr_schedule_problems(cfg: MegaRLConfig) -> list[str]:
+    """A decaying LR (linear, cosine) must decay over more updates than it warms up over: the rule
+    megarl/trainer/optimizer.py build_scheduler applies at the trainer's start, over the updates it counts."""
+    t, steps = cfg.trainer, cfg.controller.steps
+    if t.lr_decay_style == "constant" or min(steps, t.minibatches, t.epochs) < 1 or t.lr_warmup_steps < 0:
+        return []  # the range checks name these
+    updates = run_updates(t, steps)
+    decay = lr_decay_updates(t, updates)
+    if decay > t.lr_warmup_steps:
+        return []
+    over = (f"trainer.lr_decay_steps={t.lr_decay_steps}" if t.lr_decay_steps else
+            f"every update of the run (trainer.lr_decay_steps=0: controller.steps={steps} x trainer.minibatches="
+            f"{t.minibatches} x trainer.epochs={t.epochs} = {updates})")
+    return [f"trainer.lr_warmup_steps={t.lr_warmup_steps}: lr_decay_style={t.lr_decay_style!r} decays over {decay} "
+            f"update(s), {over}, which must exceed the warmup; set trainer.lr_warmup_steps below {decay}, "
+            f"trainer.lr_decay_steps above {t.lr_warmup_steps}, or trainer.lr_decay_style=constant"]
+
+
+def output_folders(cfg: MegaRLConfig) -> list[tuple[str, str, Path]]:
+    """(knob=value, what, folder) of every folder a job writes that a knob names: the run folder
+    (<logging.out_dir>/<name>: metrics, samples, logs, and the checkpoints unless trainer.checkpoint_dir),
+    trainer.checkpoint_dir and generator.log_dir when set."""
+    run_dir = Path(cfg.logging.out_dir) / cfg.name
+    out = [(f"logging.out_dir={cfg.logging.out_dir!r}", "the run folder (<logging.out_dir>/<name>)", run_dir)]
+    if cfg.trainer.checkpoint_dir:
+        out.append((f"trainer.checkpoint_dir={cfg.trainer.checkpoint_dir!r}", "the checkpoint folder",
+                    Path(cfg.trainer.checkpoint_dir)))
+    if cfg.generator.log_dir:
+        out.append((f"generator.log_dir={cfg.generator.log_dir!r}", "the engines' log folder",
+                    Path(cfg.generator.log_dir)))
+    return out
+
+
+def nearest_existing(folder: str | Path) -> Path:
+    """``folder`` itself if it exists, else its nearest ancestor that does (what creating it builds on)."""
+    probe = Path(os.path.abspath(folder))
+    while not os.path.lexists(probe) and probe != probe.parent:
+        probe = probe.parent
+    return probe
+
+
+def unwritable(folder: str | Path) -> str | None:
+    """Why ``folder`` cannot be created (parents included) and written by this user, or None when it can:
+    its nearest existing ancestor (or itself) must be a folder with write and search permission. Creates
+    nothing."""
+    base = nearest_existing(folder)
+    if not os.path.isdir(base):
+        return f"{base} exists and is not a folder"
+    if not os.access(base, os.W_OK | os.X_OK):
+        return f"{base} is not writable by this user"
+    return None
+
+
+def output_dir_problems(cfg: MegaRLConfig, *, dry_run: bool = False) -> list[str]:
+    """Every folder the job will write (:func:`output_folders`) can be created and written by this user: its
+    nearest existing ancestor (or itself) is a folder with write and search permission. Creates nothing.
+    ``dry_run``: a folder whose top-level folder is not on this machine (the cluster's filesystem) is not a
+    problem (:func:`absent_paths` lists it)."""
+    out = []
+    for setting, what, folder in output_folders(cfg):
+        base = nearest_existing(folder)
+        if dry_run and base == base.parent and Path(os.path.abspath(folder)) != base:
+            continue
+        why = unwritable(folder)
+        if why:
+            out.append(f"{setting}: {what} {folder} cannot be created and written: {why}; point "
+                       f"{setting.split('=', 1)[0]} at a folder you can write")
+    return out
+
+
 def minibatch_problems(cfg: MegaRLConfig) -> list[str]:
     """trainer.minibatches splits a step's prompt groups evenly, and each minibatch over trainer.dp."""
     t, prompts, n = cfg.trainer, cfg.controller.prompts_per_step, cfg.generator.n_samples
@@ -305,6 +376,11 @@ def absent_paths(cfg: MegaRLConfig) -> list[str]:
     from megarl.data.sources import DataError, data_files
 
     out = []
+    for setting, what, folder in output_folders(cfg):  # output_dir_problems lets these pass in a dry run
+        base = nearest_existing(folder)
+        if base == base.parent and Path(os.path.abspath(folder)) != base:
+            out.append(f"{setting}: {what} {folder} is not on this machine (no {Path(os.path.abspath(folder)).parts[1]} "
+                       f"folder); checked when the job starts")
     if cfg.model.path != BUILTIN_SMOLLM2 and local_model_dir(cfg.model.path) is None:
         shipped = shipped_config(cfg.model.path)
         out.append(f"model.path={cfg.model.path!r} is not on this machine (nor in {hub_cache()}); its shape is read "

@@ -36,8 +36,8 @@ class GeneratorConfig:
                              "'fp8_per_tensor'/'fp8_per_block' (GPU only). Default none.")
     kv_cache_gib: int = knob(2, help="KV-cache memory per engine (GiB, integer; on CPU sets "
                              "VLLM_CPU_KVCACHE_SPACE). Default 2.")
-    gpu_memory_utilization: float = knob(0.0, help="GPU only: fraction of device memory per engine; "
-                                         "0 = size the KV cache from kv_cache_gib instead. Default 0.")
+    gpu_memory_utilization: float = knob(0.0, help="GPU only: fraction of device memory per engine, in "
+                                         "(0, 1]; 0 = size the KV cache from kv_cache_gib instead. Default 0.")
     max_model_len: int = knob(2048, help="Longest prompt + completion an engine accepts (tokens). "
                               "Default 2048.")
     max_turns: int = knob(1, help="Most replies of one multi-turn rollout (an environment that answers with "
@@ -74,15 +74,15 @@ class GeneratorConfig:
     threads_bind: str = knob("auto", help="CPU only: VLLM_CPU_OMP_THREADS_BIND per replica, e.g. "
                              "'0-1' (TP=1) or '0|1' (TP=2); several replicas separated by ';'. "
                              "'auto' splits this process's cores evenly over replicas and TP ranks. "
-                             "Default auto.")
+                             "Every core named must be one this process may run on. Default auto.")
     start_timeout_s: float = knob(600.0, help="Longest an engine may take to start, counted from "
-                                  "its launch (the trainer starts alongside) (seconds). Default 600.")
+                                  "its launch (the trainer starts alongside) (seconds, > 0). Default 600.")
     request_timeout_s: float = knob(600.0, help="Longest a wait for generation may go without any "
-                                    "engine finishing a sample (seconds). Default 600.")
+                                    "engine finishing a sample (seconds, > 0). Default 600.")
     update_timeout_s: float = knob(600.0, help="Longest a weight update may take on every engine "
-                                   "(seconds). Default 600.")
+                                   "(seconds, > 0). Default 600.")
     shutdown_timeout_s: float = knob(30.0, help="Grace period for an engine to exit before it is "
-                                     "killed (seconds). Default 30.")
+                                     "killed (seconds, > 0). Default 30.")
     heartbeat_timeout_s: float = knob(120.0, help="Supervision: a replica that holds work and sends nothing "
                                       "(a replica reports every 5 s while decoding, and each finished request) "
                                       "for this long is taken as frozen, killed and restarted (attached under "
@@ -95,7 +95,7 @@ class GeneratorConfig:
                                    "Default 3600.")
     log_dir: str = knob("", help="Folder for the engines' logs (one file per replica); '' = the run's logs "
                         "folder under megarl train (beside the trainer ranks'), a temporary folder for an "
-                        "executor started alone. Default ''.")
+                        "executor started alone; the validator checks it can be created and written. Default ''.")
 
     def trainer_logprob_temperature(self) -> float:
         """The temperature the trainer must divide logits by to reproduce ``behav_logprobs``."""
@@ -136,6 +136,19 @@ class GeneratorConfig:
                 out.append(f"generator.threads_bind={self.threads_bind!r}: each replica's binding needs "
                            f"generator.tp={self.tp} core lists separated by '|' (e.g. "
                            f"{'|'.join(['0'] * self.tp)!r}), or 'auto'")
+            else:  # every core named must be one this process may run on (as cluster.trainer_cpus)
+                from megarl.utils.procs import cpu_list_problem
+
+                lists = [c for p in parts for c in p.split("|") if c.strip() not in ("auto", "nobind")]
+                problem = cpu_list_problem(",".join(lists), f"generator.threads_bind={self.threads_bind!r}")
+                if problem:
+                    out.append(problem)
+        for key in ("start_timeout_s", "request_timeout_s", "update_timeout_s", "shutdown_timeout_s"):
+            if getattr(self, key) <= 0:
+                out.append(f"generator.{key}={getattr(self, key)}: must be > 0 (seconds)")
+        if not 0 <= self.gpu_memory_utilization <= 1:
+            out.append(f"generator.gpu_memory_utilization={self.gpu_memory_utilization}: must be in (0, 1] (a "
+                       f"fraction of one GPU's memory), or 0 to size the KV cache from generator.kv_cache_gib")
         if self.heartbeat_timeout_s <= 5.0:  # engine.HEARTBEAT_S: a decoding replica reports this often
             out.append(f"generator.heartbeat_timeout_s={self.heartbeat_timeout_s}: must exceed 5 s, the interval "
                        f"at which a decoding replica reports progress (else every busy replica looks frozen)")

@@ -39,9 +39,20 @@ class ModeRun:
 
 
 def load_setup(path: str | Path) -> dict:
-    d = yaml.safe_load(Path(path).read_text())
-    if not isinstance(d, dict) or "model" not in d:
-        raise ValueError(f"{path}: not a simulate setup (expected a mapping with 'model', 'sync', 'async')")
+    """A setup YAML as a dict; ValueError (one line: `megarl simulate` exits 2) when it is not one."""
+    if Path(path).is_dir():
+        raise ValueError(f"{path}: is a folder, not a setup YAML file (configs/sim/*.yaml)")
+    try:
+        d = yaml.safe_load(Path(path).read_text())
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        raise ValueError(f"{path}: not valid YAML{where}: {getattr(exc, 'problem', None) or exc}") from None
+    missing = [k for k in ("sync", "async") if not isinstance(d, dict) or not isinstance(d.get(k), dict)]
+    if not isinstance(d, dict) or not isinstance(d.get("model"), str) or missing:
+        train = " (a training config? run it with `megarl train`)" if isinstance(d, dict) and "trainer" in d else ""
+        raise ValueError(f"{path}: not a simulate setup{train}: expected a mapping with 'model' (a model name or "
+                         f"config.json path), 'sync' and 'async' sections, as configs/sim/*.yaml")
     d.setdefault("name", Path(path).stem)
     return d
 

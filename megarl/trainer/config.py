@@ -130,8 +130,8 @@ class TrainerConfig:
                                       "Default 1.0.")
 
     # --- checkpoints ---
-    checkpoint_dir: str = knob("", help="Folder for trainer checkpoints ('' = <run dir>/checkpoints)."
-                               " Default ''.")
+    checkpoint_dir: str = knob("", help="Folder for trainer checkpoints ('' = <run dir>/checkpoints); the "
+                               "validator checks it can be created and written. Default ''.")
     checkpoint_interval: int = knob(0, help="Save every N optimizer steps (steps); 0 = only at the "
                                     "end of the run. Default 0.")
     async_save: bool = knob(False, help="Write checkpoints in the background: a save takes a snapshot "
@@ -168,7 +168,8 @@ class TrainerConfig:
     heartbeat_timeout_s: float = knob(60.0, help="A started trainer rank sends a heartbeat every "
                                       "second from a thread of its own (it keeps beating while it "
                                       "waits in a collective); one silent this long is frozen, and "
-                                      "the job stops naming it (s). Default 60.")
+                                      "the job stops naming it, also while a command (a batch) waits "
+                                      "for it to read its channel (s). Default 60.")
     shutdown_timeout_s: float = knob(30.0, help="Seconds trainer ranks get to exit after close() "
                                      "asks them; the rest are killed (s). Default 30.")
 
@@ -208,6 +209,18 @@ class TrainerConfig:
         if self.logprob_temperature <= 0:
             out.append(f"trainer.logprob_temperature={self.logprob_temperature}: must be > 0")
         return out
+
+
+def run_updates(cfg: TrainerConfig, steps: int) -> int:
+    """Optimizer updates of a run of ``steps`` train steps (controller.steps): trainer.minibatches x
+    trainer.epochs a step. What the LR schedule counts (megarl/trainer/local.py builds it over these)."""
+    return steps * cfg.minibatches * cfg.epochs
+
+
+def lr_decay_updates(cfg: TrainerConfig, updates: int) -> int:
+    """The updates the LR decays over: trainer.lr_decay_steps, 0 = every update of the run (``updates``,
+    :func:`run_updates`). megarl/trainer/optimizer.py build_scheduler and the validator both use it."""
+    return cfg.lr_decay_steps or updates
 
 
 def router_replay_problems(router_replay: bool, is_moe: bool, family: str = "") -> list[str]:

@@ -23,7 +23,7 @@ import torch
 from megarl.algorithms.config import AlgorithmConfig, needs_ref
 from megarl.algorithms.policy_loss import loss_params
 from megarl.batch import RolloutBatch
-from megarl.trainer.config import TrainerConfig
+from megarl.trainer.config import TrainerConfig, run_updates
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +82,7 @@ class RankTrainer:
 
         self.router_stats = RouterStats(self.model, replay=cfg.router_replay)  # MoE: tokens per expert, routing mismatch (R3)
         # the LR schedule counts optimizer updates: trainer.minibatches x trainer.epochs a step
-        self.objs = build_training(cfg, self.model, total_steps * cfg.minibatches * cfg.epochs)
+        self.objs = build_training(cfg, self.model, run_updates(cfg, total_steps))
         # The KL reference: the initial policy (from model_dir even on resume), frozen, built only if used.
         self.ref_model = None
         if needs_ref(algo):

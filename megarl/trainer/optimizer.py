@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megarl.trainer.config import TrainerConfig
+from megarl.trainer.config import TrainerConfig, lr_decay_updates
 from megarl.utils.faults import armed, injected, pause_point
 
 log = logging.getLogger(__name__)
@@ -97,7 +97,7 @@ def build_scheduler(cfg: TrainerConfig, optimizer: Any, total_steps: int):
     lr_decay_steps (0 = total_steps). Weight decay is constant."""
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    decay_steps = cfg.lr_decay_steps or total_steps
+    decay_steps = lr_decay_updates(cfg, total_steps)  # the validator checks the same (config/validate.py)
     if cfg.lr_decay_style != "constant" and decay_steps <= cfg.lr_warmup_steps:
         raise ValueError(f"trainer.lr_decay_steps={decay_steps} must exceed trainer."
                          f"lr_warmup_steps={cfg.lr_warmup_steps} for lr_decay_style="

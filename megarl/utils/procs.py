@@ -333,3 +333,17 @@ def parse_cpu_list(text: str) -> list[int]:
             raise ValueError(f"{part!r} is not a core number or range like 0-3")
         out.extend(range(int(lo), int(hi or lo) + 1))
     return sorted(set(out))
+
+
+def cpu_list_problem(text: str, setting: str) -> str | None:
+    """Why the core list ``text`` (Linux cpu-list syntax) cannot bind here, as ``'<setting>: ...'``: not a
+    core list, or cores this process may not run on (its affinity: the machine's, or what Slurm or taskset
+    gave it); None when every core is there. cluster.trainer_cpus and generator.threads_bind use it."""
+    try:
+        cores = parse_cpu_list(text)
+    except ValueError as e:
+        return f"{setting}: {e}"
+    allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else cores
+    if set(cores) - set(allowed):
+        return f"{setting}: cores {sorted(set(cores) - set(allowed))} are not available here (allowed: {allowed})"
+    return None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -375,3 +376,179 @@ def test_dynamic_sampling_needs_groups_of_two_or_more(tmp_path, model_dir):
     assert load_config(cfg, ["algorithm.dynamic_sampling=true", "generator.n_samples=2"]).algorithm.dynamic_sampling
     (msg,) = problems_of(cfg, ["algorithm.dynamic_sampling=true", "algorithm.max_refill_rounds=-1"])
     assert "algorithm.max_refill_rounds=-1 is out of range" in msg
+
+
+# --- bad input caught before anything starts (each a clear one-line problem naming its key) ---------------
+
+QUICKSTART = str(REPO / "configs" / "quickstart.yaml")
+
+
+def test_output_folders_must_be_creatable_and_writable(tmp_path):
+    """trainer.checkpoint_dir, the run folder under logging.out_dir and generator.log_dir are checked at
+    validation (a dry run included): a file in the way is refused naming the key, the path and why; nothing
+    is created."""
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    for key, value, folder in (("trainer.checkpoint_dir", f"{blocker}/ckpt", f"{blocker}/ckpt"),
+                               ("logging.out_dir", str(blocker), f"{blocker}/quickstart"),
+                               ("generator.log_dir", f"{blocker}/deep/logs", f"{blocker}/deep/logs")):
+        for dry_run in (False, True):
+            with pytest.raises(ConfigError) as e:
+                load_config(QUICKSTART, [f"{key}={value}"], dry_run=dry_run)
+            (msg,) = e.value.problems
+            assert msg.startswith(f"{key}={value!r}: ") and f"{folder} cannot be created and written" in msg, msg
+            assert f"{blocker} exists and is not a folder; point {key} at a folder you can write" in msg, msg
+    out = _megarl("train", QUICKSTART, f"trainer.checkpoint_dir={blocker}/ckpt", "--dry-run")
+    assert out.returncode == 2 and "trainer.checkpoint_dir=" in out.stderr and "config OK" not in out.stdout
+    # a folder that is not there yet but can be made validates, and is not made
+    cfg = load_config(QUICKSTART, [f"trainer.checkpoint_dir={tmp_path}/new/ckpt", f"logging.out_dir={tmp_path}/runs"])
+    assert cfg.trainer.checkpoint_dir and not (tmp_path / "new").exists() and not (tmp_path / "runs").exists()
+    # a dry run planned for another machine's filesystem (its top folder absent here) is only noted
+    cfg = load_config(QUICKSTART, ["trainer.checkpoint_dir=/megarl-absent-top/ckpt"], dry_run=True)
+    from megarl.config.validate import absent_paths
+
+    assert any(line.startswith("trainer.checkpoint_dir='/megarl-absent-top/ckpt'") for line in absent_paths(cfg))
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root may write any folder")
+def test_an_unwritable_output_folder_is_refused(tmp_path):
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    (msg,) = problems_of(QUICKSTART, [f"trainer.checkpoint_dir={locked}/ckpt"])
+    assert f"{locked} is not writable by this user" in msg and msg.startswith("trainer.checkpoint_dir=")
+
+
+@pytest.mark.parametrize("text,words", [
+    ("trainer:\n  tp: 1\n  tp: 3\n", "c.yaml:3: key 'tp' is given twice in one mapping (first on line 2)"),
+    ("trainer: {tp: 1}\nname: x\ntrainer: {lr: 1.0e-5}\n", "c.yaml:3: key 'trainer' is given twice in one mapping "
+                                                         "(first on line 1)"),
+    ("defaults: 5\n", "defaults: 5 must be a list of YAML paths"),
+    ("defaults: {a: 1}\n", "defaults: {'a': 1} must be a list of YAML paths"),
+])
+def test_yaml_that_would_drop_settings_is_refused(tmp_path, text, words):
+    """A key given twice (YAML keeps the last silently) and a `defaults:` that is no list of paths: one
+    problem naming the file (and the line)."""
+    (msg,) = problems_of(write(tmp_path / "c.yaml", text))
+    assert words in msg and "\n" not in msg, msg
+    assert str(tmp_path / "c.yaml") in msg
+
+
+def test_yaml_merge_keys_may_still_override(tmp_path):
+    cfg = write(tmp_path / "c.yaml", "trainer: &t {tp: 1, lr: 1.0e-5}\ncritic:\n  <<: *t\n  lr: 2.0e-5\n")
+    assert load_yaml_tree(cfg)["critic"] == {"tp": 1, "lr": 2.0e-5}
+
+
+def test_an_emptied_section_in_a_child_config_is_refused(tmp_path):
+    """`controller:` with every key commented out is null: it would silently reset the inherited section."""
+    write(tmp_path / "base.yaml", "controller: {steps: 7}\n")
+    child = write(tmp_path / "child.yaml", "defaults: base.yaml\ncontroller:\n  # steps: 3\n")
+    (msg,) = problems_of(child)
+    assert msg.startswith("controller: empty (null) where a section of keys is expected")
+    assert "delete the 'controller:' line or give it keys" in msg
+    assert load_config(write(tmp_path / "ok.yaml", "defaults: base.yaml\n")).controller.steps == 7
+
+
+def test_a_config_path_that_is_a_folder(tmp_path):
+    (msg,) = problems_of(tmp_path)
+    assert msg == f"config file {tmp_path} is a folder, not a YAML file: name a .yaml file in it"
+
+
+def test_a_config_file_that_is_not_utf8(tmp_path):
+    latin = tmp_path / "latin.yaml"
+    latin.write_bytes("name: caf\u00e9\n".encode("latin-1"))
+    (msg,) = problems_of(latin)
+    assert msg == f"{latin} is not UTF-8 text (byte 9 is 0xe9): save it as UTF-8"
+
+
+@pytest.mark.parametrize("override,want", [
+    ("data.eval_size=-5", "data.eval_size=-5: must be >= 1"),
+    ("data.eval_size=0", "data.eval_size=0: must be >= 1"),
+    ("data.max_prompt_tokens=0", "data.max_prompt_tokens=0: must be >= 1"),
+    ("logging.log_every=0", "logging.log_every=0: must be >= 1"),
+    ("controller.eval_every=-1", "controller.eval_every=-1: must be >= 0 (steps between evals; 0 = never)"),
+    ("generator.start_timeout_s=0", "generator.start_timeout_s=0.0: must be > 0 (seconds)"),
+    ("generator.request_timeout_s=-1", "generator.request_timeout_s=-1.0: must be > 0 (seconds)"),
+    ("generator.update_timeout_s=0", "generator.update_timeout_s=0.0: must be > 0 (seconds)"),
+    ("generator.shutdown_timeout_s=0", "generator.shutdown_timeout_s=0.0: must be > 0 (seconds)"),
+    ("generator.gpu_memory_utilization=1.5", "generator.gpu_memory_utilization=1.5: must be in (0, 1]"),
+    ("generator.gpu_memory_utilization=-0.1", "generator.gpu_memory_utilization=-0.1: must be in (0, 1]"),
+])
+def test_knob_ranges(override, want):
+    (msg,) = problems_of(QUICKSTART, ["cluster.device=cpu", override])
+    assert msg.startswith(want), msg
+    assert load_config(QUICKSTART, ["cluster.device=cpu", "controller.eval_every=0",
+                                    "generator.gpu_memory_utilization=1.0"]).controller.eval_every == 0
+
+
+@pytest.mark.parametrize("override", ["trainer.lr=inf", "trainer.lr=nan", "trainer.lr=-.inf", "trainer.lr=1e999",
+                                      "reward.correct=nan", "generator.temperature=nan",
+                                      "generator.heartbeat_timeout_s=nan", "reward.truncated=.nan"])
+def test_non_finite_floats_are_refused(override):
+    """NaN passes every `x <= 0` range check; no knob means anything by inf: both are refused where a float
+    knob is read (megarl/config/loader.py _coerce)."""
+    key = override.split("=")[0]
+    (msg,) = problems_of(QUICKSTART, [override])
+    assert msg.startswith(f"{key}: ") and "is not a finite number; give a number" in msg, msg
+
+
+def test_non_finite_float_in_a_yaml_file(tmp_path):
+    (msg,) = problems_of(write(tmp_path / "c.yaml", "trainer:\n  lr: .inf\n"))
+    assert msg.startswith("trainer.lr: inf is not a finite number")
+
+
+def test_lr_warmup_must_end_before_the_decay():
+    """The trainer's own rule (megarl/trainer/optimizer.py build_scheduler: decay over lr_decay_steps, 0 = every
+    update of the run = steps x minibatches x epochs) at validation, not after the executors started."""
+    (msg,) = problems_of(QUICKSTART, ["trainer.lr_warmup_steps=40"])
+    assert msg.startswith("trainer.lr_warmup_steps=40: lr_decay_style='cosine' decays over 30 update(s)"), msg
+    assert "controller.steps=30 x trainer.minibatches=1 x trainer.epochs=1 = 30" in msg
+    assert "set trainer.lr_warmup_steps below 30, trainer.lr_decay_steps above 40" in msg
+    (msg,) = problems_of(QUICKSTART, ["trainer.lr_warmup_steps=10", "trainer.lr_decay_steps=10"])
+    assert "decays over 10 update(s), trainer.lr_decay_steps=10" in msg
+    assert load_config(QUICKSTART, ["trainer.lr_warmup_steps=40", "trainer.epochs=2"])  # 60 updates
+    assert load_config(QUICKSTART, ["trainer.lr_warmup_steps=40", "trainer.lr_decay_style=constant"])
+
+
+def test_threads_bind_names_only_cores_that_are_here():
+    """As cluster.trainer_cpus: a generator binding to cores this process may not run on is refused."""
+    missing = max(os.sched_getaffinity(0)) + 1
+    (msg,) = problems_of(QUICKSTART, ["cluster.device=cpu", f"generator.threads_bind=0-{missing}"])
+    assert msg.startswith(f"generator.threads_bind='0-{missing}': cores [{missing}] are not available here"), msg
+    (msg,) = problems_of(QUICKSTART, ["cluster.device=cpu", "generator.threads_bind=0-x"])
+    assert "'0-x' is not a core number" in msg
+
+
+def test_dry_run_refuses_a_local_job_its_node_cannot_place(capsys):
+    from megarl.cli import main
+
+    assert main(["train", QUICKSTART, "cluster.device=cuda", "cluster.ranks_per_node=1", "--dry-run"]) == 2
+    captured = capsys.readouterr()
+    assert "config OK" not in captured.out
+    assert "- device plan: not placeable on one node of 1 GPUs (cluster.ranks_per_node): the generator needs 1 " \
+           "GPU(s)" in captured.err, captured.err
+
+
+@pytest.mark.parametrize("case", ["launch", "simulate-yaml", "simulate-train-config", "plan-sync", "explain"])
+def test_cli_bad_input_is_one_line_not_a_bug(tmp_path, capsys, case):
+    """Input errors of launch, simulate, plan-sync and config explain: exit 2, one line, no traceback."""
+    from megarl.cli import main
+
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    bad_yaml = write(tmp_path / "setup.yaml", "model: llama-3.1-8b\nsync: {gpus: [1\n")
+    argv, words = {
+        "launch": (["launch", "local", QUICKSTART, "--dry-run", "--trainer-nodes", "0"],
+                   "--trainer-nodes 0: must be >= 1"),
+        "simulate-yaml": (["simulate", str(bad_yaml)], f"{bad_yaml}: not valid YAML at line 3"),
+        "simulate-train-config": (["simulate", QUICKSTART],
+                                  "not a simulate setup (a training config? run it with `megarl train`)"),
+        "plan-sync": (["plan-sync", "--model", str(REPO / "configs/models/llama-3.2-1b.json"), "--trainer", "1x1x1",
+                       "--generator", "1x1", "--json", f"{blocker}/x.json"],
+                      f"--json {blocker}/x.json: cannot write the JSON there: {blocker} exists and is not a folder"),
+        "explain": (["config", "explain", "nosuchsection"],
+                    "no such section or knob; known sections: algorithm, cluster"),
+    }[case]
+    assert main(argv) == 2, argv
+    captured = capsys.readouterr()
+    assert words in captured.err and "this is a bug" not in captured.err, (argv, captured.err)
+    assert "srun lines" not in captured.out and "JSON:" not in captured.out

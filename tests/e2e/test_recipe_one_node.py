@@ -49,11 +49,12 @@ def test_the_8b_recipe_runs_on_one_node_of_8_gpus_as_its_header_says(capsys):
     assert plan["generator"][0] > 16.4
 
 
-def test_a_layout_past_the_node_is_said_in_the_device_plan_line(capsys):
-    # trainer dp 4 takes all 8 GPUs: the generator's 4 have no room on the node
-    assert main(["train", str(RECIPE), "trainer.dp=4", "--dry-run"]) == 0
-    out = capsys.readouterr().out
-    line = re.search(r"^# device plan: not placeable on one node of 8 GPUs .*$", out, re.M)
+def test_a_layout_past_the_node_is_refused_by_the_device_plan_line(capsys):
+    # trainer dp 4 takes all 8 GPUs: the generator's 4 have no room on the node, so the dry run fails (exit 2)
+    # with the device plan's line as the reason
+    assert main(["train", str(RECIPE), "trainer.dp=4", "--dry-run"]) == 2
+    captured = capsys.readouterr()
+    line = re.search(r"^  - device plan: not placeable on one node of 8 GPUs .*$", captured.err, re.M)
     assert line and "the generator needs 4 GPU(s) (tp*replicas) and got 0 of 8 visible after the trainer's 8" \
-        in line.group(0), out[-3000:]
-    assert not DEVICE_LINE.search(out)
+        in line.group(0), captured.err[-3000:]
+    assert not DEVICE_LINE.search(captured.out) and "config OK" not in captured.out
