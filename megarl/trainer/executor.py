@@ -47,7 +47,7 @@ import torch
 from megarl.algorithms.config import AlgorithmConfig
 from megarl.executors.attach import AttachError, AttachSpec, accept_ranks, channel_port_var, rendezvous_vars
 from megarl.executors.base import ExecutorBase, ExecutorError, ExecutorTimeout, ProcessDied
-from megarl.executors.group import Member, ProcessGroup, member_cause, member_node, member_where
+from megarl.executors.group import Member, ProcessGroup, Stalled, member_cause, member_node, member_where
 from megarl.batch import RolloutBatch
 from megarl.trainer.config import TrainerConfig
 from megarl.trainer.worker import PORT_TAKEN_EXIT, rank_main
@@ -411,10 +411,17 @@ class TrainerExecutor(ExecutorBase):
         self._check_alive(f"the ranks to take the {name!r} command")
         self._seq += 1
         data = pickle.dumps((name, self._seq, *args), protocol=pickle.HIGHEST_PROTOCOL)  # once for all ranks
+        what = f"the ranks to take the {name!r} command"
         for r in self._ranks:
-            if not self._group.send_bytes(r, data):  # its end is closed: it died (or is dying)
+            # Bounded: a rank that neither reads (a batch fills its channel's buffer) nor beats is frozen
+            # (SIGSTOP, a hung node), and an unbounded write would wait for it forever.
+            try:
+                sent = self._group.send_bytes(r, data, stall_s=self.cfg.heartbeat_timeout_s)
+            except Stalled as e:
+                self._raise(self._timeout([r], str(e), what))
+            if not sent:  # its end is closed: it died (or is dying)
                 r.process.join(2.0)
-                self._rank_failed(r, member_cause(r), f"the ranks to take the {name!r} command")
+                self._rank_failed(r, member_cause(r), what)
         return self._seq
 
     def _collect(self, seq: int, timeout: float, what: str) -> list:

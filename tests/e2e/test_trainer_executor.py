@@ -181,7 +181,9 @@ def test_frozen_rank_stops_the_job_by_heartbeat(tiny_llama_dir, tmp_path, refere
     """SIGSTOP: alive but silent. Its peer keeps beating while it waits in the collective, so the
     error names the frozen rank only, after heartbeat_timeout_s, long before step_timeout_s."""
     batch, _ = reference
-    with _executor(tiny_llama_dir, tmp_path, (1, 2, 1), heartbeat_timeout_s=4, step_timeout_s=120) as ex:
+    # 15 s: a healthy rank starved for a few seconds on a loaded machine must not look frozen too (4 s did);
+    # still far below step_timeout_s, so the error can only come from the heartbeat
+    with _executor(tiny_llama_dir, tmp_path, (1, 2, 1), heartbeat_timeout_s=15, step_timeout_s=120) as ex:
         pids = ex.pids
         os.kill(pids[0], signal.SIGSTOP)
         t0 = time.monotonic()
@@ -190,7 +192,40 @@ def test_frozen_rank_stops_the_job_by_heartbeat(tiny_llama_dir, tmp_path, refere
         took = time.monotonic() - t0
     assert err.value.ranks == [0], str(err.value)
     assert "trainer rank 0 (tp 0, pp 0, dp 0" in str(err.value) and "frozen" in str(err.value)
-    assert 3 < took < 60, took
+    assert 14 < took < 60, took  # its last beat up to 1 s before the SIGSTOP
+    assert not any(_alive(p) for p in pids)
+
+
+def test_a_batch_too_large_for_a_frozen_ranks_channel_stops_the_job(tiny_llama_dir, tmp_path):
+    """SIGSTOP, then a command larger than the channel's buffer: the controller's write cannot finish
+    (the rank never reads), so it is bounded by heartbeat_timeout_s as the wait is (an unbounded write
+    blocked the controller for good, past every timeout)."""
+    import threading
+
+    tokens = [[7] * 2048 for _ in range(64)]  # ~4 MB pickled: far more than a socket's buffer (~200 KB)
+    big = RolloutBatch.from_sequences(tokens, [[0.0] + [1.0] * 2047] * 64, advantages=[1.0] * 64,
+                                      versions=[[0] * 2048] * 64)
+    out = {}
+    with _executor(tiny_llama_dir, tmp_path, heartbeat_timeout_s=15, step_timeout_s=120) as ex:
+        pids = ex.pids
+        os.kill(pids[0], signal.SIGSTOP)
+
+        def step():
+            try:
+                ex.step(big)
+            except BaseException as exc:  # noqa: BLE001 - the test reads it
+                out["error"] = exc
+
+        t0 = time.monotonic()
+        caller = threading.Thread(target=step, daemon=True)
+        caller.start()
+        caller.join(90)  # the test's own bound (heartbeat 15 s + a poll): only an unbounded write gets here
+        took = time.monotonic() - t0
+        assert not caller.is_alive(), "the controller still writes to a frozen rank"
+    assert isinstance(out.get("error"), TrainerTimeout), out
+    assert "trainer rank 0" in str(out["error"]) and "frozen" in str(out["error"]), str(out["error"])
+    assert "to take the 'step' command" in str(out["error"]), str(out["error"])
+    assert 14 < took < 90, took
     assert not any(_alive(p) for p in pids)
 
 
