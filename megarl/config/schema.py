@@ -211,7 +211,8 @@ class LoggingConfig:
 
 @dataclass
 class MegaRLConfig:
-    name: str = knob("megarl", help="Run name: output folder and metric tags.")
+    name: str = knob("megarl", help="Run name: the run folder <logging.out_dir>/<name> and metric tags; one "
+                     "folder name (no '/', not '.' or '..'). Default megarl.")
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)

@@ -6,6 +6,7 @@ key to change instead of minutes later inside a collective.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -105,6 +106,10 @@ def check(cfg: MegaRLConfig, *, dry_run: bool = False, scan_data: bool = True) -
         problems.append(f"controller.eval_every={cfg.controller.eval_every}: must be >= 0 (steps between evals; "
                         f"0 = never)")
     problems += lr_schedule_problems(cfg)
+    if not cfg.name or cfg.name in (".", "..") or "/" in cfg.name or "\0" in cfg.name:
+        # the run folder is <logging.out_dir>/<name>: a path here would put (or overwrite) a run elsewhere
+        problems.append(f"name={cfg.name!r}: must be one folder name (no '/', not '.' or '..'): the run folder is "
+                        f"<logging.out_dir>/<name>; set logging.out_dir for where runs go")
     if cfg.controller.max_policy_lag != "auto" and cfg.controller.max_policy_lag < 0:
         problems.append(f"controller.max_policy_lag={cfg.controller.max_policy_lag}: must be >= 0 (0 = synchronous) "
                         f"or auto")
@@ -221,6 +226,13 @@ def critic_problems(cfg: MegaRLConfig, *, dry_run: bool = False) -> list[str]:
     layout against the value model's shape (critic.path's, else the policy's), a step's batch and each
     minibatch over critic.dp, critic.path there (``dry_run``: a path not here is no problem)."""
     if not needs_critic(cfg.algorithm):
+        # a critic section the job would ignore: the user meant gae/vtrace, or left it from another recipe
+        default = type(cfg.critic)()
+        changed = [f"critic.{f.name}" for f in dataclasses.fields(cfg.critic)
+                   if getattr(cfg.critic, f.name) != getattr(default, f.name)]
+        if changed:
+            return [f"{', '.join(changed)} set, but algorithm.advantage={cfg.algorithm.advantage!r} trains no critic: "
+                    f"set algorithm.advantage to gae or vtrace, or remove the critic section"]
         return []
     c, t = cfg.critic, cfg.trainer
     out = list(c.problems())

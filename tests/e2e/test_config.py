@@ -472,6 +472,11 @@ def test_a_config_file_that_is_not_utf8(tmp_path):
     ("generator.shutdown_timeout_s=0", "generator.shutdown_timeout_s=0.0: must be > 0 (seconds)"),
     ("generator.gpu_memory_utilization=1.5", "generator.gpu_memory_utilization=1.5: must be in (0, 1]"),
     ("generator.gpu_memory_utilization=-0.1", "generator.gpu_memory_utilization=-0.1: must be in (0, 1]"),
+    # the run folder is <logging.out_dir>/<name>: a path as the name put the run outside out_dir
+    ("name=../elsewhere", "name='../elsewhere': must be one folder name"),
+    ("name=/etc", "name='/etc': must be one folder name"),
+    ("name=..", "name='..': must be one folder name"),
+    ("name=''", "name='': must be one folder name"),
 ])
 def test_knob_ranges(override, want):
     (msg,) = problems_of(QUICKSTART, ["cluster.device=cpu", override])
