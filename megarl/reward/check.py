@@ -20,7 +20,12 @@ from megarl.reward.environment import get_environment
 def check_cases(fn: str, cases: str, *, strict: bool = False) -> Iterator[dict]:
     """One verdict per case of ``cases`` (a JSON-lines file), scored by ``fn`` (a reward or environment)."""
     env = get_environment(fn, strict=strict)
-    schema = None
+    if not callable(getattr(env, "score_text", None)):  # a multi-step environment answers turn by turn
+        raise ValueError(f"--fn {fn!r} is a multi-turn environment: it answers each reply with an observation, "
+                         f"so one reply per case has no verdict; check a reward (--fn arithmetic, gsm8k, math, "
+                         f"dapo, code, or package.module:function), or drive the environment with "
+                         f"megarl.controller.turns.multi_turn (docs/environments.md)")
+    schema, n = None, 0
     for n, (where, row) in enumerate(iter_rows(cases), 1):
         reply = row.get("reply")
         if not isinstance(reply, str):
@@ -33,6 +38,8 @@ def check_cases(fn: str, cases: str, *, strict: bool = False) -> Iterator[dict]:
         step = env.score_text(env.reset(task), reply)
         yield {"case": n, "where": where, "score": step.reward, "correct": bool(step.info.get("correct")),
                "reason": step.info.get("reason", "")}
+    if n == 0:
+        raise DataError(f"{cases}: no cases (each line is a task row plus the 'reply' to score)")
 
 
 def print_checks(fn: str, cases: str, out: TextIO, *, strict: bool = False) -> int:

@@ -231,6 +231,18 @@ def test_math_numbers_written_out_and_percent(reply, gold, want):
     assert math_(reply, gold) is want
 
 
+@pytest.mark.parametrize("fn", ["math", "dapo"])
+def test_math_verify_is_loaded_before_a_scoring_process_takes_a_sample(fn):
+    # prepare() runs before the process says ready: importing sympy's LaTeX grammar (1-4 s on loaded
+    # cores) would otherwise count against the first sample's reward.timeout_s
+    code = ("import sys; from megarl.reward.registry import get_reward, reward_meta; "
+            f"before = 'math_verify' in sys.modules; reward_meta(get_reward({fn!r}))['prepare'](); "
+            "print(before, 'math_verify' in sys.modules, 'latex2sympy2_extended' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=300,
+                          env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert done.stdout.split() == ["False", "True", "True"], done.stderr
+
+
 def test_math_strict_requires_the_box_to_end_the_reply():
     assert math_("\\boxed{19} and that is all I can say", "19") is True
     assert math_("\\boxed{19} and that is all I can say", "19", strict=True) is False
@@ -514,3 +526,20 @@ def test_reward_config_and_scoring_import_no_torch_or_sympy():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=60)
     assert out.returncode == 0, out.stdout + out.stderr
     assert json.loads(out.stdout.strip().splitlines()[-1]) == [1.0, []]
+
+
+def test_reward_check_refuses_a_multi_turn_environment_and_an_empty_file(tmp_path):
+    # `megarl reward check --fn calculator` raised AttributeError (a bug's traceback); an empty cases file
+    # printed nothing and exited 0, as if every case had passed
+    from megarl.data.sources import DataError
+    from megarl.reward.check import check_cases
+
+    cases = tmp_path / "cases.jsonl"
+    cases.write_text(json.dumps({"question": "What is 2 + 2?", "answer": "4", "reply": "4"}) + "\n")
+    assert [(v["case"], v["score"], v["correct"]) for v in check_cases("arithmetic", str(cases))] == [(1, 1.0, True)]
+    with pytest.raises(ValueError, match="'calculator' is a multi-turn environment"):
+        list(check_cases("calculator", str(cases)))
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(DataError, match="no cases"):
+        list(check_cases("arithmetic", str(empty)))
