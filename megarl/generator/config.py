@@ -50,12 +50,12 @@ class GeneratorConfig:
 
     # --- sampling ---
     max_new_tokens: int = knob(256, help="Longest completion per sample (tokens). Default 256.")
-    temperature: float = knob(1.0, help="Sampling temperature; 0 = greedy. Default 1.0.")
-    top_p: float = knob(1.0, help="Nucleus sampling mass in (0, 1]; 1 = off. Default 1.0.")
+    temperature: float = knob(1.0, help="Sampling temperature (dimensionless, >= 0); 0 = greedy. Default 1.0.")
+    top_p: float = knob(1.0, help="Nucleus sampling mass (fraction, in (0, 1]); 1 = off. Default 1.0.")
     top_k: int = knob(-1, help="Sample from the k most likely tokens; -1 = off. Default -1.")
     n_samples: int = knob(4, help="Samples per prompt (a GRPO group; samples). Default 4.")
     stop: list[str] = knob(default_factory=list, help="Strings that end a completion (kept in the "
-                           "token ids). Default none.")
+                           "token ids). Default [] (none).")
     logprobs_mode: str = knob("processed", choices=LOGPROBS_MODES, help="Which distribution "
                               "behav_logprobs come from: 'processed' = the tempered one tokens are "
                               "sampled from (trainer divides logits by the temperature), 'raw' = the "

@@ -79,7 +79,7 @@ class TrainerConfig:
 
     # --- optimizer (AdamW) ---
     lr: float = knob(1.0e-6, help="Peak learning rate (per step, AdamW). Default 1e-6.")
-    min_lr: float = knob(0.0, help="Floor of the decayed learning rate (linear/cosine). Default 0.")
+    min_lr: float = knob(0.0, help="Floor of the decayed learning rate (as lr, in [0, lr]; linear/cosine). Default 0.")
     lr_warmup_steps: int = knob(0, help="Linear warmup over this many optimizer updates (updates: a step "
                                 "makes trainer.minibatches x trainer.epochs of them): megatron's schedule "
                                 "gives update u the lr*u/lr_warmup_steps, so the first update runs at lr 0. "
@@ -95,8 +95,8 @@ class TrainerConfig:
     adam_beta1: float = knob(0.9, help="AdamW first-moment decay (dimensionless). Default 0.9.")
     adam_beta2: float = knob(0.999, help="AdamW second-moment decay (dimensionless). Default 0.999.")
     adam_eps: float = knob(1.0e-8, help="AdamW denominator epsilon (dimensionless). Default 1e-8.")
-    grad_clip: float = knob(1.0, help="Clip the global gradient L2 norm to this value; 0 = off. "
-                            "Default 1.0.")
+    grad_clip: float = knob(1.0, help="Clip the global gradient L2 norm to this value (gradient norm, "
+                            ">= 0); 0 = off. Default 1.0.")
     use_distributed_optimizer: bool = knob(True, help="Shard optimizer state and fp32 master "
                                            "weights across DP ranks (megatron "
                                            "DistributedOptimizer, ZeRO-1). Default true.")
@@ -126,13 +126,13 @@ class TrainerConfig:
     logprob_temperature: float = knob(1.0, help="Temperature the trainer divides logits by before "
                                       "log-softmax; must equal the generator's convention: "
                                       "generator.temperature with logprobs_mode 'processed' (the "
-                                      "default), 1.0 with 'raw' or greedy. The validator checks it. "
-                                      "Default 1.0.")
+                                      "default), 1.0 with 'raw' or greedy. The validator checks it "
+                                      "(dimensionless, > 0). Default 1.0.")
 
     # --- checkpoints ---
     checkpoint_dir: str = knob("", help="Folder for trainer checkpoints ('' = <run dir>/checkpoints); the "
                                "validator checks it can be created and written. Default ''.")
-    checkpoint_interval: int = knob(0, help="Save every N optimizer steps (steps); 0 = only at the "
+    checkpoint_interval: int = knob(0, help="Save every N training steps (steps); 0 = only at the "
                                     "end of the run. Default 0.")
     async_save: bool = knob(False, help="Write checkpoints in the background: a save takes a snapshot "
                             "(a forked writer process holds it; on a GPU the tensors are copied to host "

@@ -477,6 +477,8 @@ def test_a_config_file_that_is_not_utf8(tmp_path):
     ("name=/etc", "name='/etc': must be one folder name"),
     ("name=..", "name='..': must be one folder name"),
     ("name=''", "name='': must be one folder name"),
+    # the job uses 7 ports from port_base: 65533 would put the critic's at 65538-65539
+    ("cluster.port_base=65533", "cluster.port_base=65533: use 0 (derive from SLURM_JOB_ID) or a port in 1024..65529"),
 ])
 def test_knob_ranges(override, want):
     (msg,) = problems_of(QUICKSTART, ["cluster.device=cpu", override])
