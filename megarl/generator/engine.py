@@ -184,6 +184,7 @@ class _Replica:
         t0 = time.monotonic()
         # The kill matrix (tests/faults) waits for this line to kill a replica mid-landing.
         _log(f"replica {self.replica} (pid {os.getpid()}): landing weights v{version}")
+        pause_point(f"replica_landing@r{self.replica}v{version}")  # fault tests: a kill lands mid-landing
         # Sources addressed per worker (DDMA) need to know which replica this is; a source may say
         # itself (a sync to one restarted replica alone is a topology of one replica: index 0).
         self.engine.collective_rpc("megarl_reload_weights", args=({"replica": self.replica, **source},))

@@ -14,7 +14,10 @@ lands between the steps, where on a quiet machine it would race the next step's 
 ``ddma_received@v<V>`` (a generator worker once the first tensor of weights vV arrived from the trainer:
 bytes moved; it logs 'received B bytes of weights vV' first, so a test kills a sender mid-transfer);
 ``replica_decoding@r<R>v<V>`` (generator replica R after an engine step that left requests unfinished,
-holding weights vV; it logs 'decoding N request(s)' first, so a test kills it mid-generation).
+holding weights vV; it logs 'decoding N request(s)' first, so a test kills it mid-generation);
+``replica_landing@r<R>v<V>`` (generator replica R as it starts landing weights vV, before vLLM reloads
+them; it logs 'landing weights vV' first, so a test kills it mid-landing: the landing itself lasts
+~0.1 s on the tiny model, a window a test's poll can miss on a loaded machine).
 
 ``MEGARL_FAULT_INJECT="name[=value][,name[=value]]"`` makes the real code path fail where a fault of that
 name is read (:func:`injected`), so an error-path test sees the error raised where it is in production,

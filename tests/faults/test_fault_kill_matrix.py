@@ -90,9 +90,12 @@ KIND_EXTRA = {"reward_worker": ("reward.fn=matrix_reward:judge", "reward.workers
 # its optimizer update, and logs so.
 # Mid-decode: replica 0 holds 5 s after an engine step that left requests unfinished under weights
 # v(step - 1) and logs 'decoding N request(s)' first; the test kills it only after reading that line.
+# Mid-landing: replica 0 holds 5 s right after it logs 'landing weights vN', before vLLM reloads them
+# (the landing itself lasts ~0.1 s on the tiny model: a 2 ms poll could miss it on a loaded machine).
 KIND_ENV = {"trainer_mid_sync": lambda step: {"MEGARL_FAULT_PAUSE": f"ddma_received@v{step}=5"},
             "trainer_mid_step": lambda step: {"MEGARL_FAULT_PAUSE": f"train_step@{step}=5"},
-            "replica_mid_decode": lambda step: {"MEGARL_FAULT_PAUSE": f"replica_decoding@r0v{step - 1}=5"}}
+            "replica_mid_decode": lambda step: {"MEGARL_FAULT_PAUSE": f"replica_decoding@r0v{step - 1}=5"},
+            "replica_mid_landing": lambda step: {"MEGARL_FAULT_PAUSE": f"replica_landing@r0v{step}=5"}}
 
 
 def _cmd(out_dir: Path, model_dir: Path, *extra: str) -> list[str]:
@@ -192,7 +195,7 @@ def _kill(kind: str, step: int, proc: subprocess.Popen, run: Path, log: Path, si
         replica_log = side / "gen" / "generator_replica0.log"
         marker = re.compile(rf"replica 0 \(pid (\d+)\): landing weights v{step}\b")
         found = _wait(lambda: marker.search(replica_log.read_text(errors="replace")) if replica_log.is_file() else None,
-                      f"replica 0 landing weights v{step}", proc, poll=0.002)
+                      f"replica 0 landing weights v{step}", proc, poll=0.01)
         victim = int(found.group(1))
     elif kind == "reward_worker":  # a scoring process that has just started a sample of step `step`
         _wait(lambda: _rows(run) >= step - 1, f"step {step - 1} logged", proc)
