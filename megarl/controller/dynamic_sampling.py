@@ -30,9 +30,7 @@ prompts, nothing lost or repeated.
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -40,7 +38,7 @@ from megarl.controller.rollouts import RolloutQueue, StepRollouts
 from megarl.controller.run import DYNAMIC_SAMPLING_RECORD
 from megarl.rollout import Sample
 from megarl.utils.faults import pause_point
-from megarl.utils.metrics import PhaseTimer
+from megarl.utils.metrics import PhaseTimer, append_jsonl, rewind_jsonl
 
 log = logging.getLogger("megarl")
 
@@ -73,13 +71,7 @@ class DynamicSampling:
 
     def rewind(self, step: int) -> None:
         """Keep the records of steps up to ``step`` (the checkpoint resumed from; 0: a fresh run)."""
-        if not self.path.is_file():
-            return
-        keep = [line for line in self.path.read_text().splitlines()
-                if line.strip() and json.loads(line)["step"] <= step]
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text("".join(line + "\n" for line in keep))
-        os.replace(tmp, self.path)
+        rewind_jsonl(self.path, step)
 
     def select(self, step: int, batch: StepRollouts, rollouts: RolloutQueue, score: Scorer, trainer_version: int,
                timer: PhaseTimer, reward_counts: dict[str, float]) -> tuple[list[Sample], dict[str, float], dict]:
@@ -130,7 +122,7 @@ class DynamicSampling:
         """Append one step's record (written with the step's trained samples; nothing when off)."""
         if record:
             with self.path.open("a") as fh:
-                fh.write(json.dumps(record) + "\n")
+                append_jsonl(fh, record)
 
     @staticmethod
     def _split(samples: list[Sample]) -> tuple[list[list[Sample]], list[list[Sample]]]:

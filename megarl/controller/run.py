@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import shutil
 import time
 from pathlib import Path
@@ -18,6 +17,7 @@ from megarl.config.schema import MegaRLConfig
 from megarl.controller.state import RESUME_KEYS, resume_keys
 from megarl.controller.summary import StepTimings
 from megarl.utils.checkpoint_store import META, delete_all, step_folders, step_of
+from megarl.utils.metrics import append_jsonl, rewind_jsonl
 
 log = logging.getLogger("megarl")
 
@@ -52,20 +52,14 @@ class RunFolder:
     def rewind(self, step: int) -> None:
         """Resuming from the step-``step`` checkpoint: forget what later steps of the killed run
         wrote (they trained weights that were never saved), so every step appears once."""
-        for path in (self.metrics.jsonl_path, self.samples_path):
-            if not path.is_file():
-                continue
-            keep = [line for line in path.read_text().splitlines() if line.strip()
-                    and json.loads(line).get("step", 0) <= step]
-            tmp = path.with_suffix(".tmp")
-            tmp.write_text("".join(line + "\n" for line in keep))
-            os.replace(tmp, path)
+        for path in (self.metrics.jsonl_path, self.samples_path, self.path / "eval_samples.jsonl"):
+            rewind_jsonl(path, step)
         self.metrics.reopen()
 
     def log_samples(self, step: int, rows: list[dict]) -> None:
         """One line per trained step: each sample's id, completion CRC, length and versions."""
         with self.samples_path.open("a") as fh:
-            fh.write(json.dumps({"step": step, "samples": rows}) + "\n")
+            append_jsonl(fh, {"step": step, "samples": rows})
 
     def __enter__(self) -> "RunFolder":
         return self

@@ -317,7 +317,7 @@ def resume_folder(resume_from: Optional[str], root: Path, *, require: Sequence[s
 def prune(root: Path, saved: Path, keep_last: int, later_stages_since: Optional[float] = None) -> None:
     """The trainer's save, after ``latest`` names ``saved``: keep the newest ``keep_last`` step folders up
     to it; folders after it were left by a run that resumed from an earlier checkpoint (a timeline that
-    was abandoned) and go too.
+    was abandoned) and go too, as do the temp and trash folders of saves that did not finish.
 
     Staged controller states go too, except, for an asynchronous save (``later_stages_since``: the
     wall time its snapshot was taken), a later step's staged after that time: the next save's,
@@ -333,6 +333,12 @@ def prune(root: Path, saved: Path, keep_last: int, later_stages_since: Optional[
     older = [p for p in steps if step_of(p.name) < mine]
     for old in older[:max(len(older) - (keep_last - 1), 0)]:
         shutil.rmtree(old, ignore_errors=True)
+    # A killed save's temp folder (a preemption's off-schedule step, cut by the grace's SIGKILL: close to a
+    # whole checkpoint) and a killed re-save's trash: never this save's (renamed into place above, and
+    # the next save starts writing only after this commit), and nothing else clears them.
+    for d in stray_folders(root, TMP_PREFIX) + stray_folders(root, TRASH_PREFIX):
+        log.info("checkpoint: removing %s (left by a save that did not finish)", d.name)
+        shutil.rmtree(d, ignore_errors=True)
     for d in stray_folders(root, STAGE_PREFIX):  # staged for a save that never happened
         staged = step_of(d.name[len(STAGE_PREFIX):])
         try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -62,6 +63,40 @@ def phase_line(step: int, total_steps: int, metrics: dict) -> str:
             + " | ".join(tail))
 
 
+def append_jsonl(fh, row: dict) -> None:
+    """One row appended to an open JSONL log and made durable (fsync: a few ms, against steps of
+    seconds), so that a checkpoint saved after it never finds its step's row lost by a node crash."""
+    fh.write(json.dumps(row) + "\n")
+    fh.flush()
+    os.fsync(fh.fileno())
+
+
+def rewind_jsonl(path: Path, step: int) -> None:
+    """A resume from the step-``step`` checkpoint: keep ``path``'s rows of steps up to it, written
+    atomically. A line that does not parse (the last one, cut or zero-filled by a crash mid-append)
+    is dropped with one WARNING instead of stopping every resume."""
+    from megarl.utils.checkpoint_store import write_text_atomic
+
+    if not path.is_file():
+        return
+    keep, torn = [], 0
+    for line in path.read_text(errors="replace").splitlines():
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError:
+            torn += 1
+            continue
+        if not isinstance(row, dict):
+            torn += 1
+        elif row.get("step", 0) <= step:
+            keep.append(line)
+    if torn:
+        log.warning("%s: %d line(s) that do not parse (cut by a crash while written) dropped", path, torn)
+    write_text_atomic(path, "".join(line + "\n" for line in keep))
+
+
 class MetricsLogger:
     """Appends one JSON object per step to metrics.jsonl and mirrors scalars to TensorBoard."""
 
@@ -83,8 +118,7 @@ class MetricsLogger:
         scalars = {k: float(v) for k, v in metrics.items()
                    if isinstance(v, (int, float)) and not isinstance(v, bool)}
         if self._fh:
-            self._fh.write(json.dumps({"step": step, **scalars}) + "\n")
-            self._fh.flush()
+            append_jsonl(self._fh, {"step": step, **scalars})
         if self._tb:
             for k, v in scalars.items():
                 self._tb.add_scalar(k, v, step)

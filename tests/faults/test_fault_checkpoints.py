@@ -203,8 +203,13 @@ def test_a_save_prunes_an_abandoned_timeline_and_keeps_the_newest(tmp_path):
     for s in (1, 2, 3, 5, 6):
         (root / f"step_{s:08d}").mkdir()
     (root / ".stage_step_00000004").mkdir()
+    # a preemption's save of step 7 cut by the grace's SIGKILL, and a re-save of 2 killed mid-swap: the
+    # only save that clears them is a later one (they grew by a checkpoint each time, until the disk was full)
+    (root / ".tmp_step_00000007" / "dist").mkdir(parents=True)
+    (root / ".trash_step_00000002").mkdir()
+    (root / "notes").mkdir()  # not the store's: left alone
     _prune(root, root / "step_00000003", keep_last=2)  # resumed from 2 (5, 6 damaged), saved 3
-    assert sorted(p.name for p in root.iterdir()) == ["step_00000002", "step_00000003"]
+    assert sorted(p.name for p in root.iterdir()) == ["notes", "step_00000002", "step_00000003"]
 
 
 @pytest.fixture
