@@ -54,8 +54,13 @@ class CriticRanksConfig(TrainerConfig):
     def of(cls, trainer: TrainerConfig, critic: CriticConfig, *, run_root: str, resume_from: str | None):
         values = {f.name: getattr(trainer, f.name) for f in dataclasses.fields(TrainerConfig)}
         tp, pp, dp = critic.layout(trainer)
+        # The critic saves step N before the trainer does, so it keeps more: the trainer may resume at any step
+        # it keeps, and its newest committed one lags the critic's by one save (the trainer's save of N cut) or
+        # two (trainer.async_save: N-1's write still in flight). Pruned to the trainer's own count, a kill there
+        # left a trainer step without its critic, and the run could not resume.
+        keep = trainer.keep_checkpoints + (2 if trainer.async_save else 1)
         values.update(tp=tp, pp=pp, dp=dp, ep=1, lr=critic.lr, min_lr=min(trainer.min_lr, critic.lr),
-                      lora_rank=0, async_save=False, resume_from=resume_from)
+                      lora_rank=0, async_save=False, resume_from=resume_from, keep_checkpoints=keep)
         return cls(**values, critic=critic, run_root=str(run_root))
 
     @staticmethod

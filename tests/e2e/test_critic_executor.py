@@ -209,3 +209,30 @@ def test_the_executor_refuses_what_it_cannot_run(tiny_llama_dir, tmp_path):
     assert critic_resume(tmp_path / "critic", 2) == step
     with pytest.raises(CheckpointError, match=r"resumes at step 4 but .* holds steps \[2\]"):
         critic_resume(tmp_path / "critic", 4)
+
+
+@pytest.mark.parametrize("async_save,keep", [(False, 1), (False, 2), (True, 2), (True, 3)])
+def test_the_critic_keeps_every_step_the_trainer_may_resume_at(tmp_path, async_save, keep):
+    """The critic saves step N before the trainer, and prunes its own folder: at the trainer's count
+    (the old rule) a kill during the trainer's save of N (or, async, while N-1's write was in flight)
+    left the trainer resuming at a step whose critic was already deleted: CheckpointError, no resume.
+    Real prune and critic_resume on step folders; every step the trainer may still resume at must
+    have its critic."""
+    from megarl.critic.config import CriticConfig
+    from megarl.critic.executor import CriticRanksConfig, critic_resume
+    from megarl.trainer.config import TrainerConfig
+    from megarl.utils.checkpoint_store import META, prune, step_dir_name
+
+    ranks = CriticRanksConfig.of(TrainerConfig(keep_checkpoints=keep, async_save=async_save), CriticConfig(),
+                                 run_root=str(tmp_path), resume_from=None)
+    folder = tmp_path / "critic"
+    folder.mkdir()
+    lag = 2 if async_save else 1  # saves by which the trainer's newest committed step trails the critic's
+    for n in range(1, 9):  # the critic saves step n, pruned as its rank 0 prunes it
+        saved = folder / step_dir_name(n)
+        saved.mkdir()
+        (saved / META).write_text("{}")
+        prune(folder, saved, ranks.keep_checkpoints)
+        newest = n - lag  # a kill now: the trainer keeps `keep` steps up to this one, and may resume at any
+        for step in range(max(1, newest - keep + 1), newest + 1):
+            assert critic_resume(folder, step) == folder / step_dir_name(step), (n, step)
