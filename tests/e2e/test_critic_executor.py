@@ -69,7 +69,8 @@ def test_job_trains_a_critic_and_resumes_it_with_the_trainer(tiny_llama_dir, tmp
     out, rows = _job(tiny_llama_dir, tmp_path, *CRITIC, "controller.steps=3", "trainer.checkpoint_interval=1")
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert [r["step"] for r in rows] == [1, 2, 3] and math.isfinite(rows[2]["critic/value_loss"])
-    assert sorted(p.name for p in critic_dir.glob("step_*")) == ["step_00000002", "step_00000003"]
+    # trainer.keep_checkpoints=2 keeps 3 critic steps (it saves first: test_the_critic_keeps_every_step_...)
+    assert sorted(p.name for p in critic_dir.glob("step_*")) == ["step_00000001", "step_00000002", "step_00000003"]
     meta = json.loads((critic_dir / "step_00000003" / "meta.json").read_text())
     # the optimizer came back too: Adam's step count and the samples continue from step 2's (8 rows a step)
     assert (meta["step"], meta["adam_step"], meta["consumed_samples"]) == (3, 3, 24)
