@@ -23,7 +23,8 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from megarl.utils.checkpoint_store import CheckpointError, checkpoint_root, resume_folder, stage_file
+from megarl.utils.checkpoint_store import (CheckpointError, checkpoint_problem, checkpoint_root, list_checkpoints,
+                                           resume_folder, stage_file)
 
 if TYPE_CHECKING:
     from megarl.config.schema import MegaRLConfig
@@ -67,14 +68,37 @@ def pin_resume(cfg: MegaRLConfig, run_dir: Path) -> Path | None:
 
     if cfg.trainer.resume_from in (None, ""):
         return None
+    root = checkpoint_root(cfg.trainer.checkpoint_dir, run_dir)
     try:
-        path = resume_folder(cfg.trainer.resume_from, checkpoint_root(cfg.trainer.checkpoint_dir, run_dir),
-                             require=(FILE,), checksums=True)
+        path = resume_folder(cfg.trainer.resume_from, root, require=(FILE,), checksums=True,
+                             also=_critic_of(cfg, root))
     except CheckpointError as e:
         raise ConfigError([f"trainer.resume_from={cfg.trainer.resume_from!r}: {e}"]) from None
     if path is not None:
         log.info("resume: step folder %s (trainer.resume_from=%s)", path, cfg.trainer.resume_from)
     return path
+
+
+def _critic_of(cfg: MegaRLConfig, root: Path):
+    """With a critic (gae/vtrace): a step is complete only with the critic's verified checkpoint of it
+    (``<root>/<critic.checkpoint_subdir>/step_N``, megarl/critic/executor.py), so a damaged critic step
+    falls back to an older common step as a damaged trainer step does. A critic folder with no checkpoint
+    at all is no problem: the run had no critic, and it starts fresh (critic_resume says so)."""
+    from megarl.algorithms.config import needs_critic
+
+    if not needs_critic(cfg.algorithm):
+        return None
+    folder = root / cfg.critic.checkpoint_subdir
+
+    def problem(step_dir: Path) -> str | None:
+        if not list_checkpoints(folder):
+            return None
+        if not (folder / step_dir.name).is_dir():
+            return f"the critic has no checkpoint of {step_dir.name} in {folder}"
+        why = checkpoint_problem(folder / step_dir.name, checksums=True)
+        return f"its critic checkpoint: {why}" if why else None
+
+    return problem
 
 
 def load_controller_state(step_dir: Path | None, *, policy_version: int, data_seed: int) -> dict | None:

@@ -25,7 +25,7 @@ import os
 import shutil
 import zlib
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 log = logging.getLogger("megarl.trainer.checkpoint")
 
@@ -240,10 +240,11 @@ def checkpoint_problem(step_dir: str | Path, *, checksums: bool = True, require:
 
 
 def newest_complete(checkpoint_dir: str | Path, *, require: Sequence[str] = (),
-                    checksums: bool = True) -> Optional[Path]:
+                    checksums: bool = True, also: Optional[Callable[[Path], Optional[str]]] = None) -> Optional[Path]:
     """The newest complete step folder at or before the one `latest` names; None when the folder
     holds no checkpoint at all. Each newer one that is damaged is reported in one WARNING naming
-    the file, and the previous one is tried; none complete raises :class:`CheckpointError`."""
+    the file, and the previous one is tried; none complete raises :class:`CheckpointError`.
+    ``also(step_dir)``: what else a step needs (e.g. the critic's checkpoint of it), a problem or None."""
     root = Path(checkpoint_dir)
     pointer = root / LATEST
     steps = step_folders(root)[::-1]
@@ -263,6 +264,8 @@ def newest_complete(checkpoint_dir: str | Path, *, require: Sequence[str] = (),
         return None
     for step_dir in steps:
         problem = checkpoint_problem(step_dir, checksums=checksums, require=require)
+        if problem is None and also is not None:
+            problem = also(step_dir)
         if problem is None:
             if problems:
                 log.warning("checkpoint: resuming from %s, the newest complete checkpoint", step_dir)
@@ -288,18 +291,19 @@ def resolve_checkpoint(path: str | Path) -> Path:
 
 
 def resume_folder(resume_from: Optional[str], root: Path, *, require: Sequence[str] = (),
-                  checksums: Optional[bool] = None) -> Optional[Path]:
+                  checksums: Optional[bool] = None,
+                  also: Optional[Callable[[Path], Optional[str]]] = None) -> Optional[Path]:
     """The step folder ``trainer.resume_from`` asks for under checkpoint folder ``root``; None = start fresh.
 
     'auto' resumes from the newest complete checkpoint under ``root``, if there is one, and a checkpoint
     dir from its newest complete one (:func:`newest_complete`: a damaged newest one is reported and
     skipped). A step folder is taken as it is, or refused naming the damaged file. ``checksums``: also
     compare every file's CRC32 (default: for 'auto' and checkpoint dirs, not for an explicit step folder,
-    which the controller has verified before the ranks start)."""
+    which the controller has verified before the ranks start). ``also``: :func:`newest_complete`'s."""
     if resume_from in (None, ""):
         return None
     if resume_from == "auto":
-        return newest_complete(root, require=require, checksums=True if checksums is None else checksums)
+        return newest_complete(root, require=require, checksums=True if checksums is None else checksums, also=also)
     p = Path(resume_from)
     if (p / META).is_file():
         problem = checkpoint_problem(p, checksums=bool(checksums))
@@ -308,7 +312,7 @@ def resume_folder(resume_from: Optional[str], root: Path, *, require: Sequence[s
                                   f"step folder or from the checkpoint dir {p.parent} (its newest complete one)")
         return p
     if (p / LATEST).is_file() or list_checkpoints(p):
-        return newest_complete(p, require=require, checksums=True if checksums is None else checksums)
+        return newest_complete(p, require=require, checksums=True if checksums is None else checksums, also=also)
     return resolve_checkpoint(p)  # raises, naming what is wrong
 
 

@@ -196,6 +196,34 @@ def test_pin_resume_gives_every_process_the_same_verified_folder(saved, tmp_path
     assert pin_resume(fresh, tmp_path) is None  # nothing saved yet: fresh
 
 
+def test_pin_resume_with_a_critic_falls_back_past_a_damaged_critic_step(saved, tmp_path, caplog):
+    """gae/vtrace: a step counts only with the critic's verified checkpoint of it. The trainer's step
+    folders stand in for the critic's here (the same format: manifest and CRC32s). Before, a corrupt
+    critic step 3 was pinned with the trainer's and its load failed at every rerun."""
+    from megarl.config import ConfigError, load_config
+    from megarl.controller.state import pin_resume
+
+    root = _copy(saved, tmp_path)
+    critic = root / "critic"
+    critic.mkdir()
+    for step in ("step_00000002", "step_00000003"):
+        shutil.copytree(root / step, critic / step)
+    cfg = load_config(Path(__file__).resolve().parents[2] / "configs" / "tiny_test.yaml",
+                      [f"trainer.checkpoint_dir={root}", "trainer.resume_from=auto", "model.path=builtin:smollm2",
+                       "algorithm.advantage=gae"])
+    assert pin_resume(cfg, tmp_path) == root / "step_00000003"
+    victim = _damage_flip(critic / "step_00000003")
+    with caplog.at_level(logging.WARNING):
+        assert pin_resume(cfg, tmp_path) == root / "step_00000002"
+    assert any("step_00000003" in r.getMessage() and "its critic checkpoint" in r.getMessage() and victim in r.getMessage()
+               for r in caplog.records), caplog.text
+    shutil.rmtree(critic / "step_00000002")  # no common step left: refused, naming both
+    with pytest.raises(ConfigError, match="the critic has no checkpoint of step_00000002"):
+        pin_resume(cfg, tmp_path)
+    shutil.rmtree(critic)  # a run that never had a critic: the trainer's step, the critic starts fresh
+    assert pin_resume(cfg, tmp_path) == root / "step_00000003"
+
+
 def test_a_save_prunes_an_abandoned_timeline_and_keeps_the_newest(tmp_path):
     from megarl.utils.checkpoint_store import prune as _prune
 
