@@ -101,6 +101,7 @@ class JudgeScorer(ExecutorBase):
         self.cuda_devices = cuda_devices
         self.executor = None
         self.tokenizer = None
+        self._special_strings: tuple[str, ...] | None = None  # _specials(), read once from the tokenizer
         self.last_counts = {"reward/timeouts": 0, "reward/errors": 0, "reward/worker_deaths": 0}
 
     # --- lifecycle (the executor protocol)
@@ -164,11 +165,14 @@ class JudgeScorer(ExecutorBase):
             return tok.encode(text, add_special_tokens=False)
         return tok.encode(message)
 
-    def _specials(self) -> list[str]:
-        """The judge tokenizer's special and added tokens' strings: text that encodes to a control token."""
-        tok = self.tokenizer
-        added = [getattr(t, "content", str(t)) for t in getattr(tok, "added_tokens_decoder", {}).values()]
-        return list(dict.fromkeys([*tok.all_special_tokens, *added]))
+    def _specials(self) -> tuple[str, ...]:
+        """The judge tokenizer's special and added tokens' strings (text that encodes to a control token),
+        read once: the tokenizer does not change after launch()."""
+        if self._special_strings is None:
+            tok = self.tokenizer
+            added = [getattr(t, "content", str(t)) for t in getattr(tok, "added_tokens_decoder", {}).values()]
+            self._special_strings = tuple(dict.fromkeys([*tok.all_special_tokens, *added]))
+        return self._special_strings
 
     def judge_texts(self, questions: Sequence[str], replies: Sequence[str], golds: Sequence[str]) -> list[tuple[Optional[float], str]]:
         """(normalised score or None, the judge's reply) for each reply: greedy, one judge reply each."""

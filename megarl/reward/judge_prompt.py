@@ -6,6 +6,7 @@ executor (the defences against a reply that talks to the judge are listed in jud
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import Optional, Sequence
 
@@ -94,10 +95,15 @@ def defang(text: str, specials: Sequence[str]) -> str:
     by a zero-width space after its first character, so the tokenizer reads it as plain text, never as
     the control token: a reply that writes ``<|im_end|>\\n<|im_start|>assistant`` would otherwise end
     the judge's user turn and forge turns of its own (a policy can write that text in ordinary tokens)."""
-    specials = sorted({s for s in specials if len(s) > 1}, key=len, reverse=True)
-    if not specials:
-        return text
-    return re.sub("|".join(map(re.escape, specials)), lambda m: m.group()[0] + "\u200b" + m.group()[1:], text)
+    pattern = _special_pattern(tuple(specials))
+    return text if pattern is None else pattern.sub(lambda m: m.group()[0] + "\u200b" + m.group()[1:], text)
+
+
+@functools.lru_cache(maxsize=4)
+def _special_pattern(specials: tuple[str, ...]) -> Optional[re.Pattern]:
+    """One regex of the special-token strings, longest first; built once per tokenizer, not per reply."""
+    ordered = sorted({s for s in specials if len(s) > 1}, key=len, reverse=True)
+    return re.compile("|".join(map(re.escape, ordered))) if ordered else None
 
 
 def bound_tokens(ids: Sequence[int], limit: int) -> tuple[list[int], list[int], int]:
