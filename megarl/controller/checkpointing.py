@@ -27,15 +27,17 @@ from megarl.utils.procs import Preempted, Preemption
 log = logging.getLogger("megarl")
 
 
-def checkpoint(cfg: MegaRLConfig, trainer: Trainer, rollouts: RolloutQueue, critic=None) -> float:
-    """Save the trainer with the controller's part (data cursor, admitted rollouts) staged first, so
-    the step folder's manifest covers both (controller/state.py), after the critic's save of the step
-    (``critic``: a CriticExecutor or None); the seconds it took (with trainer.async_save: the snapshot's,
-    the write goes on behind the next step)."""
+def checkpoint(cfg: MegaRLConfig, trainer: Trainer, rollouts: RolloutQueue, critic=None,
+               metrics_row: dict | None = None) -> float:
+    """Save the trainer with the controller's part (data cursor, admitted rollouts, ``metrics_row``:
+    the step's metrics, logged after the save) staged first, so the step folder's manifest covers both
+    (controller/state.py), after the critic's save of the step (``critic``: a CriticExecutor or None);
+    the seconds it took (with trainer.async_save: the snapshot's, the write goes on behind the next step)."""
     t0 = time.monotonic()
     if critic is not None:
         critic.save()
-    stage_controller_state(cfg, policy_version=trainer.step_count, rollouts=rollouts.state_dict())
+    stage_controller_state(cfg, policy_version=trainer.step_count, rollouts=rollouts.state_dict(),
+                           metrics_row=metrics_row)
     trainer.save()
     return time.monotonic() - t0
 
@@ -75,7 +77,8 @@ def checkpoint_on_preemption(cfg: MegaRLConfig, trainer: Trainer, rollouts: Roll
 def resume_controller(cfg: MegaRLConfig, run: RunFolder, version: int, resume_dir: Path | None,
                       rollouts: RolloutQueue, sampling: DynamicSampling | None = None) -> None:
     """After the trainer resumed at ``version`` from ``resume_dir``: drop what later steps of the killed
-    run logged, and put back the rollouts admitted ahead of it with the data cursor (controller/state.py)."""
+    run logged, put back step ``version``'s metrics row if the kill came between its save and its log,
+    and the rollouts admitted ahead of it with the data cursor (controller/state.py)."""
     if sampling is not None:
         sampling.rewind(version)  # a fresh run (0) starts its dynamic_sampling.jsonl empty
     if version == 0:
@@ -84,7 +87,8 @@ def resume_controller(cfg: MegaRLConfig, run: RunFolder, version: int, resume_di
     try:
         state = load_controller_state(resume_dir, policy_version=version, data_seed=cfg.data.seed)
         if state is not None:
-            got = rollouts.load_state_dict(state)
+            run.restore_row(version, state.get("metrics_row"))
+            got = rollouts.load_state_dict(state["rollouts"])
             log.info("resume: %d admitted batch(es) back, %d finished sample(s) kept, %d partial rollout(s) "
                      "continue under weights v%d", got["batches"], got["finished"], got["unfinished"], version)
     except ValueError as e:

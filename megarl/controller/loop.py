@@ -163,8 +163,8 @@ def train(cfg: MegaRLConfig, job: ResolvedJob, run: RunFolder, prompts: PromptSo
                 sampling.log(sampling_record)
                 if every and (step % every == 0 or step == steps):
                     metrics.update(evaluate(generator, prompts, run, step=step))
-                if should_save(cfg.trainer, step, steps):
-                    metrics["checkpoint/seconds"] = checkpoint(cfg, trainer, rollouts, critic)
+                if should_save(cfg.trainer, step, steps):  # the row goes with it: a kill before run.log loses no row
+                    metrics["checkpoint/seconds"] = checkpoint(cfg, trainer, rollouts, critic, metrics_row=metrics)
                 run.log(step, steps, metrics)
             pause_point(f"step_logged@{step}", until=lambda: preempt.requested)  # fault tests: a signal here
                                                                                # lands between two steps

@@ -48,13 +48,23 @@ class RunFolder:
         self._timings = StepTimings()  # this process's steps, for the summary
         self._t0 = time.monotonic()
         self.samples_path = self.path / "trained_samples.jsonl"
+        self._logged: set[int] = set()  # the steps metrics.jsonl kept at a resume's rewind
 
     def rewind(self, step: int) -> None:
         """Resuming from the step-``step`` checkpoint: forget what later steps of the killed run
         wrote (they trained weights that were never saved), so every step appears once."""
-        for path in (self.metrics.jsonl_path, self.samples_path, self.path / "eval_samples.jsonl"):
+        for path in (self.samples_path, self.path / "eval_samples.jsonl"):
             rewind_jsonl(path, step)
+        self._logged = rewind_jsonl(self.metrics.jsonl_path, step)
         self.metrics.reopen()
+
+    def restore_row(self, step: int, row: dict | None) -> None:
+        """After :meth:`rewind`: write step ``step``'s metrics row saved with its checkpoint (``row``),
+        when the killed run was stopped between that save and the row's log (loop.py logs it after)."""
+        if row is None or step in self._logged or not self.cfg.logging.jsonl:
+            return
+        self.metrics.log(step, row)
+        log.info("resume: step %d's metrics row, not logged before the job stopped, written from its checkpoint", step)
 
     def log_samples(self, step: int, rows: list[dict]) -> None:
         """One line per trained step: each sample's id, completion CRC, length and versions."""

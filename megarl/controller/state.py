@@ -5,8 +5,9 @@ temp file, fsync, rename into ``<checkpoint_dir>/.stage_step_<s>/``); the save m
 step folder before it writes the manifest (``meta.json``, last), so a checkpoint is complete with
 both parts or not at all: there is no moment at which ``latest`` names a step folder without it.
 It holds what the trainer's weights do not: the policy version it belongs to, the data cursor and
-seed, and the rollout queue (``RolloutQueue.state_dict``: admitted batches, their finished samples
-and partial rollouts, the regeneration counter).
+seed, the rollout queue (``RolloutQueue.state_dict``: admitted batches, their finished samples
+and partial rollouts, the regeneration counter), and the step's metrics row, which the loop logs after
+the save (a kill in between would lose it; the resume writes it back).
 
 At resume, :func:`pin_resume` picks the step folder once, in the controller, before any executor
 starts: the newest one whose manifest verifies (sizes and CRC32) and lists ``controller_state.json``;
@@ -25,6 +26,7 @@ from typing import TYPE_CHECKING
 
 from megarl.utils.checkpoint_store import (CheckpointError, checkpoint_problem, checkpoint_root, list_checkpoints,
                                            resume_folder, stage_file)
+from megarl.utils.metrics import scalar_metrics
 
 if TYPE_CHECKING:
     from megarl.config.schema import MegaRLConfig
@@ -50,11 +52,15 @@ def resume_keys(cfg: MegaRLConfig) -> dict[str, str]:
     return {"model.path": str(cfg.model.path), "data.train_path": str(cfg.data.train_path)}
 
 
-def stage_controller_state(cfg: MegaRLConfig, *, policy_version: int, rollouts: dict) -> Path:
+def stage_controller_state(cfg: MegaRLConfig, *, policy_version: int, rollouts: dict,
+                           metrics_row: dict | None = None) -> Path:
     """Stage the controller's state for the step-``policy_version`` checkpoint; call it right
-    before ``trainer.save()``, which adopts it. Raises ``CheckpointNoSpace`` on a full disk."""
+    before ``trainer.save()``, which adopts it. ``metrics_row``: the step's metrics.jsonl row, which
+    is written after the save (it holds the save's seconds), so a crash between the two has it back
+    at resume. Raises ``CheckpointNoSpace`` on a full disk."""
     text = json.dumps({"policy_version": policy_version, "data_seed": cfg.data.seed, "rollouts": rollouts,
-                       "run": resume_keys(cfg)})  # a rerun refuses a checkpoint of another model or data
+                       "run": resume_keys(cfg),  # a rerun refuses a checkpoint of another model or data
+                       "metrics_row": None if metrics_row is None else scalar_metrics(metrics_row)})
     return stage_file(run_checkpoint_root(cfg), policy_version, FILE, text)
 
 
@@ -102,7 +108,8 @@ def _critic_of(cfg: MegaRLConfig, root: Path):
 
 
 def load_controller_state(step_dir: Path | None, *, policy_version: int, data_seed: int) -> dict | None:
-    """The rollout queue's state saved with ``step_dir``, or None (fresh run, or none was saved).
+    """The controller's state saved with ``step_dir`` (``rollouts``: the rollout queue's state;
+    ``metrics_row``: the step's metrics row, or None), or None (fresh run, or none was saved).
     Raises ValueError when it belongs to another version or data seed than the resumed run."""
     if step_dir is None:
         return None
@@ -118,7 +125,7 @@ def load_controller_state(step_dir: Path | None, *, policy_version: int, data_se
     if state["data_seed"] != data_seed:
         raise ValueError(f"{path} was written with data.seed={state['data_seed']}, this run has "
                          f"data.seed={data_seed}; resume with the same seed or start a new run")
-    return state["rollouts"]
+    return state
 
 
 __all__ = ["FILE", "load_controller_state", "pin_resume", "run_checkpoint_root", "stage_controller_state"]

@@ -71,15 +71,15 @@ def append_jsonl(fh, row: dict) -> None:
     os.fsync(fh.fileno())
 
 
-def rewind_jsonl(path: Path, step: int) -> None:
+def rewind_jsonl(path: Path, step: int) -> set[int]:
     """A resume from the step-``step`` checkpoint: keep ``path``'s rows of steps up to it, written
-    atomically. A line that does not parse (the last one, cut or zero-filled by a crash mid-append)
-    is dropped with one WARNING instead of stopping every resume."""
+    atomically; the steps kept. A line that does not parse (the last one, cut or zero-filled by a
+    crash mid-append) is dropped with one WARNING instead of stopping every resume."""
     from megarl.utils.checkpoint_store import write_text_atomic
 
     if not path.is_file():
-        return
-    keep, torn = [], 0
+        return set()
+    keep, torn, steps = [], 0, set()
     for line in path.read_text(errors="replace").splitlines():
         if not line.strip():
             continue
@@ -92,9 +92,16 @@ def rewind_jsonl(path: Path, step: int) -> None:
             torn += 1
         elif row.get("step", 0) <= step:
             keep.append(line)
+            steps.add(row.get("step", 0))
     if torn:
         log.warning("%s: %d line(s) that do not parse (cut by a crash while written) dropped", path, torn)
     write_text_atomic(path, "".join(line + "\n" for line in keep))
+    return steps
+
+
+def scalar_metrics(metrics: dict) -> dict[str, float]:
+    """The numbers of ``metrics`` as floats (a metrics row: booleans and other values left out)."""
+    return {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
 
 
 class MetricsLogger:
@@ -115,8 +122,7 @@ class MetricsLogger:
                 log.warning("TensorBoard disabled (%s); metrics still go to %s", exc, self.jsonl_path)
 
     def log(self, step: int, metrics: dict) -> None:
-        scalars = {k: float(v) for k, v in metrics.items()
-                   if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        scalars = scalar_metrics(metrics)
         if self._fh:
             append_jsonl(self._fh, {"step": step, **scalars})
         if self._tb:

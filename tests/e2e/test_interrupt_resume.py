@@ -210,6 +210,19 @@ def test_sigterm_while_step_3_of_6_trains_checkpoints_it_and_the_rerun_resumes(t
     crcs = [json.loads(line)["data/prompts_crc32"] for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert len(set(crcs)) == 6, crcs
 
+    # A kill between step 6's save and its metrics row (the loop logs the row after the save, which it
+    # times): the checkpoint holds the row, and the rerun, with nothing left to train, writes it back.
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    (run / "metrics.jsonl").write_text("".join(line + "\n" for line in lines[:-1]))
+    last = json.loads(lines[-1])
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO, env=_env())
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert "resume: step 6's metrics row, not logged before the job stopped, written from its checkpoint" \
+        in again.stdout + again.stderr, again.stdout[-3000:] + again.stderr[-3000:]
+    assert _steps(run / "metrics.jsonl") == [1, 2, 3, 4, 5, 6]
+    restored = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
+    assert restored == {k: v for k, v in last.items() if k != "checkpoint/seconds"} and "reward/mean" in restored
+
 
 # ------------------------------------------------------------------- the run folder, no executors
 def _cfg(model_dir: Path, tmp_path: Path, *overrides: str):
