@@ -275,10 +275,12 @@ def _print_config(cfg) -> int:
 
 def _one_line(exc: BaseException) -> str:
     """An exception as one line; for a failed worker process, the last line of its traceback."""
-    from megarl.utils.dist import MultiprocessError
+    # megarl.utils.dist imports torch: not imported yet, ``exc`` cannot be its MultiprocessError, and a
+    # torch-free command (simulate, plan-sync) reports its bad input without loading torch
+    dist = sys.modules.get("megarl.utils.dist")
 
     text = str(exc)
-    if isinstance(exc, MultiprocessError):
+    if dist is not None and isinstance(exc, dist.MultiprocessError):
         lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
         text = f"{lines[0].removesuffix(':')}: {lines[-1]}" if len(lines) > 1 else text
     return " ".join(text.split())

@@ -90,8 +90,8 @@ class RewardConfig:
                                "text with {question}, {reply} and optionally {gold}; {reply} must stand between "
                                "the lines <<<REPLY>>> and <<<END REPLY>>> and {question} between <<<QUESTION>>> and "
                                "<<<END QUESTION>>> (what the judge is told is data), and it must ask for a last line "
-                               "'SCORE: x'. '' = the built-in template (megarl/reward/judge.py DEFAULT_TEMPLATE: "
-                               "correctness of the final answer against the gold answer). Default ''")
+                               "'SCORE: x'. '' = the built-in template (megarl/reward/judge_prompt.py "
+                               "DEFAULT_TEMPLATE: correctness of the final answer against the gold answer). Default ''")
     judge_scale: int = knob(10, help="the top of the judge's score range: SCORE: 0 .. judge_scale, normalised to "
                             "0..1 (points, >= 1; 1 or 10 are usual). Default 10")
     judge_tp: int = knob(1, help="tensor-parallel size of each judge vLLM engine (GPUs per replica), its own, "
