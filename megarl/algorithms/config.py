@@ -17,7 +17,7 @@ from megarl.utils.knobs import knob
 # Defined here, not beside the torch code, so config validation never imports torch.
 AGGREGATIONS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
 TIS_MODES = ("none", "token", "sequence")
-KL_ESTIMATORS = ("k1", "k2", "k3")
+KL_ESTIMATORS = ("k1", "k2", "k3", "k1+", "k3+")  # megarl/algorithms/policy_loss.py kl_penalty
 
 LOSS_NAMES = ("aipo", "ppo", "grpo", "decoupled_ppo", "a3po", "vaco", "sao")
 ADVANTAGE_NAMES = ("grpo", "dr_grpo", "rloo", "gae", "vtrace")
@@ -52,10 +52,12 @@ class AlgorithmConfig:
     score_centering: bool = knob(False, help="center the score grad log pi(y) by its expectation under the "
                                  "sampler (exact with full-vocab logprobs, token approximation otherwise); "
                                  "default False")
-    kl_coef: float = knob(0.0, help="weight of the KL(pi || ref) penalty added to the loss (dimensionless, "
-                          ">= 0; needs reference logprobs); default 0 = off")
-    kl_estimator: str = knob("k3", help="per-token KL estimator: k1 (log ratio), k2 (half squared log ratio) or "
-                             "k3 (ratio - 1 - log ratio, non-negative); default k3", choices=KL_ESTIMATORS)
+    kl_coef: float = knob(0.0, help="weight of the KL penalty to the initial model added to the loss "
+                          "(dimensionless, >= 0; needs reference logprobs); default 0 = off")
+    kl_estimator: str = knob("k3", help="per-token KL estimator of the penalty, d = log pi - log ref: k2 (d^2/2; "
+                             "its gradient is KL(pi || ref)'s), k3 (ref/pi - 1 - log(ref/pi); gradient of "
+                             "KL(ref || pi), GRPO's), k1+ / k3+ (k1's d / k3's value, k2's gradient); k1 alone "
+                             "is refused as a penalty (its gradient has mean 0); default k3", choices=KL_ESTIMATORS)
     entropy_coef: float = knob(0.0, help="weight of the entropy bonus subtracted from the loss (dimensionless, "
                                ">= 0; needs per-token entropy); default 0 = off")
     aggregation: str = knob("token-mean", help="how per-token losses reduce to a scalar: token-mean, "
@@ -122,6 +124,10 @@ class AlgorithmConfig:
                   ("max_refill_rounds", self.max_refill_rounds >= 0), ("gae_gamma", 0 <= self.gae_gamma <= 1),
                   ("gae_lambda", 0 <= self.gae_lambda <= 1), ("vtrace_rho_bar", self.vtrace_rho_bar > 0),
                   ("vtrace_c_bar", self.vtrace_c_bar > 0), ("distill_coef", self.distill_coef >= 0)]
+        if self.kl_coef > 0 and self.kl_estimator == "k1":
+            found.append("algorithm.kl_estimator=k1 with kl_coef > 0: k1's gradient, grad log pi, has mean 0 on "
+                         "tokens sampled from pi, so the penalty would not pull the policy toward the reference; "
+                         "use k1+ (k1's value, the gradient of KL(pi || ref)), k2 or k3")
         if self.prox_check and self.loss != "a3po":
             found.append(f"algorithm.prox_check=true compares a3po's approximated proximal logprobs with recomputed "
                          f"ones; loss {self.loss!r} has no approximation (set algorithm.loss=a3po or prox_check=false)")

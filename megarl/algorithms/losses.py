@@ -69,19 +69,27 @@ def _ppo_clip(log_ratio: Tensor, adv: Tensor, mask: Tensor, eps_low: float, eps_
     if eps_low is None or eps_high is None or not (0.0 <= eps_low < 1.0) or not eps_high >= 0.0:
         raise ValueError(f"loss {loss!r}: need 0 <= eps_low < 1 and eps_high >= 0, got eps_low={eps_low!r}, "
                          f"eps_high={eps_high!r}")
-    ratio = log_ratio.exp()
-    r = ratio.detach()
+    r = log_ratio.detach().exp()
     low, high = 1.0 - float(eps_low), 1.0 + float(eps_high)
     clipped = ((adv > 0) & (r > high)) | ((adv < 0) & (r < low))
-    per_token = torch.where(clipped, -adv * r.clamp(low, high), -adv * ratio)
     metrics: Dict[str, Tensor] = {}
+    dual = torch.zeros_like(clipped)
     if dual_clip_c is not None:
         _check_positive("dual_clip_c", dual_clip_c, loss, above=1.0)
         dual = (adv < 0) & (r > float(dual_clip_c)) & mask
-        per_token = torch.where(dual, -adv * float(dual_clip_c), per_token)
-        clipped = clipped | dual
         metrics["dual_clip_frac"] = fraction(dual, mask)
-    return per_token, clipped & mask, metrics
+    ratio = _live_ratio(log_ratio, clipped | dual)
+    per_token = torch.where(clipped, -adv * r.clamp(low, high), -adv * ratio)
+    per_token = torch.where(dual, -adv * float(dual_clip_c or 0.0), per_token)
+    return per_token, (clipped | dual) & mask, metrics
+
+
+def _live_ratio(log_ratio: Tensor, constant: Tensor) -> Tensor:
+    """exp(log_ratio) with its gradient, taken only where the loss uses it: at the ``constant`` tokens
+    (clipped, dropped) it is 1. A ratio there may overflow (log pi - log mu > 88.7 in float32), and
+    torch.where's backward would multiply the 0 of the unused branch by that inf: a NaN gradient that
+    costs the whole update."""
+    return torch.where(constant, torch.zeros_like(log_ratio), log_ratio).exp()
 
 
 @register_loss("aipo")
@@ -152,16 +160,19 @@ decoupled_ppo_loss.owns_behaviour_correction = True  # type: ignore[attr-defined
 
 
 def a3po_alpha(staleness: Tensor) -> Tensor:
-    """alpha = (v_prox - v_behav) / (v_theta - v_behav) with v_prox = v_theta - 1, i.e. 1 - 1/d; 0 when fresh."""
+    """A-3PO's alpha (arXiv 2512.06547 section 3: log prox = alpha log mu + (1 - alpha) log pi), the weight
+    of the sampler: the proximal policy is one version behind the trained one, v_prox = v_theta - 1, so
+    1 - alpha = (v_prox - v_behav) / (v_theta - v_behav) (AReaL's interpolation weight), i.e. alpha = 1/d
+    for staleness d >= 1, and 1 when fresh (prox = mu)."""
     d = staleness.double()
-    return torch.where(d > 0, (d - 1.0) / d.clamp(min=1.0), torch.zeros_like(d)).float()
+    return torch.where(d > 0, 1.0 / d.clamp(min=1.0), torch.ones_like(d)).float()
 
 
 @register_loss("a3po")
 def a3po_loss(inp: LossInputs, *, eps_low: float = 0.2, eps_high: float = 0.2,
               dual_clip_c: Optional[float] = None, behav_weight_cap: Optional[float] = None) -> LossTerms:
-    """A-3PO (arXiv 2512.06547, section 3): decoupled PPO with log prox = log mu + alpha (sg(log pi) - log mu),
-    alpha from staleness. log pi is the training forward's own: at the step's first minibatch update that
+    """A-3PO (arXiv 2512.06547, section 3): decoupled PPO with log prox = alpha log mu + (1 - alpha) sg(log pi),
+    alpha from staleness (:func:`a3po_alpha`). log pi is the training forward's own: at the step's first minibatch update that
     is the policy the step started from; later updates interpolate towards the moved policy (the paper's
     "tensors already available from the training loop", with no extra forward pass)."""
     if inp.prox_logprobs is not None:
@@ -170,7 +181,7 @@ def a3po_loss(inp: LossInputs, *, eps_low: float = 0.2, eps_high: float = 0.2,
     if inp.staleness is None:
         raise ValueError("loss 'a3po' needs versions (per-token policy versions) and current_version")
     alpha = a3po_alpha(inp.staleness)
-    log_prox = inp.behav_logprobs + alpha * (inp.logprobs.detach() - inp.behav_logprobs)
+    log_prox = inp.behav_logprobs + (1.0 - alpha) * (inp.logprobs.detach() - inp.behav_logprobs)
     terms = _decoupled(inp, log_prox, eps_low, eps_high, dual_clip_c, behav_weight_cap, "a3po")
     terms.metrics["a3po/alpha_mean"] = masked_mean(alpha, inp.mask)
     return terms
@@ -192,13 +203,13 @@ def vaco_loss(inp: LossInputs, *, tv_delta: float = 0.2) -> LossTerms:
     it, over the tokens given.
     """
     _check_positive("tv_delta", tv_delta, "vaco")
-    ratio = (inp.logprobs - inp.anchor_logprobs).exp()
-    r = ratio.detach()
+    r = (inp.logprobs.detach() - inp.anchor_logprobs).exp()
     sums = inp.batch_stats if inp.batch_stats is not None else vaco_batch_sums(inp.logprobs, inp.anchor_logprobs,
                                                                               inp.mask)
     tv = torch.as_tensor(0.5 * float(sums["vaco/abs_dev"]) / max(float(sums["vaco/tokens"]), 1.0))
     active = tv > 0.5 * float(tv_delta)
     drop = active & (inp.advantages * (r - 1.0) > 0) & inp.mask
+    ratio = _live_ratio(inp.logprobs - inp.anchor_logprobs, drop)
     per_token = torch.where(drop, torch.zeros_like(ratio), -inp.advantages * ratio)
     return LossTerms(per_token, drop, {"vaco/tv": tv, "vaco/filter_active": active.float(),
                                        "vaco/filter_frac": fraction(drop, inp.mask)})
@@ -226,8 +237,8 @@ def sao_loss(inp: LossInputs, *, eps_low: float = 0.2, eps_high: float = 0.2) ->
     if not (0.0 <= float(eps_low) < 1.0) or not float(eps_high) >= 0.0:
         raise ValueError(f"loss 'sao': need 0 <= eps_low < 1 and eps_high >= 0, got eps_low={eps_low!r}, "
                          f"eps_high={eps_high!r}")
-    ratio = (inp.logprobs - inp.anchor_logprobs).exp()
-    r = ratio.detach()
+    r = (inp.logprobs.detach() - inp.anchor_logprobs).exp()
     out = ((r < 1.0 - float(eps_low)) | (r > 1.0 + float(eps_high))) & inp.mask
+    ratio = _live_ratio(inp.logprobs - inp.anchor_logprobs, out)
     per_token = torch.where(out, -inp.advantages * r, -inp.advantages * ratio)
     return LossTerms(per_token, out, {"sao/out_of_band_frac": fraction(out, inp.mask)})

@@ -72,20 +72,31 @@ def aggregate(per_token: Tensor, mask: Tensor, mode: str = "token-mean",
 
 
 def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, estimator: str = "k3") -> Tensor:
-    """Per-token KL(pi || ref) estimate on tokens sampled (approximately) from pi.
+    """Per-token KL(pi || ref) estimate on tokens y sampled (approximately) from pi, as a loss term.
 
-    k1 = log pi - log ref; k2 = 0.5 (log pi - log ref)^2; k3 = ref/pi - 1 - log(ref/pi) (>= 0,
-    Schulman's low-variance estimator; its log-ratio is clamped to [-20, 20] against overflow).
+    With d = log pi(y) - log ref(y): k1 = d, k2 = d^2 / 2, k3 = ref/pi - 1 - log(ref/pi) (>= 0, Schulman's
+    low-variance estimator; its log-ratio is clamped to [-20, 20] against overflow). k1 and k3 are
+    unbiased estimates of KL(pi || ref)'s value; what a loss term does is its gradient, whose mean over
+    y ~ pi is: k1's grad log pi, 0 (no pull toward ref: AlgorithmConfig refuses it as a penalty); k2's,
+    grad KL(pi || ref); k3's, (1 - ref/pi) grad log pi, grad KL(ref || pi) (the other direction: GRPO's,
+    DeepSeekMath eq. 4). ``k1+`` and ``k3+`` give k1's or k3's value with k2's gradient (straight-through):
+    an unbiased value and the gradient of KL(pi || ref).
     """
+    if estimator not in KL_ESTIMATORS:
+        raise ValueError(f"unknown kl_estimator {estimator!r}; known: {', '.join(KL_ESTIMATORS)}")
     diff = logprobs - ref_logprobs
-    if estimator == "k1":
-        return diff
-    if estimator == "k2":
-        return 0.5 * diff * diff
-    if estimator == "k3":
+    k2 = 0.5 * diff * diff
+    base = estimator.rstrip("+")
+    if base == "k1":
+        value = diff
+    elif base == "k2":
+        value = k2
+    else:
         log_ratio = (-diff).clamp(-20.0, 20.0)
-        return log_ratio.exp() - 1.0 - log_ratio
-    raise ValueError(f"unknown kl_estimator {estimator!r}; known: {', '.join(KL_ESTIMATORS)}")
+        value = log_ratio.exp() - 1.0 - log_ratio
+    if estimator.endswith("+"):
+        return value.detach() + (k2 - k2.detach())
+    return value
 
 
 def centered_score_logprobs(logprobs: Tensor, behav_logprobs: Tensor, mask: Tensor,

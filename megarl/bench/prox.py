@@ -70,7 +70,7 @@ def _approximation(batch, current_version: int) -> torch.Tensor:
     staleness = torch.where(mask, current_version - batch.versions, torch.zeros_like(batch.versions))
     alpha = a3po_alpha(staleness)
     log_pi = batch.behav_logprobs + 0.01  # stands in for the forward's own log pi (already computed)
-    return batch.behav_logprobs + alpha * (log_pi - batch.behav_logprobs)
+    return batch.behav_logprobs + (1.0 - alpha) * (log_pi - batch.behav_logprobs)
 
 
 def _worker(rank: int, world: int, a: argparse.Namespace) -> dict:

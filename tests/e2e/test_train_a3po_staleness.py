@@ -1,5 +1,5 @@
 """`megarl train` with A-3PO as published (arXiv 2512.06547 section 4.1): minibatch updates per
-rollout batch and a staleness bound above 1, so its interpolation alpha > 0 runs on real samples.
+rollout batch and a staleness bound above 1, so its interpolation (alpha < 1) runs on real samples.
 
 The tiny model's engine runs far ahead of its trainer: at max_policy_lag 8 the queue admits 8
 later batches at version 0 on the first step, so step s trains samples min(s - 1, 8) versions old.
@@ -41,8 +41,8 @@ def test_a3po_trains_samples_up_to_8_versions_stale_with_4_updates_a_step(tiny_l
         stale.append(d)
         assert r["train/loss/staleness/max"] == d <= 8  # the bound holds, and the metric is the samples'
         assert r["train/updates"] == 4.0 and r["train/grad_norm"] > 0
-        if oldest == newest:  # every token equally old: alpha = 1 - 1/d (0 when fresh), section 3
-            assert r["train/loss/a3po/alpha_mean"] == pytest.approx(1 - 1 / d if d else 0.0, rel=1e-6)
+        if oldest == newest:  # every token equally old: alpha = 1/d (1 when fresh), section 3
+            assert r["train/loss/a3po/alpha_mean"] == pytest.approx(1 / d if d else 1.0, rel=1e-6)
     # the engine ran ahead: at step 1 the queue admitted batches 2..9 at version 0, so step s trains
     # samples s - 1 versions old (8 at step 9) unless the engine started a batch after the first sync
-    assert max(stale) >= 2, stale  # alpha > 0 ran
+    assert max(stale) >= 2, stale  # alpha < 1 ran

@@ -155,9 +155,11 @@ def test_decoupled_ppo():
         run("decoupled_ppo", pi, mu, [1.0, -2.0])
 
 
-def test_a3po_alpha_is_one_minus_one_over_staleness():
+def test_a3po_alpha_is_the_papers_weight_of_the_sampler():
+    # arXiv 2512.06547 section 3: log prox = alpha log mu + (1 - alpha) log pi; prox = mu when fresh
+    # (alpha 1), and alpha falls as the staleness d grows: v_prox = v_theta - 1 gives alpha = 1/d
     torch.testing.assert_close(a3po_alpha(torch.tensor([0, 1, 2, 4, 10])),
-                               torch.tensor([0.0, 0.0, 0.5, 0.75, 0.9]))
+                               torch.tensor([1.0, 1.0, 0.5, 0.25, 0.1]))
 
 
 @pytest.mark.parametrize("staleness", [0, 1])
@@ -181,9 +183,10 @@ def test_a3po_on_fresh_data_equals_ppo(staleness):
 
 
 def test_a3po_stale_tokens_hand_values():
+    # log prox = alpha log mu + (1 - alpha) log pi, alpha = 1/d (the paper's weight of the sampler)
     # token 0, staleness 2: alpha = 1/2, prox = sqrt(.2 * .8) = .4 -> w_b = 2, r = 2 > 1.2 with A=1:
     #   clipped, 2 * -1.2, grad 0.
-    # token 1, staleness 4: alpha = 3/4, pi/mu = 16 -> prox/mu = 16^.75 = 8, r = 16^.25 = 2, A=-1:
+    # token 1, staleness 4: alpha = 1/4, pi/mu = 16 -> prox/mu = 16^.75 = 8, r = 16^.25 = 2, A=-1:
     #   unclipped, 8 * 2 = 16, grad 8 * 2 = 16.
     mu, pi = logp(0.2, 0.05), logp(0.8, 0.8)
     versions = torch.tensor([[8, 6]])
@@ -191,10 +194,10 @@ def test_a3po_stale_tokens_hand_values():
     # float64, a few ops: rounding ~1e-15 relative; 1e-12 leaves room
     assert loss == pytest.approx((-2.4 + 16.0) / 2, rel=1e-12)
     expect_grad(grad, [0.0, 8.0])
-    assert m["a3po/alpha_mean"] == pytest.approx(0.625)
+    assert m["a3po/alpha_mean"] == pytest.approx((1 / 2 + 1 / 4) / 2)
     assert m["stale_frac/d2"] == 0.5 and m["stale_frac/d4"] == 0.5 and m["stale_frac/d0"] == 0.0
-    # equals decoupled PPO with the interpolated prox supplied
-    prox = mu + torch.tensor([[0.5, 0.75]], dtype=torch.float64) * (pi - mu)
+    # equals decoupled PPO with that prox supplied: .4 and .05 * 8 = .4
+    prox = logp(0.4, 0.4)
     loss2, grad2, _ = run("decoupled_ppo", pi, mu, [1.0, -1.0], prox_logprobs=prox)
     assert loss2 == pytest.approx(loss, rel=1e-12)  # same float64 math two ways: rounding differences only (~1e-15)
     torch.testing.assert_close(grad2, grad, **TOL)
@@ -277,9 +280,28 @@ def test_sao_stops_tokens_outside_the_band_whatever_the_advantage():
         run("sao", VACO_PI, VACO_MU, VACO_ADV, eps_low=1.0)
 
 
+@pytest.mark.parametrize("name,adv,kw,value,grad1", [
+    # token 0: log pi - log mu = 89 > 88.72 = log(float32 max): pi/mu is inf. It is clipped (A > 0),
+    # dual-clipped (A < 0, c = 3) or dropped (vaco: TV is inf, A (r - 1) > 0): a constant with gradient 0.
+    # token 1: pi = mu, r = 1, gradient -A r / 2 tokens.
+    ("ppo", 1.0, {}, (-1.2 - 1.0) / 2, -0.5),
+    ("ppo", -1.0, {"dual_clip_c": 3.0}, (3.0 + 1.0) / 2, 0.5),
+    ("vaco", 1.0, {"tv_delta": 0.2}, (0.0 - 1.0) / 2, -0.5),
+])
+def test_a_ratio_that_overflows_in_a_constant_token_leaves_the_gradient_finite(name, adv, kw, value, grad1):
+    lp = torch.tensor([[-0.5, -1.0]], dtype=torch.float32, requires_grad=True)
+    mu = torch.tensor([[-89.5, -1.0]], dtype=torch.float32)
+    loss, _ = policy_loss(name, logprobs=lp, behav_logprobs=mu, advantages=torch.tensor([[adv, adv]]),
+                          mask=torch.ones(1, 2, dtype=torch.bool), **kw)
+    loss.backward()
+    # float32, a couple of ops on O(1) values: ~1e-7 relative; 1e-6 leaves room
+    assert loss.item() == pytest.approx(value, rel=1e-6)
+    torch.testing.assert_close(lp.grad, torch.tensor([[0.0, grad1]]), rtol=1e-6, atol=0.0)
+
+
 def test_a3po_prox_error_against_a_recomputed_prox():
-    # staleness 2 and 4 as in test_a3po_stale_tokens_hand_values: approximated log prox = log mu +
-    # alpha (log pi - log mu) = log .4 and log(.05 * 16^.75) = log .4. Against a recomputed prox of
+    # staleness 2 and 4 as in test_a3po_stale_tokens_hand_values: approximated log prox = alpha log mu +
+    # (1 - alpha) log pi = log .4 and log(.05 * 16^.75) = log .4. Against a recomputed prox of
     # .5 and .2: |log .4 - log .5| and |log .4 - log .2| = log 1.25 and log 2, mean over 2 tokens.
     mu, pi = logp(0.2, 0.05), logp(0.8, 0.8)
     versions = torch.tensor([[8, 6]])

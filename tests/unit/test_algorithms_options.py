@@ -129,6 +129,8 @@ def test_score_centering_needs_both_full_vocab_tensors():
     ("k1", math.log(2), 1.0),                           # d; grad 1
     ("k2", 0.5 * math.log(2) ** 2, math.log(2)),         # d^2/2; grad d
     ("k3", 0.5 - 1 + math.log(2), 1 - 0.5),             # ref/pi - 1 - log(ref/pi); grad 1 - ref/pi
+    ("k1+", math.log(2), math.log(2)),                  # k1's value, k2's grad d
+    ("k3+", 0.5 - 1 + math.log(2), math.log(2)),        # k3's value, k2's grad d
 ])
 def test_kl_penalty_estimators(estimator, value, grad):
     pi, ref = logp(0.5), logp(0.25)
@@ -139,6 +141,44 @@ def test_kl_penalty_estimators(estimator, value, grad):
     assert loss == pytest.approx(0.1 * value, rel=1e-12)
     # float64, a few ops: rounding ~1e-15 relative; 1e-12 leaves room
     assert g.item() == pytest.approx(0.1 * grad, rel=1e-12)
+
+
+def _mean_kl_gradient(estimator, logits, ref_logits):
+    """The penalty's gradient w.r.t. pi's logits, averaged exactly over the sampled token y ~ pi
+    (every token of the vocabulary, weighted by pi(y)): what the loss term does in expectation."""
+    total = torch.zeros_like(logits)
+    probs = logits.softmax(-1)
+    for y in range(logits.numel()):
+        x = logits.clone().requires_grad_(True)
+        lp = x.log_softmax(-1)[y].reshape(1, 1)
+        ref = ref_logits.log_softmax(-1)[y].reshape(1, 1)
+        loss, _ = policy_loss("aipo", logprobs=lp, behav_logprobs=lp.detach(), advantages=torch.zeros(1, dtype=x.dtype),
+                              mask=torch.ones(1, 1), ref_logprobs=ref, kl_coef=1.0, kl_estimator=estimator)
+        loss.backward()
+        total += probs[y] * x.grad
+    return total
+
+
+@pytest.mark.parametrize("estimator,direction", [("k1", None), ("k2", "pi||ref"), ("k3", "ref||pi"),
+                                                 ("k1+", "pi||ref"), ("k3+", "pi||ref")])
+def test_kl_penalty_mean_gradient_is_the_kl_direction_it_names(estimator, direction):
+    # the reference: autograd of the exact KL over a 3-word vocabulary, independent of the estimators
+    logits = torch.tensor([0.5, -0.2, 1.0], dtype=torch.float64)
+    ref_logits = torch.tensor([0.0, 0.3, -0.5], dtype=torch.float64)
+    x = logits.clone().requires_grad_(True)
+    lp, lr = x.log_softmax(-1), ref_logits.log_softmax(-1)
+    kl = (lp.exp() * (lp - lr)).sum() if direction == "pi||ref" else (lr.exp() * (lr - lp)).sum()
+    want = torch.autograd.grad(kl, x)[0] if direction else torch.zeros(3, dtype=torch.float64)
+    assert want.abs().max() > 0.1 or direction is None  # the two policies differ: a gradient to find
+    # float64, 3 terms of a few ops each: ~1e-15; TOL's 1e-9 relative / 1e-12 absolute is ample
+    torch.testing.assert_close(_mean_kl_gradient(estimator, logits, ref_logits), want, **TOL)
+
+
+def test_k1_is_refused_as_a_penalty():
+    with pytest.raises(ValueError, match="kl_estimator=k1 with kl_coef > 0: k1's gradient"):
+        AlgorithmConfig(kl_coef=0.1, kl_estimator="k1")
+    AlgorithmConfig(kl_coef=0.1, kl_estimator="k1+")
+    AlgorithmConfig(kl_coef=0.0, kl_estimator="k1")  # off: the estimator is not used
 
 
 def test_kl_needs_reference():
