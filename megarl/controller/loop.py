@@ -34,8 +34,9 @@ from megarl.controller.dynamic_sampling import DynamicSampling
 from megarl.controller.evaluation import EvalResult, StrictScorer
 from megarl.controller.prompts import PromptSource
 from megarl.controller.rollouts import RolloutQueue, trained_record
-from megarl.controller.run import RunFolder, claim_run_folder
+from megarl.controller.run import RunFolder, claim_run_folder, close_finished_run
 from megarl.controller.staleness import push_due
+from megarl.controller.state import run_checkpoint_root
 from megarl.controller.startup import (controller_log_path, model_dims, prepare_process,
                                        setup_logging, start_executors)
 from megarl.controller.step_metrics import step_metrics
@@ -69,6 +70,8 @@ def run_job(cfg: MegaRLConfig) -> int:
 def _run_job(cfg: MegaRLConfig) -> int:
     prepare_process(cfg)  # cluster.device before torch is imported, one NCCL setting for the job
     resume_dir = claim_run_folder(cfg)  # resume (said first, with the step) or start over, never mixing two runs
+    if resume_dir is not None and close_finished_run(cfg, resume_dir):  # a finished run: nothing starts
+        return 0
     job = resolve_job(cfg, resume_dir)  # frozen before any executor holds a GPU
     from megarl.controller.weight_sync import WeightSync
 
@@ -79,7 +82,8 @@ def _run_job(cfg: MegaRLConfig) -> int:
         # Once the loop runs, SIGTERM (a plain run: also the first SIGINT) checkpoints before the job
         # exits, within cluster.preempt_grace_s; under a launcher it then exits for a requeue
         # (PREEMPTED_EXIT), a plain run with 128 + signum; a second signal exits a plain run at once.
-        preempt = Preemption(requeue=cfg.cluster.launcher == "slurm", grace_s=cfg.cluster.preempt_grace_s)
+        preempt = Preemption(requeue=cfg.cluster.launcher == "slurm", grace_s=cfg.cluster.preempt_grace_s,
+                             checkpoints=run_checkpoint_root(cfg))  # read when the grace time runs out
         stack.enter_context(signals_raise(preemption=preempt))
         run = stack.enter_context(RunFolder(cfg, n_eval=len(prompts.held)))
         ex = start_executors(cfg, job, stack, run)

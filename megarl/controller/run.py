@@ -16,7 +16,7 @@ from megarl.config import ConfigError, to_dict
 from megarl.config.schema import MegaRLConfig
 from megarl.controller.state import RESUME_KEYS, resume_keys
 from megarl.controller.summary import StepTimings
-from megarl.utils.checkpoint_store import META, delete_all, step_folders, step_of
+from megarl.utils.checkpoint_store import META, delete_all, list_checkpoints, step_folders, step_of
 from megarl.utils.metrics import append_jsonl, rewind_jsonl
 
 log = logging.getLogger("megarl")
@@ -46,7 +46,8 @@ class RunFolder:
         self._evals: list[tuple[float, float]] = []  # (mean training reward since the last eval, accuracy)
         self._rewards: list[float] = []  # training reward of each step since the last eval
         self._timings = StepTimings()  # this process's steps, for the summary
-        self._t0 = time.monotonic()
+        self._first_step = self._last_step = 0  # the steps this process trained (first > 1: it resumed)
+        self._t0: float | None = None  # when that step began: the ETA's clock (start-up is not step time)
         self.samples_path = self.path / "trained_samples.jsonl"
         self._logged: set[int] = set()  # the steps metrics.jsonl kept at a resume's rewind
 
@@ -87,23 +88,31 @@ class RunFolder:
             self._watch(metrics["eval/accuracy"])
         self.metrics.log(step, metrics)
         self._timings.add(metrics)
+        self._last_step = step
+        if self._t0 is None:  # this process's first step: the clock starts when its timer did (before its eval, save)
+            self._first_step = step
+            self._t0 = time.monotonic() - sum(metrics.get(k, 0.0) for k in ("time/step", "eval/seconds",
+                                                                              "checkpoint/seconds"))
         if step % self.cfg.logging.log_every == 0 or step == total or "eval/accuracy" in metrics:
             log.info("%s %s", self._progress(step, total), phase_line(step, total, metrics))
 
     def _progress(self, step: int, total: int, width: int = 20) -> str:
-        """`[#####---------------] 25% ETA 3m05s`: from this process's mean step (evals included)."""
+        """`[#####---------------] 25% ETA 3m05s`: from this process's mean step since its first began
+        (evals and saves included, the executors' start not)."""
         done = len(self._timings)
         left = total - step
-        eta = (time.monotonic() - self._t0) / max(done, 1) * left
+        eta = (time.monotonic() - (self._t0 or time.monotonic())) / max(done, 1) * left
         filled = int(width * step / max(total, 1))
         return f"[{'#' * filled}{'-' * (width - filled)}] {100 * step / max(total, 1):3.0f}% ETA {_duration(eta)}"
 
     def log_eval(self, step: int, total: int, metrics: dict) -> None:
-        """The baseline evaluation before any training step."""
+        """The baseline evaluation before any training step (labelled as in the step lines)."""
+        from megarl.utils.metrics import EVAL_LABELS, labelled
+
         self._evals.append((float("nan"), metrics["eval/accuracy"]))
         self.metrics.log(step, metrics)
-        log.info("step %d/%d (before training) | eval acc %.3f | format %.3f | truncated %.3f", step, total,
-                 metrics["eval/accuracy"], metrics["eval/format_rate"], metrics["eval/truncated_frac"])
+        took = f" | eval {metrics['eval/seconds']:.1f}s" if "eval/seconds" in metrics else ""
+        log.info("step %d/%d (before training)%s | %s", step, total, took, " | ".join(labelled(metrics, EVAL_LABELS)))
 
     def write_eval_samples(self, step: int, rows: list[dict]) -> None:
         with (self.path / "eval_samples.jsonl").open("a") as fh:
@@ -133,10 +142,15 @@ class RunFolder:
 
         summary = summarize(self._timings.rows(), self.cfg.controller.max_policy_lag, self.cfg.controller.lag_choice)
         if summary:
+            # which steps it covers: this process's (after a resume, not the whole run's; metrics.jsonl has all)
+            resumed = self._first_step - 1
+            summary.update({"covers": "session" if resumed > 0 else "run", "first_step": float(self._first_step),
+                            "last_step": float(self._last_step),
+                            "run_steps": float(steps), "resumed_at": float(resumed)})
             (self.path / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
             for line in summary_lines(summary):
                 log.info("%s", line)
-        plot = plot_metrics(self.metrics.jsonl_path, self.path / "metrics.png", keys=PLOT_KEYS)
+        plot = plot_metrics(self.metrics.jsonl_path, self.path / "metrics.png", keys=PLOT_KEYS, title=self.cfg.name)
         log.info("done: %d steps; metrics in %s%s", steps, self.metrics.jsonl_path, f", plot {plot}" if plot else "")
 
 
@@ -176,7 +190,7 @@ def claim_run_folder(cfg: MegaRLConfig) -> Path | None:
         step = _checkpoint_step(step_dir)
         left = cfg.controller.steps - step
         log.info("resume: %s holds a checkpoint at step %d (%s): resuming at step %d of %d%s (trainer.resume_from=%s; "
-                 "`megarl train --fresh` starts over)", path, step, step_dir, step, cfg.controller.steps,
+                 "`megarl train --overwrite` starts over in it)", path, step, step_dir, step, cfg.controller.steps,
                  "" if left > 0 else ": nothing left to train", asked)
         return step_dir
     root = run_checkpoint_root(cfg)
@@ -184,14 +198,19 @@ def claim_run_folder(cfg: MegaRLConfig) -> Path | None:
     found += [str(p.relative_to(path) if p.is_relative_to(path) else p) for p in step_folders(root)]
     if not found:
         return None
-    how = ("it has no complete checkpoint to resume from" if asked not in (None, "") else
-           "this run starts over (--fresh / trainer.resume_from=null)")
     if not cfg.logging.overwrite:
+        # only the ways that work: a rerun without --fresh resumes only a complete checkpoint, which
+        # 'auto' just found none of (e.g. a job stopped before its first save)
+        if asked not in (None, ""):
+            how, resume = "no complete checkpoint to resume from", ""
+        else:
+            how = "this run starts over (--fresh / trainer.resume_from=null)"
+            resume = "resume it (rerun without --fresh), " if list_checkpoints(root) else ""  # saved (unverified)
         raise RunFolderConflict(
             f"run folder {path} holds an earlier run ({', '.join(found[:4])}{', ...' if len(found) > 4 else ''}) and "
-            f"{how}: starting over there would mix two runs. Resume it (rerun without --fresh), start over in it "
-            f"with --overwrite (logging.overwrite=true: deletes its metrics, samples and checkpoints), or give this "
-            f"run another name= (e.g. name={cfg.name}-2)")
+            f"{how}: starting over there would mix two runs. To go on, {resume}rerun with --overwrite to start over "
+            f"in it (logging.overwrite=true: deletes its metrics, samples and checkpoints), or give this run another "
+            f"name= (e.g. name={cfg.name}-2)")
     for name in (*RUN_FILES, *RUN_EXTRAS):
         target = path / name
         if target.is_dir():
@@ -201,6 +220,40 @@ def claim_run_folder(cfg: MegaRLConfig) -> Path | None:
     delete_all(root)  # step folders, stray save folders, `latest` (megarl/utils/checkpoint_store.py)
     log.warning("logging.overwrite: deleted the earlier run's files in %s (%s); starting over", path, ", ".join(found))
     return None
+
+
+def close_finished_run(cfg: MegaRLConfig, step_dir: Path) -> bool:
+    """A rerun whose checkpoint ``step_dir`` (claim_run_folder's) is at controller.steps or later has
+    nothing to train: True, having done only what a resume does to the run folder (drop the rows of
+    steps after it; write back its metrics row when the job stopped between its save and the row's
+    log, and redraw metrics.png then), so the caller exits 0 before any executor, sync or probe starts
+    (they took ~47 s, and with trainer.dp=8 ran out of GPU memory, to train nothing)."""
+    from megarl.controller.state import load_controller_state
+    from megarl.utils.metrics import MetricsLogger, plot_metrics
+
+    step = _checkpoint_step(step_dir)
+    if step < cfg.controller.steps:
+        return False
+    path = Path(cfg.logging.out_dir) / cfg.name
+    logged = rewind_jsonl(path / "metrics.jsonl", step)  # as RunFolder.rewind and DynamicSampling.rewind do
+    for name in RUN_FILES[1:]:
+        rewind_jsonl(path / name, step)
+    try:
+        state = load_controller_state(step_dir, policy_version=step, data_seed=cfg.data.seed)
+    except ValueError as e:
+        raise ConfigError([f"trainer.resume_from={cfg.trainer.resume_from!r}: {e}"]) from None
+    row = (state or {}).get("metrics_row")
+    plot = ""
+    if row is not None and step not in logged and cfg.logging.jsonl:  # RunFolder.restore_row
+        metrics = MetricsLogger(path, jsonl=True, tensorboard=cfg.logging.tensorboard)
+        metrics.log(step, row)
+        metrics.close()
+        log.info("resume: step %d's metrics row, not logged before the job stopped, written from its checkpoint", step)
+        drawn = plot_metrics(metrics.jsonl_path, path / "metrics.png", keys=PLOT_KEYS, title=cfg.name)
+        plot = f", plot {drawn}" if drawn else ""
+    log.info("done: the run in %s is finished (step %d of %d); nothing to train, so nothing was started%s", path,
+             step, cfg.controller.steps, plot)
+    return True
 
 
 def _checkpoint_step(step_dir: Path) -> int:

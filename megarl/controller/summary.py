@@ -124,6 +124,19 @@ def hidden_fraction(t_gen: float, t_ctrl: float, t_step: float) -> float:
     return min(1.0, max(0.0, (t_gen + t_ctrl - t_step) / short))
 
 
+def _steps_covered(s: dict[str, Any]) -> str:
+    """`3 steps`, or after a resume (``covers`` "session", RunFolder.finish): the steps this process
+    trained, of the run's total (metrics.jsonl holds them all)."""
+    n = int(s["steps"])
+    counted = f"{n} step{'' if n == 1 else 's'}"
+    if s.get("covers") != "session":
+        return counted
+    first, last = int(s["first_step"]), int(s["last_step"])
+    span = f"step {first}" if first == last else f"steps {first}-{last}"
+    return (f"{counted} this session ({span} of the run's {int(s['run_steps'])}, resumed at step "
+            f"{int(s['resumed_at'])}; earlier steps are in metrics.jsonl)")
+
+
 def summary_lines(s: dict[str, Any]) -> list[str]:
     """The run summary as a person reads it."""
     if not s:
@@ -131,14 +144,14 @@ def summary_lines(s: dict[str, Any]) -> list[str]:
     pct = lambda key: 100.0 * s[key] / max(s["step_s"], 1e-9)  # noqa: E731
     lag = int(s["max_policy_lag"])
     mode = s.get("lag_choice") or f"{s['mode']}, max_policy_lag {lag}"
-    # a job's own roles' phases (a teacher's scoring, a critic's values and update) stand before idle
-    roles = "".join(f" + {k[5:]} {s[k.replace('/', '_')]:.2f}" for k in ROLE_PHASES if s.get(k.replace("/", "_")))
-    work = "reward + train + sync" + "".join(f" + {k[5:]}" for k in ROLE_PHASES if s.get(k.replace("/", "_")))
+    # the step line's phase names, a job's own roles' (a teacher's scoring, a critic's values and update)
+    # before idle; each is its own median over the steps, so they need not add up to the median step
+    roles = [k[5:] for k in ROLE_PHASES if s.get(k.replace("/", "_"))]
+    phases = ", ".join(f"{p} {s[f'time_{p}']:.2f}s" for p in ("generate", "reward", "train", "sync", *roles, "idle"))
+    work = "reward + train + sync" + "".join(f" + {r}" for r in roles)
     lines = [
         f"summary: mode {mode}",
-        f"summary: {s['steps']:.0f} steps; median step {s['step_s']:.2f}s = generate-wait "
-        f"{s['time_generate']:.2f} + reward {s['time_reward']:.2f} + train {s['time_train']:.2f} + sync "
-        f"{s['time_sync']:.2f}{roles} + idle {s['time_idle']:.2f}",
+        f"summary: {_steps_covered(s)}; median step {s['step_s']:.2f}s; phase medians: {phases}",
         f"summary: trainer busy {pct('exec_trainer_busy_s'):.0f}% (idle {s['exec_trainer_idle_s']:.2f}s waiting "
         f"for rollouts); generator busy {pct('exec_generator_busy_s'):.0f}%, loading weights "
         f"{s['exec_generator_load_s']:.2f}s, idle {s['exec_generator_idle_s']:.2f}s",

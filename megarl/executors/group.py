@@ -16,7 +16,8 @@ The group owns, once for all of them:
   check); :meth:`get` takes the next ``(member, message)``; a member's EOF arrives as
   ``(member, ("eof",))``.
 * **waits that name what they wait for** -- :meth:`wait` logs ``<role>: waiting up to Ns for
-  <what>`` and every 30 s that it still waits, and raises the caller's timeout error at the end.
+  <what>``, on the console once the wait is unusually long (10 s, or 3x the median of its kind's
+  earlier waits) and every 30 s after, and raises the caller's timeout error at the end.
 * **one hang detector: heartbeats** -- every message a member sends (the trainer ranks' ``beat``,
   a decoding replica's ``progress``, any reply) sets its ``last_heard``; :meth:`silent` lists the
   members that hold work (the role says which: ``busy``) and were silent longer than the role's
@@ -38,10 +39,12 @@ A member is a :class:`Member` or any object with its attributes (``index``, ``pr
 
 from __future__ import annotations
 
+import collections
 import logging
 import multiprocessing as mp
 import pickle
 import queue
+import re
 import socket
 import threading
 import time
@@ -53,12 +56,21 @@ from typing import Any
 from megarl.executors.attach import RemoteProcess, shutdown
 from megarl.executors.base import ExecutorTimeout, ProcessDied, exit_cause, kill_processes
 from megarl.utils.errors import exception_line, remote_error
+from megarl.utils.procs import preemption_requested
 
 log = logging.getLogger(__name__)
 
 POLL_S = 0.25        # waits re-check liveness and hangs this often
 SLOW_WAIT_S = 10.0   # a wait says on the console what it waits for once it has lasted this long (DEBUG before)
 LOG_EVERY_S = 30.0   # ... and again this often
+# ... and, once waits of its kind finished before, not before this many times their median (a factor;
+# default 3). Why 3: a kind's work varies with its input (a train step's with its batch's tokens, a save's
+# with the write in flight), so a normal wait may take twice the median (a batch of full-length replies
+# where the typical one is half as long) and the first few waits estimate the median roughly: 3x is past
+# that, so the line means "unusually long", not "a step longer than SLOW_WAIT_S" at every step. The hang
+# detectors (heartbeats, timeouts) do not depend on it.
+SLOW_WAIT_MEDIANS = 3.0
+WAIT_HISTORY = 16    # the latest finished waits of a kind whose median counts (waits; default 16)
 
 
 class Member:
@@ -73,6 +85,11 @@ class Member:
 
     def log_tail(self, lines: int = 20) -> str:
         return log_tail(self.log_path, lines)
+
+
+def wait_kind(what: str) -> str:
+    """What a wait waits for, without its numbers: ``train step 7`` and ``train step 8`` are one kind."""
+    return re.sub(r"\d+", "N", what)
 
 
 def log_tail(path: Path | None, lines: int = 20) -> str:
@@ -153,6 +170,7 @@ class ProcessGroup:
         self.procs: list = []  # every process spawned here, restarted ones too: kill_all ends what runs
         self.closing = False   # set by close(): an EOF from now on is an orderly exit
         self._inbox: queue.Queue = queue.Queue()
+        self._took: dict[str, collections.deque] = {}  # seconds of the finished waits, by kind (wait_kind)
         # Runs on kill_all-less exits too (garbage collection, interpreter exit): nothing outlives
         # the group (each process also watches its parent: megarl.utils.procs.watch_parent).
         self._finalizer = weakref.finalize(self, kill_processes, self.procs)
@@ -251,16 +269,19 @@ class ProcessGroup:
         """Handle messages until ``done()``. ``check()`` runs before every look (it raises what
         stops the wait: a death, a hang); after ``timeout`` seconds (counted from the last message
         when ``progress_resets``) ``on_timeout()`` is raised. Says what it waits for in the debug
-        log (the files), and on the console once it has lasted SLOW_WAIT_S, then every LOG_EVERY_S
-        (``quiet``: frequent waits whose slowness the caller reports itself: debug only)."""
+        log (the files), and on the console once it is unusually long (:meth:`slow_after`), then
+        every LOG_EVERY_S (``quiet``: frequent waits whose slowness the caller reports itself; and
+        while a preemption is served, which said on the console what it waits for: debug only)."""
         start = time.monotonic()
-        deadline, last_log = start + timeout, start - LOG_EVERY_S + SLOW_WAIT_S
+        kind = wait_kind(what)
+        deadline, last_log = start + timeout, start - LOG_EVERY_S + self.slow_after(kind)
         drained_at = None  # the deadline at which the messages already queued were handled
         log.debug("%s: waiting up to %.0fs for %s", self.role, timeout, what)
         while True:
             if check is not None:
                 check()
             if done():
+                self._took.setdefault(kind, collections.deque(maxlen=WAIT_HISTORY)).append(time.monotonic() - start)
                 return
             now = time.monotonic()
             if now >= deadline:
@@ -279,14 +300,25 @@ class ProcessGroup:
                         deadline = time.monotonic() + timeout
                 continue
             if now - last_log > LOG_EVERY_S:
-                log.log(logging.DEBUG if quiet else logging.INFO, "%s: still waiting for %s (%.0fs so far, %.0fs left)",
-                        self.role, what, now - start, deadline - now)
+                log.log(logging.DEBUG if quiet or preemption_requested() else logging.INFO,
+                        "%s: still waiting for %s (%.0fs so far, %.0fs left)", self.role, what, now - start,
+                        deadline - now)
                 last_log = now
             item = self.get(min(POLL_S, max(deadline - now, 0.01)))
             if item is not None:
                 handle(*item)
                 if progress_resets:
                     deadline = time.monotonic() + timeout
+
+    def slow_after(self, kind: str) -> float:
+        """Seconds after which a wait of ``kind`` (:func:`wait_kind`) is unusually long: SLOW_WAIT_S, or
+        SLOW_WAIT_MEDIANS times the median of the kind's finished waits when that is longer."""
+        took = sorted(self._took.get(kind, ()))
+        if not took:
+            return SLOW_WAIT_S
+        mid = len(took) // 2
+        median = took[mid] if len(took) % 2 else (took[mid - 1] + took[mid]) / 2
+        return max(SLOW_WAIT_S, SLOW_WAIT_MEDIANS * median)
 
     def request(self, msg: Any, timeout: float, what: str, *, heartbeat_timeout_s: float | None = None) -> list:
         """Send ``msg`` to every member and wait for one reply from each (any message but a beat;

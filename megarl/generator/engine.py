@@ -16,7 +16,7 @@ Wire protocol (tuples; the first item names the message):
   executor -> replica: ("submit", [spec, ...]), ("update", source, version),
                        ("health", token), ("rpc", token, megarl_method, args), ("shutdown",)
   replica -> executor: ("ready", info), ("done", [result, ...]), ("progress", info),
-                       ("updated", version, seconds),
+                       ("updated", version, seconds, {"busy_s", "load_s"}),
                        ("health", token, info), ("rpc", token, per_worker_results_or_error),
                        ("error", traceback_text)
 """
@@ -197,7 +197,9 @@ class _Replica:
         self.version = version
         self.load_s += time.monotonic() - t0
         _log(f"replica {self.replica}: weights v{version} landed in {time.monotonic() - t0:.2f}s")
-        self.conn.send(("updated", version, time.monotonic() - t0))
+        # the counters ride on the reply the sync waits for, so its step counts this load (a later
+        # "done" would give it to whichever step reads that, or to none)
+        self.conn.send(("updated", version, time.monotonic() - t0, {"busy_s": self.busy_s, "load_s": self.load_s}))
 
     def info(self) -> dict:
         return {"replica": self.replica, "pid": os.getpid(), "version": self.version,

@@ -502,6 +502,8 @@ class GeneratorExecutor(ReplicaSupervision, ExecutorBase):
             if len(msg) > 2:  # the replica's busy/load counters as of these results
                 h.info.update(msg[2])
         elif kind == "updated":
+            if len(msg) > 3:  # the replica's busy/load counters with this load in them
+                h.info.update(msg[3])
             acked = self._replies.get(("updated", msg[1]))
             if acked is not None:
                 acked.add(h.index)

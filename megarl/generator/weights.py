@@ -141,21 +141,48 @@ def weightless_rotary_classes(model: torch.nn.Module) -> frozenset[str]:
     return frozenset(weightless - with_params)
 
 
+def tied_head_classes(model: torch.nn.Module) -> frozenset[str]:
+    """The class name of the model's lm_head when its weight is the input embedding's (tied embeddings,
+    the case :func:`_refresh_tied_lm_head` handles) and no other layer of that class is untied. A
+    checkpoint of a tied model has no lm_head tensor, so vLLM's reload loads nothing into it and puts its
+    tensor back: the embedding's own, which the same reload refreshed in place."""
+    lm_head = getattr(model, "lm_head", None)
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    weight = getattr(lm_head, "weight", None)
+    if weight is None or weight is not getattr(embed, "weight", None):
+        return frozenset()
+    name = type(lm_head).__name__
+    if any(type(m).__name__ == name and m is not lm_head for m in model.modules()):
+        return frozenset()  # another head of the class (untied): its warning may be real
+    return frozenset({name})
+
+
 def quiet_weightless_layer_warnings(model: torch.nn.Module) -> None:
-    """vLLM's layerwise reload counts a layer's buffers as weights to load, so at every update it
-    warns "RotaryEmbedding: Failed to load weights" and puts the layer's own tensors back unchanged
-    (checked: cos_sin_cache bit-identical, greedy tokens and logprobs identical after a reload). A
-    user reads that as a broken sync; for rotary embeddings with no parameter this worker drops
-    that one warning, says so once in its log, and keeps it for every other layer. Once per worker."""
+    """vLLM's layerwise reload warns "<Layer>: Failed to load weights" at every update for a layer
+    that got no tensor, and puts the layer's own tensors back. Two such layers are harmless, and a
+    user reads the warning as a broken sync, so this worker drops it for them, says so once in its
+    log, and keeps it for every other layer (once per worker):
+
+    * rotary embeddings with no parameter (:func:`weightless_rotary_classes`): the reload counts
+      their buffer as a weight; checked: cos_sin_cache bit-identical, greedy tokens and logprobs
+      identical after a reload;
+    * a tied lm_head (:func:`tied_head_classes`): its weight is the embedding's, which the reload
+      fills; on CPU :func:`_refresh_tied_lm_head` repacks the head after it, and
+      tests/e2e/test_weight_sync.py checks, on a tied model, that the engine's logprobs after an
+      update that moved every weight are the trainer's."""
     logger = logging.getLogger(RELOAD_LOGGER)
     if any(isinstance(f, _WeightlessLayerFilter) for f in logger.filters):
         return
-    names = weightless_rotary_classes(model)
-    logger.addFilter(_WeightlessLayerFilter(names))
-    if names:
+    rotary, head = weightless_rotary_classes(model), tied_head_classes(model)
+    logger.addFilter(_WeightlessLayerFilter(rotary | head))
+    why = [f"{name}, which holds no weights (only a cos/sin cache computed from the config, which vLLM keeps)"
+           for name in sorted(rotary)]
+    why += [f"{name}, tied to the input embedding (its weight is the embedding's, which the update loads)"
+            for name in sorted(head)]
+    if why:
         print(f"{time.strftime('%H:%M:%S')} INFO megarl.generator.weights: vLLM's weight reload warns "
-              f"'<layer>: Failed to load weights' at every update for {', '.join(sorted(names))}, which holds no "
-              f"weights (only a cos/sin cache computed from the config, which vLLM keeps): not shown", flush=True)
+              f"'<layer>: Failed to load weights' at every update for {'; and for '.join(why)}: not shown",
+              flush=True)
 
 
 def rearm_cpu_moe_prepack(model: torch.nn.Module) -> int:

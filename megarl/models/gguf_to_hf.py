@@ -11,8 +11,11 @@ fresh model from the GGUF config and loading the dequantized tensors into it our
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -74,10 +77,32 @@ def write_generation_config(config, out_dir: str | os.PathLike) -> None:
     ).save_pretrained(out_dir)
 
 
+@contextlib.contextmanager
+def _no_progress_bars() -> Iterator[None]:
+    """transformers' bars off while inside: its own (``Writing model shards``) by its switch, the GGUF
+    reader's plain tqdm (``Converting and de-quantizing GGUF tensors``) by its module's name."""
+    from transformers.utils import logging as hf_logging
+    import transformers.modeling_gguf_pytorch_utils as gguf_utils
+
+    was_on, bar = hf_logging.is_progress_bar_enabled(), gguf_utils.tqdm
+    hf_logging.disable_progress_bar()
+    gguf_utils.tqdm = functools.partial(bar, disable=True)
+    try:
+        yield
+    finally:
+        gguf_utils.tqdm = bar
+        if was_on:
+            hf_logging.enable_progress_bar()
+
+
 def convert_gguf_to_hf(
-    gguf_path: str | os.PathLike, out_dir: str | os.PathLike, dtype: str = "bfloat16"
+    gguf_path: str | os.PathLike, out_dir: str | os.PathLike, dtype: str = "bfloat16", progress: bool = True
 ) -> Path:
-    """Dequantize `gguf_path` into an HF folder at `out_dir` (replaced atomically) and return it."""
+    """Dequantize `gguf_path` into an HF folder at `out_dir` (replaced atomically) and return it.
+    ``progress=False``: without transformers' progress bars (inside a job's log lines)."""
+    if not progress:
+        with _no_progress_bars():
+            return convert_gguf_to_hf(gguf_path, out_dir, dtype)
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 

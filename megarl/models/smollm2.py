@@ -7,6 +7,7 @@ CLI); we only locate its data file.
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Callable
 from pathlib import Path
 
 from megarl.models.gguf_to_hf import (
@@ -56,11 +57,15 @@ def ensure_smollm2_tokenizer(data_dir: str | Path | None = None) -> Path:
     return out
 
 
-def ensure_smollm2_hf(data_dir: str | Path | None = None, dtype: str = "bfloat16") -> Path:
-    """An HF folder of SmolLM2-135M-Instruct, converted from the GGUF on first use and cached."""
+def ensure_smollm2_hf(data_dir: str | Path | None = None, dtype: str = "bfloat16", *, progress: bool = True,
+                      announce: Callable[[Path], None] | None = None) -> Path:
+    """An HF folder of SmolLM2-135M-Instruct, converted from the GGUF on first use and cached.
+    ``announce(folder)``: called before a conversion only; ``progress``: transformers' progress bars."""
     torch_dtype_from_name(dtype)  # fail fast on a bad name, before any work
     root = Path(data_dir) if data_dir is not None else default_data_dir()
     out = root / "models" / f"SmolLM2-135M-Instruct-{dtype}-{_cache_tag()}"
     if not (out / "config.json").is_file():
-        convert_gguf_to_hf(smollm2_gguf_path(), out, dtype=dtype)
+        if announce is not None:
+            announce(out)
+        convert_gguf_to_hf(smollm2_gguf_path(), out, dtype=dtype, progress=progress)
     return out

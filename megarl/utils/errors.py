@@ -12,8 +12,9 @@ exception that ends a command to :func:`report`, which
   then a line saying "this is a bug" with the log path, and returns :data:`BUG_EXIT`.
 
 Matching is by class name along the exception's MRO (this module sits on the ground floor and
-imports none of the classes). An executor's error that carries ``remote_error`` (the class a
-trainer rank or a replica raised, from its traceback) is matched on that class first, so a
+imports none of the classes; :func:`command_log` raises a ``ConfigError``, imported when it does).
+An executor's error that carries ``remote_error`` (the class a trainer rank or a replica raised,
+from its traceback) is matched on that class first, so a
 ``NonFiniteStepError`` in a rank ends the job with the non-finite code, naming the rank.
 A built-in ``TimeoutError`` or ``FileNotFoundError`` counts as megarl's own only when megarl's code
 raised it itself (a ``raise`` in megarl, no OS errno); from a library it is a bug like any other. An
@@ -214,13 +215,22 @@ def command_log(path: str | os.PathLike, logger: logging.Logger | None = None) -
     tracker with its stderr on this file: its shutdown warnings ("leaked semaphore", after a killed
     child) then land here, never after the command's last line on the console."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handler = logging.FileHandler(path)
+    except OSError as e:  # validation probes the folder first; this is the race or a folder it cannot see
+        if e.errno in _REFUSED_WRITES:
+            raise  # a full, read-only or forbidden disk: the environment's class (one line, exit 15)
+        from megarl.config.loader import ConfigError  # lazily: the one class this module names (exit 2)
+
+        raise ConfigError([f"cannot write the command's log {path}: {e.filename or path}: {e.strerror or e}; "
+                           f"point logging.out_dir at a folder you can write"]) from None
     root = logger or logging.getLogger()
-    handler = logging.FileHandler(path)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
     handler.setLevel(logging.DEBUG)  # the file keeps everything megarl says (the console: INFO and up)
     root.addHandler(handler)
     _start_resource_tracker(path)
+    _OOM_KILLS_AT_START[0] = oom_kills()  # a SIGKILLed child: did the OOM killer count it? (one_line)
     try:
         yield path
     except BaseException as exc:
@@ -328,6 +338,73 @@ def last_line(log_path: str | os.PathLike, since: float = 0.0) -> str | None:
     return line if line.startswith("megarl") and ("Full log: " in line or "this is a bug" in line) else None
 
 
+# ------------------------------------------------------------------------------ a SIGKILL: out of memory?
+_OOM_KILLS_AT_START: list[int | None] = [None]  # the count when the command's log opened (command_log)
+# Where the memory goes, by the component the line names: what to lower before the rerun
+OOM_KNOBS = {
+    "trainer rank": "fewer trainer ranks (trainer.dp, or trainer.tp x trainer.pp) or less memory per rank "
+                    "(trainer.micro_batch_size, shorter sequences: data.max_prompt_tokens, generator.max_new_tokens)",
+    "generator replica": "fewer generator.replicas or less memory per replica (generator.kv_cache_gib, "
+                         "generator.max_num_seqs)",
+}
+
+
+def oom_count_files(self_cgroup: str) -> list[str]:
+    """Where the kernel counts OOM kills ("oom_kill N") of the memory cgroup that ``self_cgroup`` (the text
+    of /proc/self/cgroup) names, which a job's local children share: cgroup v2's memory.events (kills in it
+    and below), v1's memory.oom_control (in it only: hence its own, not the mount's root); then the mounts'
+    roots (a cgroup namespace shows its own cgroup as "/")."""
+    out = []
+    for line in self_cgroup.splitlines():
+        _, controllers, path = (line.split(":", 2) + ["", ""])[:3]
+        if controllers == "":
+            out.append(f"/sys/fs/cgroup{path.rstrip('/')}/memory.events")
+        elif "memory" in controllers.split(","):
+            out.append(f"/sys/fs/cgroup/memory{path.rstrip('/')}/memory.oom_control")
+    return list(dict.fromkeys(out + ["/sys/fs/cgroup/memory.events", "/sys/fs/cgroup/memory/memory.oom_control"]))
+
+
+def oom_kills(paths: list[str] | None = None) -> int | None:
+    """The OOM kills the kernel counted in this process's memory cgroup (the first readable file of
+    ``paths``, default :func:`oom_count_files`), or None when none can be read (another OS, no memory
+    controller)."""
+    if paths is None:
+        try:
+            with open("/proc/self/cgroup") as fh:
+                paths = oom_count_files(fh.read())
+        except OSError:
+            return None
+    for path in paths:
+        try:
+            with open(path) as fh:
+                for line in fh:
+                    key, _, value = line.partition(" ")
+                    if key == "oom_kill" and value.strip().isdigit():
+                        return int(value)
+        except OSError:
+            continue
+    return None
+
+
+def oom_todo(cause: str, before: int | None, now: int | None) -> str | None:
+    """What to do about a process that ``cause`` says was SIGKILLed, when that looks like the kernel's
+    OOM killer: always, unless the cgroup's OOM count (``before`` the command, ``now``) was read twice and
+    did not rise. Rerunning as is would run out again, so it names the knobs that lower the memory of the
+    component (:data:`OOM_KNOBS`); None: not an OOM kill."""
+    if "killed by signal SIGKILL" not in cause:
+        return None
+    counted = before is not None and now is not None
+    if counted and now <= before:
+        return None
+    who = (f"the kernel's out-of-memory killer ended it (this process's memory cgroup counted {now - before} OOM "
+           f"kill(s) since the command started): the same command runs out of memory again" if counted else
+           "a SIGKILL with no one to send it is most often the kernel's out-of-memory killer (`dmesg` says), and "
+           "then the same command runs out of memory again")
+    lower = [knobs for name, knobs in OOM_KNOBS.items() if name in cause] or list(OOM_KNOBS.values())
+    return (f"{who}, so first use {'; or '.join(lower)}; then rerun it: it resumes from the last checkpoint "
+            f"(trainer.resume_from=auto, the default)")
+
+
 def one_line(exc: BaseException, row: Failure, log_path: str, prog: str = "megarl") -> str:
     cause = " ".join(_first_line(exc).split())
     remote = getattr(exc, "remote_error", None)
@@ -340,7 +417,9 @@ def one_line(exc: BaseException, row: Failure, log_path: str, prog: str = "megar
     name = type(exc).__name__
     if remote and classify(exc) is _BY_NAME.get(remote.rsplit(".", 1)[-1]):
         name = f"{name} <- {remote.rsplit('.', 1)[-1]}"
-    return f"{prog}: {cause}{where}. What to do: {row.todo}. {logs} (exit {row.code}, {name})"
+    todo = (oom_todo(cause, _OOM_KILLS_AT_START[0], oom_kills()) if row.code == _BY_NAME["ProcessDied"].code
+            else None) or row.todo
+    return f"{prog}: {cause}{where}. What to do: {todo}. {logs} (exit {row.code}, {name})"
 
 
 def _names(cause: str, who: str) -> bool:

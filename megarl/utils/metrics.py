@@ -38,29 +38,43 @@ class PhaseTimer:
         return {**{f"time/{k}": v for k, v in self.seconds.items()}, "time/step": total}
 
 
+# (metrics key, label, format, unit) of the step line's tail; EVAL_LABELS also make the baseline eval's
+# line (run.py), so a held-out number reads the same before training and after
+EVAL_LABELS = (("eval/accuracy", "eval acc", ".3f", ""), ("eval/format_rate", "eval fmt", ".2f", ""),
+               ("eval/truncated_frac", "eval trunc", ".2f", ""))
+STEP_LABELS = (("reward/mean", "reward", ".3f", ""), ("gen/mean_length", "len", ".1f", " tokens"),
+               ("gen/truncated_frac", "trunc", ".2f", ""), ("train/loss", "loss", ".4f", ""),
+               ("train/grad_norm", "gnorm", ".3f", ""), *EVAL_LABELS, ("train/loss/mismatch", "mismatch", ".4f", ""),
+               ("gen/tokens_per_s", "gen", ".0f", " tok/s"), ("lag/mean", "lag", ".2f", " versions"))
+# work after the step's timer (not in time/step), shown beside it so the line accounts for the wall time
+AFTER_STEP = (("eval/seconds", "eval"), ("checkpoint/seconds", "ckpt"))
+
+
+def labelled(metrics: dict, labels=STEP_LABELS) -> list[str]:
+    """`label value[ unit]` for each of ``labels``' metrics that ``metrics`` holds as a finite number."""
+    out = []
+    for key, label, fmt, unit in labels:
+        if key in metrics and isinstance(metrics[key], (int, float)) and math.isfinite(metrics[key]):
+            out.append(f"{label} {metrics[key]:{fmt}}{unit}")
+    return out
+
+
 def phase_line(step: int, total_steps: int, metrics: dict) -> str:
-    """`step 3/20 | 9.1s = generate 5.2 + reward 0.3 + train 3.1 + sync 0.4 + idle 0.1 | reward 0.41 ...`"""
+    """`step 3/20 | 9.1s = generate 5.2 + reward 0.3 + train 3.1 + sync 0.4 + idle 0.1 | eval 2.0s | ckpt 4.1s
+    | busy ... | reward 0.41 ...` (eval and ckpt: only on a step that had them)"""
     # a role's own phase (a distillation teacher's "teacher") stands before idle
     extra = [k[5:] for k in metrics if k.startswith("time/") and k[5:] not in PHASES and k != "time/step"]
     order = [*PHASES[:-1], *extra, PHASES[-1]]
     t = {p: metrics.get(f"time/{p}", 0.0) for p in order}
     parts = " + ".join(f"{p} {t[p]:.1f}" for p in order)
-    tail = []
-    for key, label, fmt in (("reward/mean", "reward", ".3f"), ("gen/mean_length", "len", ".1f"),
-                            ("gen/truncated_frac", "trunc", ".2f"), ("train/loss", "loss", ".4f"),
-                            ("train/grad_norm", "gnorm", ".3f"), ("eval/accuracy", "eval acc", ".3f"),
-                            ("eval/format_rate", "eval fmt", ".2f"), ("eval/truncated_frac", "eval trunc", ".2f"),
-                            ("train/loss/mismatch", "mismatch", ".4f"), ("gen/tokens_per_s", "gen tok/s", ".0f"),
-                            ("lag/mean", "lag", ".2f")):
-        if key in metrics and isinstance(metrics[key], (int, float)) and math.isfinite(metrics[key]):
-            tail.append(f"{label} {metrics[key]:{fmt}}")
+    after = "".join(f" | {label} {metrics[key]:.1f}s" for key, label in AFTER_STEP if key in metrics)
     busy = ""
     if "exec/trainer_busy_s" in metrics:
         wall = max(metrics.get("time/step", 0.0), 1e-9)
         busy = (f" | busy trainer {100 * metrics['exec/trainer_busy_s'] / wall:.0f}% generator "
                 f"{100 * metrics['exec/generator_busy_s'] / wall:.0f}%")
-    return (f"step {step}/{total_steps} | {metrics.get('time/step', 0.0):.1f}s = {parts}{busy} | "
-            + " | ".join(tail))
+    return (f"step {step}/{total_steps} | {metrics.get('time/step', 0.0):.1f}s = {parts}{after}{busy} | "
+            + " | ".join(labelled(metrics)))
 
 
 def append_jsonl(fh, row: dict) -> None:
@@ -143,9 +157,27 @@ class MetricsLogger:
             self._tb.close()
 
 
+# the y unit of a plotted metric (docs/loop.md's metrics table): by exact name, then by prefix / suffix
+PLOT_UNITS = {"gen/mean_length": "tokens", "gen/tokens": "tokens", "gen/tokens_per_s": "tokens per s",
+              "reward/mean": "reward", "eval/accuracy": "fraction", "lag/mean": "versions", "lag/max": "versions"}
+
+
+def plot_unit(key: str) -> str:
+    """The unit of metric ``key`` on a plot's y axis ("" where none is known, e.g. a loss)."""
+    if key in PLOT_UNITS:
+        return PLOT_UNITS[key]
+    if key.startswith("time/") or key.endswith(("_s", "/seconds")):
+        return "s"
+    if key.endswith(("_frac", "_rate")):
+        return "fraction"
+    return ""
+
+
 def plot_metrics(jsonl_path: str | Path, png_path: str | Path,
-                 keys: tuple[str, ...] = ("reward/mean", "eval/accuracy", "train/loss", "time/step")) -> Path | None:
-    """One panel per key over steps; returns the PNG path, or None without matplotlib / data."""
+                 keys: tuple[str, ...] = ("reward/mean", "eval/accuracy", "train/loss", "time/step"),
+                 title: str = "") -> Path | None:
+    """One panel per key over steps (integer ticks, the y unit where known), ``title`` (the run's name)
+    above them; returns the PNG path, or None without matplotlib / data."""
     rows = [json.loads(line) for line in Path(jsonl_path).read_text().splitlines() if line.strip()]
     keys = tuple(k for k in keys if any(k in r for r in rows))
     if not rows or not keys:
@@ -155,6 +187,8 @@ def plot_metrics(jsonl_path: str | Path, png_path: str | Path,
     plt = pyplot(f"metrics are in {jsonl_path}")
     if plt is None:
         return None
+    from matplotlib.ticker import MaxNLocator
+
     cols = min(len(keys), 4)
     rows_n = -(-len(keys) // cols)
     fig, axes = plt.subplots(rows_n, cols, figsize=(4 * cols, 3 * rows_n), squeeze=False)
@@ -165,5 +199,9 @@ def plot_metrics(jsonl_path: str | Path, png_path: str | Path,
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", markersize=3)
         ax.set_title(key)
         ax.set_xlabel("step")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole: no tick at step 1.5
+        ax.set_ylabel(plot_unit(key))
         ax.grid(alpha=0.3)
+    if title:
+        fig.suptitle(title)
     return save(fig, png_path, dpi=100)

@@ -13,6 +13,8 @@ log = logging.getLogger(__name__)
 def pyplot(what: str = "") -> Any | None:
     """``matplotlib.pyplot`` on the headless Agg backend, or None where matplotlib is not installed
     (logged once per call, naming ``what`` would have been drawn)."""
+    # its INFO (e.g. "generated new fontManager" on a first run) is not a megarl console line
+    logging.getLogger("matplotlib").setLevel(logging.WARNING)
     try:
         import matplotlib
 

@@ -43,6 +43,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 
 log = logging.getLogger(__name__)
 
@@ -191,6 +192,24 @@ class Preempted(JobInterrupted):
         return PREEMPTED_EXIT if self.requeue else 128 + self.signum
 
 
+def rerun_note(checkpoints: str | os.PathLike | None) -> str:
+    """What rerunning the same command does after a job stopped without a new checkpoint, from the
+    checkpoint folder's ``latest`` (it moves only once a save is complete); ``checkpoints`` None: not
+    known, both cases said."""
+    if checkpoints is None:
+        return ("a rerun resumes from the newest checkpoint; with none yet, rerun with --overwrite to start over "
+                "in the run folder")
+    from megarl.utils.checkpoint_store import LATEST, step_of
+
+    try:
+        step = step_of((Path(checkpoints) / LATEST).read_text().strip())
+    except (OSError, UnicodeDecodeError):
+        step = None
+    if step is None:  # the run folder holds this run's files: a plain rerun is refused, --overwrite starts over
+        return "no checkpoint yet: rerun with --overwrite to start over in the run folder"
+    return f"a rerun resumes from step {step}"
+
+
 class Preemption:
     """The controller's view of a preemption request. SIGTERM sets it (:func:`signals_raise` with
     ``preemption=``); it is acted on only where the job's state is whole: :meth:`check` raises
@@ -198,15 +217,19 @@ class Preemption:
     checkpoint: they finish first). Waits that may be long and are safe to abandon (the generator
     waiting for rollouts) call :func:`raise_if_preempted` on every poll."""
 
-    def __init__(self, *, requeue: bool = True, grace_s: float = 0.0) -> None:
+    def __init__(self, *, requeue: bool = True, grace_s: float = 0.0,
+                 checkpoints: str | os.PathLike | None = None) -> None:
         """``requeue``: under a launcher (SIGTERM / SIGUSR1 request it, every time; the launcher
         bounds the wait). ``requeue=False``: a plain run (SIGTERM, SIGINT, SIGUSR1 request it once
         the loop is :attr:`armed`, a second signal exits at once, and this process exits by itself,
-        ``128 + signum``, when the checkpoint is not written ``grace_s`` seconds after the signal)."""
+        ``128 + signum``, when the checkpoint is not written ``grace_s`` seconds after the signal).
+        ``checkpoints``: the job's checkpoint folder, read when the grace time runs out to say what a
+        rerun does (None: not known, the message says both cases)."""
         self.signum = 0
         self.at = 0.0  # time.monotonic() of the request
         self.requeue = requeue
         self.grace_s = float(grace_s)
+        self.checkpoints = checkpoints
         self.armed = requeue  # plain runs: only inside the loop (before it a signal just stops the job)
         self._defer = 0
         self._timer: threading.Timer | None = None
@@ -239,9 +262,12 @@ class Preemption:
         """The checkpoint was not written in time: exit hard (the children's parent watch ends them;
         a save cut here never counts as complete, ``latest`` stays on the previous checkpoint)."""
         try:
+            note = rerun_note(self.checkpoints)
+        except Exception:  # noqa: BLE001 - nothing may keep this thread from exiting the process
+            note = rerun_note(None)
+        try:
             os.write(2, f"megarl: no checkpoint within cluster.preempt_grace_s={self.grace_s:g}s of "
-                        f"{signal_name(self.signum)}; exiting now (a rerun resumes from the previous "
-                        f"checkpoint, if any)\n".encode())
+                        f"{signal_name(self.signum)}; exiting now ({note})\n".encode())
         except OSError:
             pass
         os._exit(128 + self.signum)
@@ -270,6 +296,11 @@ def raise_if_preempted() -> None:
     """Raise :class:`Preempted` when a preemption was requested and nothing defers it."""
     if _PREEMPTION is not None:
         _PREEMPTION.check()
+
+
+def preemption_requested() -> bool:
+    """Whether the job's preemption (installed by :func:`signals_raise`) was requested: it is being served."""
+    return _PREEMPTION is not None and _PREEMPTION.requested
 
 
 @contextlib.contextmanager

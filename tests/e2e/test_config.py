@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -165,6 +166,48 @@ def test_cli_help():
     assert out.returncode == 0 and "train" in out.stdout and "convert" in out.stdout
     out = _megarl("train", "--help")
     assert out.returncode == 0 and "overrides" in out.stdout
+
+
+def test_an_option_a_command_does_not_take_gets_that_command_s_usage(capsys):
+    """`megarl train x.yaml --frsh` printed the top-level usage ("megarl [-h] <command> ..."); now the
+    command's own, with the option it looks like; exit 2 as argparse's."""
+    from megarl.cli import main
+
+    for argv, usage, words in ((["train", "x.yaml", "--frsh"], "usage: megarl train [-h] [--dry-run] [--fresh]",
+                                "megarl train: error: unrecognized arguments: --frsh (did you mean --fresh?)"),
+                               (["config", "show", "x.yaml", "--xyz"], "usage: megarl config show [-h] config",
+                                "megarl config show: error: unrecognized arguments: --xyz\n"),
+                               (["--frsh"], "usage: megarl [-h] <command> ...", "megarl: error: unrecognized arguments")):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err.startswith(usage) and words in err, err
+
+
+def test_every_command_and_positional_is_documented(capsys):
+    """Each argument of each command has a help line (`config show`'s and `rank`'s positionals and `convert
+    gguf-to-hf --dtype` had none), and docs/cli.md lists every command (`reward` and `rank` were missing)."""
+    import argparse
+
+    from megarl.cli import _parser
+
+    def leaves(parser, path):
+        subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        if not subs:
+            yield path, parser
+        for action in subs:
+            for name, sub in action.choices.items():
+                yield from leaves(sub, [*path, name])
+
+    found = list(leaves(_parser(), []))
+    assert {" ".join(path) for path, _ in found} >= {"train", "config show", "rank", "reward check",
+                                                     "convert gguf-to-hf", "launch local"}
+    undocumented = [(" ".join(path), a.dest) for path, parser in found for a in parser._actions
+                    if not a.help and not isinstance(a, argparse._HelpAction)]
+    assert undocumented == [], undocumented
+    doc = (REPO / "docs" / "cli.md").read_text()
+    missing = sorted({path[0] for path, _ in found} - set(re.findall(r"^megarl ([a-z-]+)", doc, re.M)))
+    assert missing == [], missing
 
 
 @pytest.mark.parametrize("override,key", [
@@ -408,6 +451,30 @@ def test_output_folders_must_be_creatable_and_writable(tmp_path):
     from megarl.config.validate import absent_paths
 
     assert any(line.startswith("trainer.checkpoint_dir='/megarl-absent-top/ckpt'") for line in absent_paths(cfg))
+
+
+def test_a_folder_that_refuses_the_write_is_refused_though_permissions_allow_it(tmp_path):
+    """/proc takes no new folder, though root passes its permission check (before: validation passed, and the
+    command log's mkdir ended the job in ~40 lines of traceback, "this is a bug"). The probe creates what is
+    missing and a file, and removes them. The command log, if its folder fails anyway, is one config line."""
+    from megarl.utils.errors import command_log
+
+    (msg,) = problems_of(QUICKSTART, ["logging.out_dir=/proc/megarl-x"])
+    assert msg.startswith("logging.out_dir='/proc/megarl-x': the run folder (<logging.out_dir>/<name>) "
+                          "/proc/megarl-x/quickstart cannot be created and written: "), msg
+    assert msg.endswith("; point logging.out_dir at a folder you can write"), msg
+    if os.geteuid() == 0:  # past the permission check: the probe's own error
+        assert "/proc/megarl-x: No such file or directory" in msg, msg
+    out = _megarl("train", QUICKSTART, "logging.out_dir=/proc/megarl-x")
+    assert out.returncode == 2 and "Traceback" not in out.stderr and "this is a bug" not in out.stderr, out.stderr
+    assert len(out.stderr.strip().splitlines()) == 2, out.stderr  # "invalid config (1 problem(s)):" and the problem
+    with pytest.raises(ConfigError) as e:
+        with command_log("/proc/megarl-x/quickstart/logs/controller.log"):
+            pass
+    (msg,) = e.value.problems
+    assert msg.startswith("cannot write the command's log /proc/megarl-x/quickstart/logs/controller.log: ") and \
+        msg.endswith("; point logging.out_dir at a folder you can write"), msg
+    assert not Path("/proc/megarl-x").exists()
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root may write any folder")

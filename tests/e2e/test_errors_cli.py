@@ -357,15 +357,27 @@ def test_a_launcher_ends_with_the_line_the_controller_ended_with(tmp_path, capsy
     assert rank.proc.poll() is not None
 
 
-def test_a_run_folder_the_filesystem_refuses(tiny_llama_dir):
+def test_a_run_folder_the_filesystem_refuses(tiny_llama_dir, tmp_path):
     """A full, read-only or forbidden disk is the environment's, never a bug (/sys refuses mkdir,
-    also to root); an OS error with another errno in megarl's code is (see above)."""
+    also to root); an OS error with another errno in megarl's code is (see above). Validation finds
+    the run folder's by writing (exit 2, naming the knob); the command log, opened after it, keeps
+    such a refusal in its class (exit 15), and any other OS error there is a config line (exit 2)."""
     done = subprocess.run([sys.executable, "-m", "megarl", "train", "configs/tiny_test.yaml", f"model.path={tiny_llama_dir}",
                            "logging.out_dir=/sys/megarl-errors-test"], capture_output=True, text=True, cwd=REPO, env=ENV,
                           timeout=120)
-    line = _one_line(done, 15, "Operation not permitted: '/sys/megarl-errors-test'", "[in megarl (pid ",
-                     "(exit 15, PermissionError)")
-    assert "PermissionError" in _full_log(line)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert ("/sys/megarl-errors-test/tiny-test cannot be created and written: /sys/megarl-errors-test: Operation not "
+            "permitted; point logging.out_dir at a folder you can write") in done.stderr, done.stderr
+    with pytest.raises(PermissionError) as refused:
+        with errors.command_log("/sys/megarl-errors-test/logs/controller.log"):
+            pass
+    assert classify(refused.value).code == 15
+    other = tmp_path / "a_file"
+    other.write_text("")
+    with pytest.raises(Exception) as e:  # ENOTDIR: not a refused write
+        with errors.command_log(other / "logs" / "controller.log"):
+            pass
+    assert type(e.value).__name__ == "ConfigError" and classify(e.value).code == 2, repr(e.value)
     assert classify(OSError(errno.ENOSPC, "No space left on device")).code == 15
     assert classify(OSError(errno.ECONNRESET, "Connection reset by peer")) is None
 
@@ -399,3 +411,49 @@ def test_a_controller_that_fails_first_does_not_hold_the_job_for_the_teardown():
     # 1.5 s of controller, the grace, then SIGKILL and a reap; 20 s of margin for a loaded machine's
     # process starts, still half the teardown
     assert took < 1.5 + ORPHAN_GRACE_S + 20 < teardown_s, took
+
+
+def test_a_sigkilled_rank_that_looks_out_of_memory_names_what_to_lower(tmp_path, monkeypatch):
+    """A SIGKILL is most often the OOM killer, and then rerunning the same command runs out again: the line
+    names the knobs that lower the memory of the component it names. When the memory cgroup's OOM count
+    was read at the start and now, it decides: risen, the line says so; not risen, the class's usual advice."""
+    from megarl.executors.base import ProcessDied
+
+    # where the count is: the process's own v1 memory cgroup (v1 counts a kill in the victim's cgroup
+    # only), the v2 one (kills in it and below), then the mounts' roots (a cgroup namespace's "/")
+    v1 = "9:name=systemd:/\n4:memory:/process_api/f83\n1:cpu,cpuacct:/\n0::/\n"
+    assert errors.oom_count_files(v1) == ["/sys/fs/cgroup/memory/process_api/f83/memory.oom_control",
+                                          "/sys/fs/cgroup/memory.events", "/sys/fs/cgroup/memory/memory.oom_control"]
+    assert errors.oom_count_files("0::/user.slice/job\n")[0] == "/sys/fs/cgroup/user.slice/job/memory.events"
+    events = tmp_path / "memory.events"
+    events.write_text("low 0\nhigh 0\nmax 4\noom 2\noom_kill 2\noom_group_kill 0\n")
+    assert errors.oom_kills([str(tmp_path / "absent"), str(events)]) == 2
+    assert errors.oom_kills([str(tmp_path / "absent")]) is None
+
+    trainer = "trainer: trainer rank 6 (tp 0, pp 0, dp 6; pid 21037) was killed by signal SIGKILL (exit code -9)"
+    replica = "generator: generator replica 0 (pid 14382) was killed by signal SIGKILL (exit code -9)"
+    unknown = errors.oom_todo(trainer, None, 2)  # the count not read at the start: a likely OOM
+    assert unknown.startswith("a SIGKILL with no one to send it is most often the kernel's out-of-memory killer "
+                              "(`dmesg` says), and then the same command runs out of memory again, so first use "
+                              "fewer trainer ranks (trainer.dp, or trainer.tp x trainer.pp) or less memory per "
+                              "rank (trainer.micro_batch_size, "), unknown
+    assert unknown.endswith("; then rerun it: it resumes from the last checkpoint (trainer.resume_from=auto, the "
+                            "default)") and "generator.replicas" not in unknown
+    counted = errors.oom_todo(replica, 2, 3)
+    assert counted.startswith("the kernel's out-of-memory killer ended it (this process's memory cgroup counted 1 "
+                              "OOM kill(s) since the command started): the same command runs out of memory again, "
+                              "so first use fewer generator.replicas or less memory per replica "
+                              "(generator.kv_cache_gib, generator.max_num_seqs)"), counted
+    assert errors.oom_todo(replica, 3, 3) is None  # counted, none: not the OOM killer (a kill -9)
+    assert errors.oom_todo(trainer.replace("SIGKILL", "SIGTERM"), None, None) is None
+    both = errors.oom_todo("critic: critic rank 0 (pid 5) was killed by signal SIGKILL", None, None)
+    assert "trainer.micro_batch_size" in both and "generator.kv_cache_gib" in both
+
+    # the console's line takes it, in place of the class's "run the same command again"
+    exc = ProcessDied(trainer + " while waiting for 8 trainer rank(s) to start; every trainer rank was killed")
+    monkeypatch.setattr(errors, "oom_kills", lambda paths=None: 5)
+    monkeypatch.setattr(errors, "_OOM_KILLS_AT_START", [4])
+    line = errors.one_line(exc, classify(exc), str(tmp_path / "x.log"))
+    assert f"What to do: {errors.oom_todo(trainer, 4, 5)}. Full log: " in line, line
+    monkeypatch.setattr(errors, "_OOM_KILLS_AT_START", [5])
+    assert f"What to do: {_row(3).todo}. Full log: " in errors.one_line(exc, classify(exc), str(tmp_path / "x.log"))

@@ -82,9 +82,10 @@ def test_plain_run_second_signal_exits_at_once(tmp_path):
 
 def test_plain_run_exits_by_itself_when_the_grace_time_runs_out(tmp_path):
     """A checkpoint still not written cluster.preempt_grace_s after the signal: the process exits
-    128 + N by itself, saying so (a save cut there never counts as complete)."""
-    done, took = _script(tmp_path, """
-        p = Preemption(requeue=False, grace_s=1.5)
+    128 + N by itself, saying so (a save cut there never counts as complete) and what a rerun does: with
+    no checkpoint yet a plain rerun is refused (the run folder holds this run), so it names --overwrite."""
+    done, took = _script(tmp_path, f"""
+        p = Preemption(requeue=False, grace_s=1.5, checkpoints={str(tmp_path / "checkpoints")!r})
         p.armed = True
         with signals_raise(preemption=p):
             os.kill(os.getpid(), signal.SIGTERM)
@@ -92,8 +93,25 @@ def test_plain_run_exits_by_itself_when_the_grace_time_runs_out(tmp_path):
         print("not stopped")
     """)
     assert done.returncode == 128 + signal.SIGTERM, (done.returncode, done.stderr)
-    assert "no checkpoint within cluster.preempt_grace_s=1.5s of SIGTERM; exiting now" in done.stderr
+    assert ("no checkpoint within cluster.preempt_grace_s=1.5s of SIGTERM; exiting now (no checkpoint yet: rerun "
+            "with --overwrite to start over in the run folder)\n") in done.stderr, done.stderr
     assert 1.4 < took < 10, took
+
+
+def test_the_grace_time_message_says_where_a_rerun_resumes(tmp_path):
+    """The step `latest` names (it moves only once a save is complete, so a save cut by the grace time
+    leaves it on the previous one); no `latest`: no checkpoint yet; no folder known: both cases."""
+    from megarl.utils.procs import rerun_note
+
+    root = tmp_path / "checkpoints"
+    assert rerun_note(root) == "no checkpoint yet: rerun with --overwrite to start over in the run folder"
+    root.mkdir()
+    (root / "step_00000012").mkdir()  # a save in flight: not in `latest` yet
+    assert rerun_note(root) == "no checkpoint yet: rerun with --overwrite to start over in the run folder"
+    (root / "latest").write_text("step_00000010\n")
+    assert rerun_note(root) == "a rerun resumes from step 10"
+    assert rerun_note(None) == ("a rerun resumes from the newest checkpoint; with none yet, rerun with --overwrite "
+                                "to start over in the run folder")
 
 
 def test_plain_run_before_the_loop_a_signal_just_stops(tmp_path):
@@ -217,8 +235,14 @@ def test_sigterm_while_step_3_of_6_trains_checkpoints_it_and_the_rerun_resumes(t
     last = json.loads(lines[-1])
     again = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO, env=_env())
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    out = again.stdout + again.stderr
     assert "resume: step 6's metrics row, not logged before the job stopped, written from its checkpoint" \
-        in again.stdout + again.stderr, again.stdout[-3000:] + again.stderr[-3000:]
+        in out, out[-3000:]
+    # a finished run starts nothing (no executor, sync or probe): it says so after the resume line and exits 0
+    assert "resuming at step 6 of 6: nothing left to train" in out, out[-3000:]
+    assert f"done: the run in {run} is finished (step 6 of 6); nothing to train, so nothing was started" in out, \
+        out[-3000:]
+    assert "starting the trainer" not in out and "weight sync" not in out and "summary:" not in out, out[-3000:]
     assert _steps(run / "metrics.jsonl") == [1, 2, 3, 4, 5, 6]
     restored = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
     assert restored == {k: v for k, v in last.items() if k != "checkpoint/seconds"} and "reward/mean" in restored
@@ -235,6 +259,7 @@ def _cfg(model_dir: Path, tmp_path: Path, *overrides: str):
 def _earlier_run(tmp_path: Path) -> Path:
     run = tmp_path / "tiny-test"
     (run / "checkpoints" / "step_00000003").mkdir(parents=True)
+    (run / "checkpoints" / "step_00000003" / "meta.json").write_text('{"step": 3}')  # saved (not verified here)
     (run / "checkpoints" / "latest").write_text("step_00000003\n")
     (run / "tensorboard").mkdir()
     for name in ("metrics.jsonl", "trained_samples.jsonl"):
@@ -251,8 +276,14 @@ def test_starting_over_in_a_used_folder_is_refused_unless_overwrite(tiny_llama_d
         claim_run_folder(_cfg(tiny_llama_dir, tmp_path, "trainer.resume_from=null"))
     msg = str(err.value)
     assert "\n" not in msg and f"run folder {run} holds an earlier run" in msg, msg
-    assert "--overwrite" in msg and "name=tiny-test-2" in msg and "rerun without --fresh" in msg, msg
+    assert "To go on, resume it (rerun without --fresh), rerun with --overwrite to start over in it" in msg, msg
+    assert "name=tiny-test-2" in msg, msg
     assert (run / "metrics.jsonl").read_text() == '{"step": 1}\n'  # untouched
+    # --fresh where no step folder was ever saved: resuming is no way on, so the line does not offer it
+    (run / "checkpoints" / "step_00000003" / "meta.json").unlink()
+    with pytest.raises(RunFolderConflict) as err:
+        claim_run_folder(_cfg(tiny_llama_dir, tmp_path, "trainer.resume_from=null"))
+    assert "rerun without --fresh" not in str(err.value) and "To go on, rerun with --overwrite" in str(err.value)
 
     assert claim_run_folder(_cfg(tiny_llama_dir, tmp_path, "trainer.resume_from=null", "logging.overwrite=true")) is None
     left = sorted(str(p.relative_to(run)) for p in run.rglob("*"))
@@ -264,11 +295,51 @@ def test_starting_over_in_a_used_folder_is_refused_unless_overwrite(tiny_llama_d
 
 
 def test_auto_without_a_checkpoint_does_not_append_to_an_earlier_run(tiny_llama_dir, tmp_path):
-    """'auto' finding nothing complete to resume is a start over: the same refusal, not a mixed folder."""
+    """'auto' finding nothing complete to resume (a job stopped before its first save) is a start over:
+    the same refusal, not a mixed folder, naming only what works (--fresh was not given: not named)."""
     from megarl.controller.run import RunFolderConflict, claim_run_folder
 
     run = tmp_path / "tiny-test"
     run.mkdir()
     (run / "metrics.jsonl").write_text('{"step": 1}\n')
-    with pytest.raises(RunFolderConflict, match="it has no complete checkpoint to resume from"):
+    with pytest.raises(RunFolderConflict) as err:
         claim_run_folder(_cfg(tiny_llama_dir, tmp_path))
+    msg = str(err.value)
+    assert msg == (f"run folder {run} holds an earlier run (metrics.jsonl) and no complete checkpoint to resume from: "
+                   f"starting over there would mix two runs. To go on, rerun with --overwrite to start over in it "
+                   f"(logging.overwrite=true: deletes its metrics, samples and checkpoints), or give this run another "
+                   f"name= (e.g. name=tiny-test-2)"), msg
+    assert "--fresh" not in msg and "resume it" not in msg
+
+
+def test_a_finished_run_is_closed_without_starting_anything(tiny_llama_dir, tmp_path):
+    """A rerun whose checkpoint is at controller.steps: close_finished_run (loop.py returns 0 on True,
+    before any executor starts) rewinds the run folder as a resume does and writes back the last step's
+    row from controller_state.json when the job stopped before logging it; a run with steps left is not
+    closed (False, nothing touched)."""
+    from megarl.controller.run import close_finished_run
+    from megarl.controller.state import FILE
+
+    run = tmp_path / "tiny-test"
+    cfg = _cfg(tiny_llama_dir, tmp_path, "controller.steps=3", "logging.tensorboard=false")
+    step_dir = run / "checkpoints" / "step_00000003"
+    step_dir.mkdir(parents=True)
+    (step_dir / "meta.json").write_text('{"step": 3}')
+    row = {"reward/mean": 0.25, "time/step": 9.5}
+    (step_dir / FILE).write_text(json.dumps({"policy_version": 3, "data_seed": cfg.data.seed, "rollouts": {},
+                                             "metrics_row": row}))
+    rows = lambda *steps: "".join(json.dumps({"step": s}) + "\n" for s in steps)  # noqa: E731
+    (run / "metrics.jsonl").write_text(rows(1, 2, 4))  # step 3 never logged; 4: a later run's, not in the checkpoint
+    (run / "trained_samples.jsonl").write_text(rows(1, 2, 3, 4))
+
+    longer = _cfg(tiny_llama_dir, tmp_path, "controller.steps=5", "logging.tensorboard=false")
+    assert close_finished_run(longer, step_dir) is False
+    assert (run / "metrics.jsonl").read_text() == rows(1, 2, 4)  # untouched: the loop's resume does it
+
+    assert close_finished_run(cfg, step_dir) is True
+    assert [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()] == \
+        [{"step": 1}, {"step": 2}, {"step": 3, **row}]
+    assert (run / "trained_samples.jsonl").read_text() == rows(1, 2, 3)
+    assert (run / "metrics.png").is_file()  # the stopped job never drew it
+    assert close_finished_run(cfg, step_dir) is True  # again: the row is there, not written twice
+    assert _steps(run / "metrics.jsonl") == [1, 2, 3]

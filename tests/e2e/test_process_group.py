@@ -261,3 +261,42 @@ def test_attach_mode_names_the_lost_connection():
         g.discard()
         launcher.kill()
         launcher.join(5)
+
+
+def test_still_waiting_comes_only_when_a_wait_is_unusually_long_for_its_kind(monkeypatch, caplog):
+    """The console's "still waiting" line: at SLOW_WAIT_S for a kind of wait not seen finish before (train
+    step 1), later at SLOW_WAIT_MEDIANS x the median of its kind (train steps of 15 s: none at 15 s, one at
+    45 s), and at debug level only while a preemption is served. A clock of its own: no sleeping."""
+    import logging
+
+    from megarl.executors import group as group_mod
+
+    clock = [0.0]
+    monkeypatch.setattr(group_mod, "time", type("Clock", (), {"monotonic": staticmethod(lambda: clock[0])}))
+    g = ProcessGroup("trainer")
+
+    def tick(timeout: float):  # nothing arrives: the wait's poll just lets the clock run
+        clock[0] += timeout
+        return None
+
+    monkeypatch.setattr(g, "get", tick)
+
+    def wait(what: str, lasts: float) -> list[tuple[int, str]]:
+        end = clock[0] + lasts
+        caplog.clear()
+        with caplog.at_level(logging.DEBUG, logger=group_mod.log.name):
+            g.wait(lambda: clock[0] >= end, 600, what, lambda m, msg: None, on_timeout=lambda: AssertionError())
+        return [(r.levelno, r.getMessage()) for r in caplog.records if "still waiting" in r.getMessage()]
+
+    assert group_mod.SLOW_WAIT_S == 10.0 and group_mod.SLOW_WAIT_MEDIANS == 3.0
+    first = wait("1 trainer rank(s) to answer: train step 1", 15.0)  # no history: at SLOW_WAIT_S
+    assert [(lvl, msg.split(" (")[1]) for lvl, msg in first] == [(logging.INFO, "10s so far, 590s left)")]
+    assert wait("1 trainer rank(s) to answer: train step 2", 15.0) == []  # as long as the usual: silent
+    assert g.slow_after(group_mod.wait_kind("1 trainer rank(s) to answer: train step 9")) == 45.0
+    long = wait("1 trainer rank(s) to answer: train step 3", 50.0)
+    assert [(lvl, msg) for lvl, msg in long] == [
+        (logging.INFO, "trainer: still waiting for 1 trainer rank(s) to answer: train step 3 (45s so far, 555s left)")]
+    assert wait("1 trainer rank(s) to answer: save step 3", 12.0)[0][0] == logging.INFO  # another kind: its own
+    monkeypatch.setattr(group_mod, "preemption_requested", lambda: True)
+    served = wait("1 trainer rank(s) to answer: train step 4", 200.0)
+    assert served and {lvl for lvl, _ in served} == {logging.DEBUG}

@@ -187,12 +187,19 @@ def test_generator_executor_is_a_generator(cfg, gen, tiny_llama_dir, tmp_path):
 
     trainer = LocalTrainer(cfg.trainer, cfg.algorithm, tiny_llama_dir, total_steps=1, run_dir=tmp_path)
     try:
-        assert g.update_weights(trainer.hf_weights(), version=5) > 0  # seconds it took
+        took = g.update_weights(trainer.hf_weights(), version=5)
+        assert took > 0  # seconds it took
+        # the load is counted once the update returns (its reply carries the replicas' counters), not
+        # when a later generation reports: a step's exec/generator_load_s holds its own sync's load
+        loaded = g.activity()["load_s"] - activity["load_s"]
+        assert 0 < loaded <= took, (loaded, took)
+        activity = g.activity()
         assert all(v == 5 for v in g.generate(PROMPTS[:1], n_samples=1)[0].versions)
         store = host_store()
         spec = _spec(model_dims(tiny_llama_dir), trainer.topology(), store)
         trainer.start_sync(spec, 6)
         assert g.update_weights_from_source(spec.weight_source(6), 6, peer_check=trainer.raise_if_dead) > 0
+        assert g.activity()["load_s"] > activity["load_s"]  # DDMA's load too
         trainer.finish_sync()
     finally:
         trainer.close()

@@ -29,7 +29,7 @@ def test_pushed_weights_reproduce_trainer_logprobs(tiny_llama_tied_dir, tmp_path
         f"model.path={tiny_llama_tied_dir}", "generator.dtype=float32", "generator.max_new_tokens=12"])
     trainer = LocalTrainer(cfg.trainer, cfg.algorithm, tiny_llama_tied_dir, total_steps=1, run_dir=tmp_path)
     try:
-        with GeneratorExecutor(cfg.generator, tiny_llama_tied_dir) as gen:
+        with GeneratorExecutor(cfg.generator, tiny_llama_tied_dir, log_dir=tmp_path / "gen_logs") as gen:
             original = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
             gen_ = torch.Generator().manual_seed(0)
             with torch.no_grad():  # what an optimizer step does: change every weight in place
@@ -49,6 +49,52 @@ def test_pushed_weights_reproduce_trainer_logprobs(tiny_llama_tied_dir, tmp_path
             assert _max_gap(trainer, batch) > 0.05  # the check sees stale weights
     finally:
         trainer.close()
+    # the tied head got no tensor of its own (its weight is the embedding's, which landed: the logprobs
+    # above are the trainer's), so vLLM's "ParallelLMHead: Failed to load weights" is not shown
+    log = (tmp_path / "gen_logs" / "generator_replica0.log").read_text()
+    assert not [ln for ln in log.splitlines() if "WARNING" in ln and "Failed to load weights" in ln], log[-3000:]
+    assert "ParallelLMHead, tied to the input embedding (its weight is the embedding's" in log, log[-3000:]
+
+
+class ParallelLMHead(torch.nn.Module):  # the names vLLM's classes have; the filter goes by class name
+    def __init__(self, weight: torch.nn.Parameter):
+        super().__init__()
+        self.weight = weight
+
+
+class VocabParallelEmbedding(ParallelLMHead):
+    pass
+
+
+def _llm(tied: bool, extra_head: bool = False) -> torch.nn.Module:
+    model = torch.nn.Module()
+    model.model = torch.nn.Module()
+    model.model.embed_tokens = VocabParallelEmbedding(torch.nn.Parameter(torch.zeros(8, 4)))
+    model.lm_head = ParallelLMHead(model.model.embed_tokens.weight if tied else torch.nn.Parameter(torch.zeros(8, 4)))
+    if extra_head:  # e.g. an untied draft head of the same class
+        model.mtp_head = ParallelLMHead(torch.nn.Parameter(torch.zeros(8, 4)))
+    return model
+
+
+def test_the_reload_warning_is_dropped_for_a_tied_head_only():
+    """A tied lm_head (its weight is the embedding's) is harmless to warn about; an untied one that got no
+    tensor is a real fault and keeps vLLM's warning, as does a class with an untied head beside it."""
+    import logging
+
+    from megarl.generator.weights import _FAILED_TO_LOAD, _WeightlessLayerFilter, tied_head_classes
+
+    assert tied_head_classes(_llm(tied=True)) == frozenset({"ParallelLMHead"})
+    assert tied_head_classes(_llm(tied=False)) == frozenset()
+    assert tied_head_classes(_llm(tied=True, extra_head=True)) == frozenset()
+    assert tied_head_classes(torch.nn.Linear(2, 2)) == frozenset()
+
+    def shown(names: frozenset, layer: str) -> bool:
+        record = logging.LogRecord("vllm", logging.WARNING, "layerwise.py", 266, _FAILED_TO_LOAD, (layer,), None)
+        return _WeightlessLayerFilter(names).filter(record)
+
+    assert not shown(tied_head_classes(_llm(tied=True)), "ParallelLMHead")
+    assert shown(tied_head_classes(_llm(tied=True)), "QKVParallelLinear")
+    assert shown(tied_head_classes(_llm(tied=False)), "ParallelLMHead")
 
 
 def test_ddma_push_verified_and_probe_catches_stale_weights(tiny_llama_tied_dir, tmp_path):

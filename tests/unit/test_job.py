@@ -93,3 +93,99 @@ def test_validation_does_not_guess_the_device_the_job_decides(monkeypatch, tiny_
     assert build_role_map(env, cfg).transport == "gloo"
     with pytest.raises(ConfigError, match="sync.transport=gloo moves host memory"):
         load_config(TINY, over + ["cluster.device=cuda"])
+
+
+# Flags of the machines docs/results.md names: an AVX2-only AMD EPYC (no bf16 hardware), an AMX Xeon.
+EPYC_AVX2 = "fpu vme de pse tsc msr sse sse2 ssse3 fma cx16 sse4_1 sse4_2 avx f16c rdrand avx2 bmi2 sha_ni"
+XEON_AMX = "fpu sse2 avx2 avx512f avx512bw avx512_bf16 avx512_fp16 amx_bf16 amx_tile amx_int8"
+
+
+def test_bf16_on_a_cpu_without_bf16_hardware_is_warned_naming_the_knob():
+    """A CPU job training in bf16 where neither amx_bf16 nor avx512_bf16 is in the cpuinfo flags: oneDNN
+    emulates it (the quickstart's first step did not finish in 6 minutes there), so the start says so once,
+    naming trainer.params_dtype=float32. Not on a CPU that has either flag, nor for fp32, nor on CUDA."""
+    from megarl.config.job import bf16_cpu_problem, cpu_flags
+
+    line = bf16_cpu_problem("cpu", "bfloat16", EPYC_AVX2)
+    assert line is not None and line.startswith("trainer.params_dtype=bfloat16 on a CPU without bf16 matmul "
+                                                "hardware (no amx_bf16 or avx512_bf16 in /proc/cpuinfo)")
+    assert "Set trainer.params_dtype=float32" in line
+    assert bf16_cpu_problem("cpu", "bfloat16", XEON_AMX) is None
+    assert bf16_cpu_problem("cpu", "bfloat16", "fpu avx2 avx512_bf16") is None  # either flag is enough
+    assert bf16_cpu_problem("cpu", "bfloat16", "fpu avx2 amx_bf16") is None
+    assert bf16_cpu_problem("cpu", "float32", EPYC_AVX2) is None
+    assert bf16_cpu_problem("cuda", "bfloat16", EPYC_AVX2) is None
+    assert bf16_cpu_problem("cpu", "bfloat16", None) is None  # flags unknown (not Linux): no guess
+    assert bf16_cpu_problem("cpu", "bfloat16", "avx512_bf16x") is not None  # whole flags, not substrings
+
+
+def test_the_job_start_warns_once_for_bf16_on_such_a_cpu(monkeypatch, tiny_llama_dir, caplog):
+    import logging
+
+    from megarl.config import job as job_module
+
+    cfg = load_config(TINY, [f"model.path={tiny_llama_dir}", "cluster.device=cpu", "trainer.params_dtype=bfloat16"])
+    for flags, expected in ((EPYC_AVX2, 1), (XEON_AMX, 0)):
+        monkeypatch.setattr(job_module, "cpu_flags", lambda: flags)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="megarl"):
+            resolve_job(cfg, None)
+        warned = [r for r in caplog.records if "trainer.params_dtype=float32" in r.getMessage()]
+        assert len(warned) == expected and all(r.levelno == logging.WARNING for r in warned), caplog.text
+
+
+def test_cpu_flags_reads_the_first_flags_line(tmp_path):
+    from megarl.config.job import cpu_flags
+
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nmodel name\t: AMD EPYC\nflags\t\t: fpu avx2\n\nprocessor\t: 1\n"
+                    "flags\t\t: other\n")
+    assert cpu_flags(str(info)).split() == ["fpu", "avx2"]
+    assert cpu_flags(str(tmp_path / "absent")) is None
+
+
+def test_the_built_in_model_is_announced_only_when_it_is_converted(monkeypatch, tmp_path, caplog):
+    """resolve_model says "converting ..." before a conversion and nothing when the folder is cached; the
+    conversion runs without transformers' progress bars (they left empty lines among the log lines)."""
+    import logging
+
+    from megarl.config.job import resolve_model
+    from megarl.models import smollm2
+
+    monkeypatch.setenv("MEGARL_DATA_DIR", str(tmp_path))
+    calls = []
+
+    def fake_convert(gguf, out, dtype, progress=True):
+        calls.append(progress)
+        Path(out).mkdir(parents=True)
+        (Path(out) / "config.json").write_text("{}")
+        return Path(out)
+
+    monkeypatch.setattr(smollm2, "convert_gguf_to_hf", fake_convert)
+    with caplog.at_level(logging.INFO, logger="megarl"):
+        first = resolve_model("builtin:smollm2")
+        said = [r.getMessage() for r in caplog.records if "SmolLM2" in r.getMessage()]
+        caplog.clear()
+        again = resolve_model("builtin:smollm2")
+        said_again = [r.getMessage() for r in caplog.records if "SmolLM2" in r.getMessage()]
+    assert first == again and first.parent == tmp_path / "models" and calls == [False]
+    assert said == [f"converting the built-in SmolLM2-135M-Instruct from its GGUF (once, ~1 min) into {first}"]
+    assert said_again == []
+
+
+def test_a_quiet_conversion_draws_no_progress_bar(capsys):
+    """The two bars a conversion draws (the GGUF reader's plain tqdm, transformers' own) are off inside
+    and back after."""
+    import transformers.modeling_gguf_pytorch_utils as gguf_utils
+    from transformers.utils import logging as hf_logging
+
+    from megarl.models.gguf_to_hf import _no_progress_bars
+
+    with _no_progress_bars():
+        list(gguf_utils.tqdm(range(3), desc="Converting"))
+        list(hf_logging.tqdm(range(3), desc="Writing model shards"))
+    assert capsys.readouterr().err == ""
+    list(gguf_utils.tqdm(range(3), desc="Converting"))
+    list(hf_logging.tqdm(range(3), desc="Writing model shards"))
+    err = capsys.readouterr().err
+    assert "Converting" in err and "Writing model shards" in err

@@ -109,6 +109,25 @@ def test_a_heterogeneous_job_has_no_pool_for_them():
         build_role_map(env, _cfg())
 
 
+def test_a_cpu_dry_run_counts_processes_not_gpus():
+    """On the CPU a rank is a process (before: "2 GPUs: ... 8 GPUs a node" and "memory plan: none
+    (cluster.device is not cuda)" for a CPU job)."""
+    from megarl.config.dry_run import dry_run_report
+
+    tiny = str(REPO / "configs" / "tiny_test.yaml")
+    lines, problems = dry_run_report(load_config(tiny, ["cluster.device=cpu"], dry_run=True))
+    assert problems == [] and "GPU" not in lines[0], lines
+    assert lines[0] == ("ranks: trainer tp1 x pp1 x dp1 = 1, generator tp1 x 1 replica(s) = 1; 2 processes on this "
+                        "machine's CPUs, trainer and generator side by side (launcher local)")
+    assert lines[-1] == ("memory plan: none: it plans each GPU's memory, and this job runs on the CPU "
+                         "(cluster.device=cpu), its 2 processes sharing this machine's memory")
+    lines, _ = dry_run_report(load_config(tiny, ["cluster.device=cpu", "cluster.launcher=slurm",
+                                                 "cluster.ranks_per_node=2"], dry_run=True))
+    assert lines[0].endswith("; 2 processes: 1 trainer + 1 generator node(s) (launcher slurm), 2 ranks a node "
+                             "(cluster.ranks_per_node)"), lines[0]
+    assert lines[-1].endswith("its 2 processes sharing their nodes' memory"), lines[-1]
+
+
 def test_the_dry_run_counts_every_role_and_their_pools():
     from megarl.config.dry_run import dry_run_report
 

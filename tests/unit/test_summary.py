@@ -1,10 +1,14 @@
-"""Busy/idle accounting and the run summary (megarl.controller.summary), on hand-worked steps."""
+"""Busy/idle accounting and the run summary (megarl.controller.summary), the step line, the ETA and
+metrics.png (megarl/utils/metrics.py, megarl/controller/run.py), on hand-worked steps."""
 
 import math
+from pathlib import Path
 
 import pytest
 
 from megarl.controller.summary import ExecutorActivity, hidden_fraction, summarize, summary_lines
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 class _Gen:
@@ -141,9 +145,146 @@ def test_a_teacher_and_a_critic_are_phases_of_the_step_and_of_the_controller_sid
     assert s["step_s"] == 12.5 and s["time_teacher"] == 1.0 and s["time_critic"] == 1.5 and s["t_ctrl_s"] == 6.5
     assert s["sync_over_async_at_most"] == pytest.approx(12.5 / 6.5)
     lines = summary_lines(s)
-    assert ("median step 12.50s = generate-wait 6.00 + reward 0.50 + train 3.00 + sync 0.50 + teacher 1.00 + "
-            "critic 1.50 + idle 0.00") in lines[1]
+    assert lines[1] == ("summary: 3 steps; median step 12.50s; phase medians: generate 6.00s, reward 0.50s, "
+                        "train 3.00s, sync 0.50s, teacher 1.00s, critic 1.50s, idle 0.00s")
     assert "reward + train + sync + teacher + critic 6.50s" in lines[3]
     # a job without them: neither in the line (the earlier tests' steps)
     plain = summary_lines(summarize([_row(0, 6.0, 0.5, 3.0, 0.5, 6.0)], max_policy_lag=0))
     assert "teacher" not in plain[1] and "reward + train + sync 4.00s" in plain[3]
+
+
+def test_summary_phases_are_medians_named_as_in_the_step_line():
+    """Each phase is its own median, so the line does not write them as a sum of the median step: steps
+    of 10, 11 and 30 s (median 11) whose generate waits are 6, 2, 2 s (median 2) and trains 3, 8, 27 s
+    (median 8): 2 + 8 + ... is not 11. The names are the step line's ("generate", not "generate-wait")."""
+    rows = [_row(0, 6.0, 0.5, 3.0, 0.5, 6.0), _row(1, 2.0, 0.5, 8.0, 0.5, 2.0), _row(2, 2.0, 0.5, 27.0, 0.5, 2.0)]
+    lines = summary_lines(summarize(rows, max_policy_lag=0))
+    assert lines[1] == ("summary: 3 steps; median step 11.00s; phase medians: generate 2.00s, reward 0.50s, "
+                        "train 8.00s, sync 0.50s, idle 0.00s")
+    assert summary_lines(summarize(rows[:1], max_policy_lag=0))[1].startswith("summary: 1 step; ")
+
+
+def _run_folder(tmp_path, *overrides):
+    from megarl.config import load_config
+    from megarl.controller.run import RunFolder
+
+    cfg = load_config(REPO / "configs" / "quickstart.yaml",
+                      ["cluster.device=cpu", f"logging.out_dir={tmp_path}", "logging.tensorboard=false", *overrides])
+    return cfg, RunFolder(cfg, n_eval=4)
+
+
+def test_a_resumed_run_summary_says_it_covers_this_session(tmp_path, caplog, monkeypatch):
+    """Resumed at step 3 of 5: this process trained steps 4 and 5. The summary says those are this
+    session's, of the run's 5, and summary.json records which steps it covers; a run that started
+    fresh covers the run. (metrics.png is titled with the run's name.)"""
+    import json
+
+    plotted = {}
+    monkeypatch.setattr("megarl.utils.metrics.plot_metrics", lambda *a, **kw: plotted.update(kw))
+    cfg, run = _run_folder(tmp_path, "controller.steps=5")
+    with caplog.at_level("INFO", logger="megarl"), run:
+        for step in (4, 5):
+            run.log(step, 5, _row(step, 6.0, 0.5, 3.0, 0.5, 6.0))
+        run.finish(5)
+    text = [r.getMessage() for r in caplog.records]
+    assert ("summary: 2 steps this session (steps 4-5 of the run's 5, resumed at step 3; earlier steps are in "
+            "metrics.jsonl); median step 10.00s; phase medians: generate 6.00s,") in "\n".join(text)
+    s = json.loads((tmp_path / cfg.name / "summary.json").read_text())
+    assert (s["steps"], s["covers"], s["first_step"], s["last_step"], s["resumed_at"], s["run_steps"]) == \
+        (2.0, "session", 4.0, 5.0, 3.0, 5.0)
+    assert plotted["title"] == cfg.name == "quickstart"
+
+    cfg, run = _run_folder(tmp_path / "fresh", "controller.steps=2")
+    with run:
+        for step in (1, 2):
+            run.log(step, 2, _row(step, 6.0, 0.5, 3.0, 0.5, 6.0))
+        run.finish(2)
+    s = json.loads((tmp_path / "fresh" / cfg.name / "summary.json").read_text())
+    assert (s["covers"], s["first_step"], s["last_step"], s["resumed_at"]) == ("run", 1.0, 2.0, 0.0)
+    assert summary_lines(s)[1].startswith("summary: 2 steps; median step 10.00s")
+
+
+def test_eta_counts_steps_from_the_first_step_not_the_start_up(tmp_path, monkeypatch, caplog):
+    """Executors took 1000 s to start; then steps of 10 s (step 1 also evaluated 4 s and saved 6 s). The
+    ETA after step 1 of 3 is its 20 s x 2 steps left = 40 s (from the start-up: (1000 + 20) x 2 = 34 min);
+    after step 2, (20 + 10) / 2 x 1 = 15 s."""
+    import megarl.controller.run as run_mod
+
+    clock = [5000.0]
+    monkeypatch.setattr(run_mod.time, "monotonic", lambda: clock[0])
+    _, run = _run_folder(tmp_path, "controller.steps=3", "logging.log_every=1")
+    clock[0] += 1000.0 + 20.0  # the executors' start, then step 1 with its eval and save
+    with caplog.at_level("INFO", logger="megarl"), run:
+        run.log(1, 3, {**_row(1, 6.0, 0.5, 3.0, 0.5, 6.0), "eval/seconds": 4.0, "checkpoint/seconds": 6.0})
+        clock[0] += 10.0
+        run.log(2, 3, _row(2, 6.0, 0.5, 3.0, 0.5, 6.0))
+    lines = [r.getMessage() for r in caplog.records if "ETA" in r.getMessage()]
+    assert "  33% ETA 0m40s step 1/3" in lines[0] and "  67% ETA 0m15s step 2/3" in lines[1], lines
+
+
+def test_step_line_shows_eval_and_checkpoint_time_and_units():
+    """A 10 s step followed by a 4.2 s eval and a 32.2 s save: both beside the phases (they are not in
+    time/step), only on a step that had them; a length in tokens, a lag in versions, a rate in tok/s."""
+    from megarl.utils.metrics import phase_line
+
+    row = {**_row(3, 6.0, 0.5, 3.0, 0.5, 6.0), "eval/seconds": 4.2, "checkpoint/seconds": 32.19, "reward/mean": 0.5,
+           "gen/mean_length": 8.0, "lag/mean": 0.25, "gen/tokens_per_s": 34.4, "eval/accuracy": 0.25,
+           "eval/format_rate": 0.5, "eval/truncated_frac": 1.0}
+    assert phase_line(3, 3, row) == (
+        "step 3/3 | 10.0s = generate 6.0 + reward 0.5 + train 3.0 + sync 0.5 + idle 0.0 | eval 4.2s | ckpt 32.2s | "
+        "busy trainer 35% generator 60% | reward 0.500 | len 8.0 tokens | eval acc 0.250 | eval fmt 0.50 | "
+        "eval trunc 1.00 | gen 34 tok/s | lag 0.25 versions")
+    plain = phase_line(2, 3, _row(2, 6.0, 0.5, 3.0, 0.5, 6.0))
+    assert "| eval " not in plain and "ckpt" not in plain
+
+
+def test_baseline_eval_line_uses_the_step_lines_labels(tmp_path, caplog):
+    from megarl.utils.metrics import phase_line
+
+    evals = {"eval/accuracy": 0.0, "eval/format_rate": 0.0, "eval/truncated_frac": 1.0, "eval/seconds": 1.25}
+    _, run = _run_folder(tmp_path)
+    with caplog.at_level("INFO", logger="megarl"), run:
+        run.log_eval(0, 3, evals)
+    (line,) = [r.getMessage() for r in caplog.records if "before training" in r.getMessage()]
+    assert line == "step 0/3 (before training) | eval 1.2s | eval acc 0.000 | eval fmt 0.00 | eval trunc 1.00"
+    assert line.split(" | ", 2)[2] in phase_line(2, 3, {**_row(2, 6.0, 0.5, 3.0, 0.5, 6.0), **evals})
+
+
+def test_metrics_plot_has_whole_step_ticks_units_and_the_run_name(tmp_path, monkeypatch):
+    import json
+
+    import megarl.utils.plots as plots
+    from megarl.utils.metrics import plot_metrics
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": s, "time/step": 10.0 + s, "gen/mean_length": 8.0 * s,
+                                        "train/loss": 0.1, "eval/format_rate": 0.5}) + "\n" for s in (1, 2, 3)))
+    drawn = {}
+    real_save = plots.save
+
+    def save(fig, png, dpi=110):
+        fig.canvas.draw()
+        drawn["title"] = fig._suptitle.get_text() if fig._suptitle else ""
+        drawn["axes"] = {ax.get_title(): (ax.get_ylabel(), list(ax.get_xticks())) for ax in fig.axes if ax.get_visible()}
+        return real_save(fig, png, dpi)
+
+    monkeypatch.setattr(plots, "save", save)
+    keys = ("time/step", "gen/mean_length", "train/loss", "eval/format_rate")
+    assert plot_metrics(path, tmp_path / "m.png", keys=keys, title="tiny-test") == tmp_path / "m.png"
+    assert drawn["title"] == "tiny-test"
+    assert {k: v[0] for k, v in drawn["axes"].items()} == {"time/step": "s", "gen/mean_length": "tokens",
+                                                           "train/loss": "", "eval/format_rate": "fraction"}
+    for key, (_, ticks) in drawn["axes"].items():
+        assert ticks and all(t == int(t) for t in ticks), (key, ticks)
+
+
+def test_matplotlib_info_stays_off_the_console(caplog):
+    """megarl's console is at INFO: matplotlib's INFO ("generated new fontManager" on a first run) is not shown."""
+    import logging
+
+    from megarl.utils.plots import pyplot
+
+    caplog.set_level(logging.INFO)  # the root as megarl's console sets it
+    assert pyplot() is not None
+    assert not logging.getLogger("matplotlib.font_manager").isEnabledFor(logging.INFO)
+    assert logging.getLogger("matplotlib.font_manager").isEnabledFor(logging.WARNING)
