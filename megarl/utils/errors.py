@@ -12,7 +12,7 @@ exception that ends a command to :func:`report`, which
   then a line saying "this is a bug" with the log path, and returns :data:`BUG_EXIT`.
 
 Matching is by class name along the exception's MRO (this module sits on the ground floor and
-imports none of the classes; :func:`command_log` raises a ``ConfigError``, imported when it does).
+imports none of the classes; :func:`command_log`'s own :class:`LogUnwritable` is a bad config's code).
 An executor's error that carries ``remote_error`` (the class a trainer rank or a replica raised,
 from its traceback) is matched on that class first, so a
 ``NonFiniteStepError`` in a rank ends the job with the non-finite code, naming the rank.
@@ -55,7 +55,7 @@ class Failure:
 
 
 FAILURES: tuple[Failure, ...] = (
-    Failure(2, ("ConfigError", "DataError", "AllocationError"),
+    Failure(2, ("ConfigError", "DataError", "AllocationError", "LogUnwritable"),
             "the config, its data or the Slurm allocation cannot run; also any bad input to `megarl convert`, "
             "`plan-sync` and `simulate` (one line naming it)",
             "fix what the message names; `megarl train CONFIG --dry-run` checks a config without starting anything"),
@@ -207,6 +207,10 @@ def _first_line(exc: BaseException) -> str:
 
 
 # ------------------------------------------------------------------------------ the full log
+class LogUnwritable(ValueError):
+    """The command's log cannot be created where logging.out_dir points: a bad config (exit 2)."""
+
+
 @contextlib.contextmanager
 def command_log(path: str | os.PathLike, logger: logging.Logger | None = None) -> Iterator[Path]:
     """Everything the command logs is also appended to ``path`` while inside; an exception on its
@@ -221,10 +225,8 @@ def command_log(path: str | os.PathLike, logger: logging.Logger | None = None) -
     except OSError as e:  # validation probes the folder first; this is the race or a folder it cannot see
         if e.errno in _REFUSED_WRITES:
             raise  # a full, read-only or forbidden disk: the environment's class (one line, exit 15)
-        from megarl.config.loader import ConfigError  # lazily: the one class this module names (exit 2)
-
-        raise ConfigError([f"cannot write the command's log {path}: {e.filename or path}: {e.strerror or e}; "
-                           f"point logging.out_dir at a folder you can write"]) from None
+        raise LogUnwritable(f"cannot write the command's log {path}: {e.filename or path}: {e.strerror or e}; "
+                            f"point logging.out_dir at a folder you can write") from None
     root = logger or logging.getLogger()
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
     handler.setLevel(logging.DEBUG)  # the file keeps everything megarl says (the console: INFO and up)

@@ -457,7 +457,7 @@ def test_a_folder_that_refuses_the_write_is_refused_though_permissions_allow_it(
     """/proc takes no new folder, though root passes its permission check (before: validation passed, and the
     command log's mkdir ended the job in ~40 lines of traceback, "this is a bug"). The probe creates what is
     missing and a file, and removes them. The command log, if its folder fails anyway, is one config line."""
-    from megarl.utils.errors import command_log
+    from megarl.utils.errors import LogUnwritable, classify, command_log
 
     (msg,) = problems_of(QUICKSTART, ["logging.out_dir=/proc/megarl-x"])
     assert msg.startswith("logging.out_dir='/proc/megarl-x': the run folder (<logging.out_dir>/<name>) "
@@ -468,10 +468,11 @@ def test_a_folder_that_refuses_the_write_is_refused_though_permissions_allow_it(
     out = _megarl("train", QUICKSTART, "logging.out_dir=/proc/megarl-x")
     assert out.returncode == 2 and "Traceback" not in out.stderr and "this is a bug" not in out.stderr, out.stderr
     assert len(out.stderr.strip().splitlines()) == 2, out.stderr  # "invalid config (1 problem(s)):" and the problem
-    with pytest.raises(ConfigError) as e:
+    with pytest.raises(LogUnwritable) as e:
         with command_log("/proc/megarl-x/quickstart/logs/controller.log"):
             pass
-    (msg,) = e.value.problems
+    msg = str(e.value)
+    assert classify(e.value).code == 2  # a bad config's code
     assert msg.startswith("cannot write the command's log /proc/megarl-x/quickstart/logs/controller.log: ") and \
         msg.endswith("; point logging.out_dir at a folder you can write"), msg
     assert not Path("/proc/megarl-x").exists()
