@@ -377,7 +377,7 @@ def test_a_run_folder_the_filesystem_refuses(tiny_llama_dir, tmp_path):
     with pytest.raises(Exception) as e:  # ENOTDIR: not a refused write
         with errors.command_log(other / "logs" / "controller.log"):
             pass
-    assert type(e.value).__name__ == "ConfigError" and classify(e.value).code == 2, repr(e.value)
+    assert isinstance(e.value, errors.LogUnwritable) and classify(e.value).code == 2, repr(e.value)
     assert classify(OSError(errno.ENOSPC, "No space left on device")).code == 15
     assert classify(OSError(errno.ECONNRESET, "Connection reset by peer")) is None
 
