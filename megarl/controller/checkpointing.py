@@ -20,7 +20,7 @@ from megarl.config.schema import MegaRLConfig
 from megarl.controller.dynamic_sampling import DynamicSampling
 from megarl.controller.rollouts import RolloutQueue
 from megarl.controller.run import RunFolder
-from megarl.controller.state import load_controller_state, stage_controller_state
+from megarl.controller.state import load_controller_state, own_checkpoint, stage_controller_state
 from megarl.executors.base import Trainer
 from megarl.utils.procs import Preempted, Preemption
 
@@ -87,7 +87,8 @@ def resume_controller(cfg: MegaRLConfig, run: RunFolder, version: int, resume_di
     try:
         state = load_controller_state(resume_dir, policy_version=version, data_seed=cfg.data.seed)
         if state is not None:
-            run.restore_row(version, state.get("metrics_row"))
+            if own_checkpoint(cfg, resume_dir):  # a checkpoint of another run (by path): its rows are that run's
+                run.restore_row(version, state.get("metrics_row"))
             got = rollouts.load_state_dict(state["rollouts"])
             log.info("resume: %d admitted batch(es) back, %d finished sample(s) kept, %d partial rollout(s) "
                      "continue under weights v%d", got["batches"], got["finished"], got["unfinished"], version)

@@ -228,7 +228,7 @@ def close_finished_run(cfg: MegaRLConfig, step_dir: Path) -> bool:
     steps after it; write back its metrics row when the job stopped between its save and the row's
     log, and redraw metrics.png then), so the caller exits 0 before any executor, sync or probe starts
     (they took ~47 s, and with trainer.dp=8 ran out of GPU memory, to train nothing)."""
-    from megarl.controller.state import load_controller_state
+    from megarl.controller.state import load_controller_state, own_checkpoint
     from megarl.utils.metrics import MetricsLogger, plot_metrics
 
     step = _checkpoint_step(step_dir)
@@ -242,7 +242,7 @@ def close_finished_run(cfg: MegaRLConfig, step_dir: Path) -> bool:
         state = load_controller_state(step_dir, policy_version=step, data_seed=cfg.data.seed)
     except ValueError as e:
         raise ConfigError([f"trainer.resume_from={cfg.trainer.resume_from!r}: {e}"]) from None
-    row = (state or {}).get("metrics_row")
+    row = (state or {}).get("metrics_row") if own_checkpoint(cfg, step_dir) else None  # another run's: not ours
     plot = ""
     if row is not None and step not in logged and cfg.logging.jsonl:  # RunFolder.restore_row
         metrics = MetricsLogger(path, jsonl=True, tensorboard=cfg.logging.tensorboard)

@@ -47,6 +47,12 @@ def run_checkpoint_root(cfg: MegaRLConfig) -> Path:
 RESUME_KEYS = ("model.path", "data.train_path")
 
 
+def own_checkpoint(cfg: MegaRLConfig, step_dir: Path) -> bool:
+    """Whether ``step_dir`` is this run's own checkpoint (not one of another run named by path, whose
+    metrics rows belong to that run's folder)."""
+    return Path(step_dir).resolve().parent == run_checkpoint_root(cfg).resolve()
+
+
 def resume_keys(cfg: MegaRLConfig) -> dict[str, str]:
     """The values of :data:`RESUME_KEYS` a checkpoint records (controller_state.json ``run``)."""
     return {"model.path": str(cfg.model.path), "data.train_path": str(cfg.data.train_path)}
@@ -128,4 +134,4 @@ def load_controller_state(step_dir: Path | None, *, policy_version: int, data_se
     return state
 
 
-__all__ = ["FILE", "load_controller_state", "pin_resume", "run_checkpoint_root", "stage_controller_state"]
+__all__ = ["FILE", "load_controller_state", "own_checkpoint", "pin_resume", "run_checkpoint_root", "stage_controller_state"]
